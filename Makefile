@@ -1,0 +1,37 @@
+# `make test` and `make demo` create everything they need first: the project venv (.venv) and the
+# rknn-toolkit2 environment (`shard toolkit install rk3588`, in ~/.cache/shard/toolkits unless
+# SHARD_TOOLKIT_HOME says otherwise). On a machine where plain pip picks a CUDA build of torch,
+# run with TORCH_INDEX_URL set to PyTorch's CPU wheel index.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_INDEX_URL ?=
+export SHARD_TORCH_INDEX_URL ?= $(TORCH_INDEX_URL)
+DEMO := build/siglip-base-512
+
+.PHONY: test demo toolkit bench clean
+
+$(BIN)/shard: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) 'torch==2.13.0'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[zoo,test]'
+	touch $@
+
+toolkit: $(BIN)/shard
+	$(BIN)/shard toolkit install rk3588
+
+test: toolkit
+	$(BIN)/python -m pytest
+
+demo: toolkit
+	mkdir -p build
+	$(BIN)/shard zoo export siglip-base-512 -o $(DEMO).onnx
+	$(BIN)/shard compile $(DEMO).onnx --target rk3588 -o $(DEMO).shard
+	$(BIN)/shard verify $(DEMO).shard --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
+
+bench: toolkit
+	$(BIN)/python bench/compile.py
+
+clean:
+	rm -rf build .pytest_cache

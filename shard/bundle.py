@@ -1,0 +1,90 @@
+"""Manifest and Bundle: the compiled artifact, a directory with a versioned manifest.json.
+
+Standard library only: the runtime on the device reads bundles with nothing but numpy installed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shard.errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
+class ShardSpec:
+    name: str
+    onnx: str                      # paths are relative to the bundle and never leave it
+    artifact: str | None
+    log: str | None
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    core: int
+    precision: str
+    macs: int = 0
+    source_nodes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    target: str
+    source: dict                   # {"name": file name, "sha256": ...}
+    profile: dict                  # {"target", "toolkit", "file"}
+    build: dict                    # toolkit options every shard was built with
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    shards: list[ShardSpec]
+    schema_version: int = SCHEMA_VERSION
+    shard_version: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        tensors = lambda items: [TensorSpec(**t) for t in items]  # noqa: E731
+        shards = [ShardSpec(**{**s, "inputs": tensors(s["inputs"]), "outputs": tensors(s["outputs"])})
+                  for s in data["shards"]]
+        return cls(**{**data, "inputs": tensors(data["inputs"]), "outputs": tensors(data["outputs"]),
+                      "shards": shards})
+
+
+def read_manifest(bundle: str | Path) -> Manifest:
+    """Load and check a bundle's manifest: known schema, every file present and inside the bundle."""
+    root = Path(bundle)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{root}: not a shard bundle (no {MANIFEST}); make one with `shard compile`")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{path}: unreadable manifest ({exc})") from None
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise BundleError(f"{path}: schema version {data.get('schema_version')!r}, this shard reads "
+                          f"{SCHEMA_VERSION}; recompile the model")
+    try:
+        manifest = Manifest.from_dict(data)
+    except (KeyError, TypeError) as exc:
+        raise BundleError(f"{path}: malformed manifest ({exc})") from None
+    base = root.resolve()
+    for shard in manifest.shards:
+        for rel in (shard.onnx, shard.artifact, shard.log):
+            if rel is None:
+                continue
+            full = (root / rel).resolve()
+            if not full.is_relative_to(base):
+                raise BundleError(f"{path}: shard {shard.name} points outside the bundle ({rel})")
+            if not full.is_file():
+                raise BundleError(f"{path}: shard {shard.name} file missing: {rel}")
+    return manifest

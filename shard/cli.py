@@ -1,0 +1,268 @@
+"""The `shard` command: one function per sub-command, each a thin layer over the Python API."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shard.errors import ShardError
+
+app = typer.Typer(help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+toolkit_app = typer.Typer(help="The vendor toolkit environments (rknn-toolkit2 lives in its own venv).",
+                          no_args_is_help=True)
+zoo_app = typer.Typer(help="Real architectures with seeded random weights, exported offline.", no_args_is_help=True)
+app.add_typer(toolkit_app, name="toolkit")
+app.add_typer(zoo_app, name="zoo")
+console = Console()
+err = Console(stderr=True)
+
+
+@contextmanager
+def progress_bar() -> Iterator:
+    """A callback (step, done, total) drawing one bar per step, on stderr."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(step: str, done: int, total: int) -> None:
+            for name, task in tasks.items():  # a new step means the earlier ones are finished
+                if name != step:
+                    bar.update(task, completed=bar.tasks[task].total)
+            if step not in tasks:
+                tasks[step] = bar.add_task(step, total=total)
+            bar.update(tasks[step], completed=done, total=total)
+
+        yield update
+        for task in tasks.values():
+            bar.update(task, completed=bar.tasks[task].total)
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
+    name, sep, dims = text.rpartition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        raise ShardError(f"--input-shape {text!r}: expected NAME=D0,D1,... such as pixel_values=1,3,224,224") from None
+
+
+def parse_input_files(items: list[str]) -> dict:
+    import numpy as np
+
+    arrays = {}
+    for text in items:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise ShardError(f"--input {text!r}: expected NAME=FILE.npy")
+        try:
+            arrays[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ShardError(f"--input {name}: cannot read {path} as .npy ({exc})") from None
+    return arrays
+
+
+@app.command()
+def compile(
+    model: Path = typer.Argument(..., help="The ONNX model."),
+    target: str = typer.Option("rk3588", "--target", "-t", help="rk3588 or cpu."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
+    input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512."),
+    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core]."),
+    max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
+    jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
+    timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
+    profile: Optional[Path] = typer.Option(None, help="Target profile JSON instead of the shipped one."),
+) -> None:
+    """Compile MODEL into a bundle of shards for TARGET."""
+    from shard.compiler import CompileOptions, compile_model
+
+    options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape), shards=shards,
+                             max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None)
+    with progress_bar() as progress:
+        result = compile_model(model, target, output, options, progress)
+    print_compile_report(result.report)
+    console.print(f"bundle: {result.bundle}")
+
+
+def print_compile_report(report: dict) -> None:
+    table = Table(title="shards")
+    for col in ("shard", "core", "nodes", "GMACs", "build s", "REGTASK", "CPU ops", "1-core fallbacks", "est. Mcycles"):
+        table.add_column(col, justify="right" if col != "shard" else "left")
+    for s in report["shards"]:
+        d = s["diagnostics"]
+        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}", f"{s['build_seconds']:.1f}",
+                      str(d.get("regtask_lines", 0)), str(len(d.get("cpu_ops", []))),
+                      str(len(d.get("single_core_fallbacks", []))), f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
+    console.print(table)
+    t = report["totals"]
+    console.print(f"{t['shards']} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
+                  f"{t['single_core_fallbacks']} single-core fallbacks, "
+                  f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s")
+    for s in report["shards"]:
+        for op in s["diagnostics"].get("cpu_ops", []):
+            console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
+        for layer in s["diagnostics"].get("single_core_fallbacks", []):
+            console.print(f"[yellow]warning[/]: {s['name']}: {layer} falls back to one NPU core")
+
+
+@app.command()
+def run(
+    bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
+    input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy; seeded random inputs if absent."),
+    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator) or board [default: sim for rk3588]."),
+    repeat: int = typer.Option(1, help="Run this many times (timings are per run)."),
+    seed: int = typer.Option(0, help="Seed of the random inputs."),
+    save: Optional[Path] = typer.Option(None, help="Directory to write each output as NAME.npy."),
+) -> None:
+    """Run a bundle and print its outputs' shapes and the time of each shard."""
+    from shard.runtime import Session, random_inputs
+
+    if repeat < 1:
+        raise ShardError("--repeat must be at least 1")
+    with progress_bar() as progress:
+        progress(f"load ({backend or 'default backend'})", 0, 1)
+        session = Session(bundle, backend)
+        try:
+            inputs = parse_input_files(input) if input else random_inputs(session.manifest.inputs, seed)
+            started = time.perf_counter()
+            for k in range(repeat):
+                progress("run", k, repeat)
+                outputs = session.run(inputs)
+            progress("run", repeat, repeat)
+            wall = (time.perf_counter() - started) / repeat
+        finally:
+            session.close()
+    table = Table(title=f"per-shard time ({session.backend}, mean of {repeat})")
+    for col in ("shard", "core", "ms"):
+        table.add_column(col, justify="left" if col == "shard" else "right")
+    for t in session.timings.values():
+        table.add_row(t.name, str(t.core), f"{1000 * sum(t.seconds) / len(t.seconds):.1f}")
+    console.print(table)
+    for name, array in outputs.items():
+        console.print(f"output {name}: shape {list(array.shape)} {array.dtype}")
+        if save:
+            import numpy as np
+
+            save.mkdir(parents=True, exist_ok=True)
+            np.save(save / f"{name.replace('/', '_')}.npy", array)
+    console.print(f"{1000 * wall:.1f} ms per run")
+
+
+@app.command()
+def verify(
+    bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
+    reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
+    backend: Optional[str] = typer.Option(None, help="cpu or sim [default: sim for rk3588]."),
+    min_cosine: float = typer.Option(0.999, help="Fail (exit 1) if an output's cosine is below this."),
+    seed: int = typer.Option(0, help="Seed of the random inputs."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+) -> None:
+    """Check a bundle against the original model: end to end, and each shard fed the reference's tensors."""
+    from dataclasses import asdict
+
+    from shard.verify import verify_bundle
+
+    with progress_bar() as progress:
+        report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress)
+    table = Table(title=f"verify ({report.backend}) vs onnxruntime fp32")
+    for col in ("where", "tensor", "cosine", "max abs diff"):
+        table.add_column(col, justify="right" if col in ("cosine", "max abs diff") else "left")
+    for c in report.outputs:
+        table.add_row("end to end", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}")
+    for shard, comps in report.shards.items():
+        for c in comps:
+            table.add_row(shard, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}")
+    console.print(table)
+    for shard, why in report.skipped_shards.items():
+        console.print(f"[yellow]warning[/]: {shard} not checked alone: {why}")
+    if not report.reference_is_source:
+        console.print("[yellow]warning[/]: the reference is not the model this bundle was compiled from (sha256 differs)")
+    if json_out:
+        json_out.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2) + "\n")
+    worst = min(c.cosine for c in report.outputs)
+    if not report.passed:
+        err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
+        raise typer.Exit(1)
+    console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}")
+
+
+@toolkit_app.command("install")
+def toolkit_install(target: str = typer.Argument("rk3588"),
+                    force: bool = typer.Option(False, help="Recreate it even if installed.")) -> None:
+    """Create the vendor toolkit environment for TARGET (idempotent)."""
+    from shard.toolkit.env import get_spec, install, read_marker
+
+    spec = get_spec(target)
+    if read_marker(target) and not force:
+        console.print(f"{spec.package} {spec.version} already installed")
+    else:
+        with err.status(f"installing {spec.package} {spec.version}") as status:
+            install(target, on_step=lambda step: status.update(f"installing {spec.package}: {step}"), force=force)
+    toolkit_status()
+
+
+@toolkit_app.command("status")
+def toolkit_status() -> None:
+    """What toolkit environments are installed, their versions, and where."""
+    from shard.toolkit.env import status
+
+    table = Table(title="vendor toolkits")
+    for col in ("target", "toolkit", "installed", "packages", "path"):
+        table.add_column(col)
+    for row in status():
+        packages = ", ".join(f"{k} {v}" for k, v in row["packages"].items() if v)
+        table.add_row(row["target"], f"{row['package']} {row['version']}", "yes" if row["installed"] else "no",
+                      packages, row["path"])
+    console.print(table)
+
+
+@zoo_app.command("list")
+def zoo_list() -> None:
+    """The models `shard zoo export` builds."""
+    from shard.zoo import MODELS
+
+    table = Table(title="zoo")
+    for col in ("name", "layers", "image", "what"):
+        table.add_column(col)
+    for m in MODELS.values():
+        table.add_row(m.name, str(m.layers), str(m.image_size), m.description)
+    console.print(table)
+
+
+@zoo_app.command("export")
+def zoo_export(
+    name: str = typer.Argument(..., help="A name from `shard zoo list`."),
+    output: Path = typer.Option(..., "--output", "-o", help="The ONNX file to write."),
+    layers: Optional[int] = typer.Option(None, help="Encoder layers [default: the real model's]."),
+    image_size: Optional[int] = typer.Option(None, help="Input image side, a multiple of 16."),
+    outliers: float = typer.Option(0.0, help="Plant a massive-activation channel of this magnitude."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+) -> None:
+    """Export a zoo model (seeded random weights, eager attention, opset 17) to ONNX, offline."""
+    import warnings
+
+    from shard.zoo import export_model
+
+    with err.status(f"exporting {name}"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = export_model(name, output, layers=layers, image_size=image_size, outliers=outliers, seed=seed)
+    console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
+
+
+def main() -> None:
+    try:
+        app()
+    except ShardError as exc:
+        err.print(f"[red]error[/]: {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)

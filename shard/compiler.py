@@ -1,0 +1,179 @@
+"""compile_model: ONNX in, bundle out. The stages, in order, are in this one function."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import onnx_graphsurgeon as gs
+
+from shard import __version__
+from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec
+from shard.errors import CompileError, ShardError
+from shard.graph import default_opset, dtype_name, load_model, quiet_graphsurgeon, sha256_file, to_toolkit_model
+from shard.passes import PassContext, run_pipeline
+from shard.profile import load_profile
+from shard.targets import ShardBuild, ShardJob, get_target
+
+Progress = Callable[[str, int, int], None]  # (step, done, total)
+
+
+@dataclass
+class CompileOptions:
+    """The user's choices (hardware facts live in the profile)."""
+
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shards: int | None = None       # default: one per NPU core
+    max_ops: int | None = None      # more shards if any would hold more ops than this
+    jobs: int = 2                   # vendor builds in parallel
+    timeout: float = 1800.0         # seconds one vendor build may take
+    profile: str | None = None      # a profile file instead of the shipped one
+
+
+@dataclass
+class CompileResult:
+    bundle: Path
+    manifest: Manifest
+    report: dict
+
+
+def default_output(model: Path) -> Path:
+    return model.with_suffix(".shard")
+
+
+def compile_model(model: str | Path, target: str = "rk3588", output: str | Path | None = None,
+                  options: CompileOptions | None = None, progress: Progress = lambda *a: None) -> CompileResult:
+    """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
+    options = options or CompileOptions()
+    model = Path(model)
+    output = Path(output) if output else default_output(model)
+    tgt = get_target(target)
+    check_output_path(output)
+    tgt.check_environment()               # a missing toolkit fails before minutes of work
+    profile = load_profile(target, options.profile)
+    quiet_graphsurgeon()
+    t0 = time.monotonic()
+
+    progress("load", 0, 1)
+    proto = load_model(model)
+    opset = default_opset(proto)
+    source = {"name": model.name, "sha256": sha256_file(model)}
+    graph = gs.import_onnx(proto)
+    del proto
+
+    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE).
+    ctx = PassContext(profile=profile, options=options)
+    graph = run_pipeline(graph, ctx, on_pass=lambda name: progress(name, 0, 1))
+    plans = ctx.plan
+    t_passes = time.monotonic() - t0
+
+    # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
+    #    so the final rename is atomic); logs live outside it so a failure keeps them.
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    logs = Path(tempfile.mkdtemp(prefix=f"shard-logs-{output.stem}-"))
+    for folder in (staging, logs):
+        folder.chmod(0o755)  # mkdtemp makes them private; a bundle is an ordinary directory
+    try:
+        (staging / "shards").mkdir()
+        jobs = []
+        for k, plan in enumerate(plans):
+            progress("write shards", k, len(plans))
+            sub = gs.Graph(nodes=plan.nodes, inputs=plan.inputs, outputs=plan.outputs, opset=opset,
+                           name=plan.name)
+            onnx_path = staging / "shards" / f"{plan.name}.onnx"
+            save_onnx(to_toolkit_model(sub, opset), onnx_path)
+            artifact = staging / "shards" / f"{plan.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
+            jobs.append(ShardJob(name=plan.name, onnx=onnx_path, artifact=artifact, log=logs / f"{plan.name}.log"))
+        build = tgt.build_options(options)
+        done: list[ShardBuild] = []
+
+        def on_done(result: ShardBuild) -> None:
+            done.append(result)
+            progress("compile shards", len(done), len(jobs))
+
+        progress("compile shards", 0, len(jobs))
+        builds = tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done)
+        t_build = time.monotonic() - t0 - t_passes
+
+        shutil.copytree(logs, staging / "logs")
+        profile.save(staging / "profile.json")
+        manifest = Manifest(
+            target=target, source=source, shard_version=__version__,
+            profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
+            build=build,
+            inputs=[tensor_spec(t) for t in graph.inputs],
+            outputs=[tensor_spec(t) for t in graph.outputs],
+            shards=[ShardSpec(name=p.name, onnx=f"shards/{p.name}.onnx",
+                              artifact=f"shards/{p.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None,
+                              log=f"logs/{p.name}.log", inputs=[tensor_spec(t) for t in p.inputs],
+                              outputs=[tensor_spec(t) for t in p.outputs], core=k % profile.cores,
+                              precision=build.get("precision", "fp32"), macs=p.macs, source_nodes=p.source_nodes)
+                    for k, p in enumerate(plans)],
+        )
+        report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
+                                                             "total": time.monotonic() - t0})
+        (staging / MANIFEST).write_text(manifest.to_json())
+        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        replace_dir(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not any(logs.iterdir()):
+            logs.rmdir()
+        raise
+    shutil.rmtree(logs, ignore_errors=True)
+    return CompileResult(bundle=output, manifest=manifest, report=report)
+
+
+def tensor_spec(tensor: gs.Variable) -> TensorSpec:
+    return TensorSpec(name=tensor.name, shape=[int(d) for d in tensor.shape], dtype=dtype_name(tensor.dtype))
+
+
+def save_onnx(model, path: Path) -> None:
+    import onnx
+
+    # Protobuf caps one message at 2 GiB; larger shards keep their weights beside them.
+    large = model.ByteSize() > 1_800_000_000
+    onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
+
+
+def check_output_path(output: Path) -> None:
+    """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists."""
+    if output.exists() and not (output / MANIFEST).is_file():
+        raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
+    if not output.parent.is_dir():
+        raise ShardError(f"{output.parent}: no such directory for the bundle")
+
+
+def replace_dir(staging: Path, output: Path) -> None:
+    """Put the finished bundle in place: a rename, so readers never see half of one."""
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{os.getpid()}")
+        output.rename(old)
+        staging.rename(output)
+        shutil.rmtree(old)
+    else:
+        staging.rename(output)
+
+
+def make_report(passes: dict, manifest: Manifest, builds: list[ShardBuild], seconds: dict) -> dict:
+    by_name = {b.name: b for b in builds}
+    shards = []
+    for spec in manifest.shards:
+        b = by_name[spec.name]
+        shards.append({"name": spec.name, "core": spec.core, "nodes": len(spec.source_nodes), "macs": spec.macs,
+                       "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
+                       "build_seconds": b.seconds, "diagnostics": b.diagnostics})
+    total = lambda key: sum(len(v) if isinstance(v := s["diagnostics"].get(key, 0), list) else v  # noqa: E731
+                            for s in shards)
+    return {"passes": passes, "shards": shards,
+            "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
+                       "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
+                       "single_core_fallbacks": total("single_core_fallbacks"),
+                       "estimated_cycles": total("estimated_cycles")},
+            "seconds": {k: round(v, 2) for k, v in seconds.items()}}

@@ -1,0 +1,86 @@
+"""Helpers over onnx and onnx-graphsurgeon: load with clear errors, shapes, sizes, toolkit-safe saving."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+
+from shard.errors import ModelError
+
+# rknn-toolkit2 2.5.0 loads opset <= 19 and the IR versions its onnx 1.18 reads.
+TOOLKIT_MAX_OPSET = 19
+
+
+def load_model(path: str | Path) -> onnx.ModelProto:
+    """Read an ONNX file (external data included) or raise ModelError saying why not."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file")
+    if not path.is_file():
+        raise ModelError(f"{path}: not a file")
+    try:
+        model = onnx.load(str(path))
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        raise ModelError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.graph.node:
+        raise ModelError(f"{path}: not an ONNX model (no graph nodes)")
+    return model
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def dtype_name(dtype) -> str:
+    """numpy's name for a gs/onnx dtype ('float32', 'int64', ...)."""
+    if isinstance(dtype, int):
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    return np.dtype(dtype).name
+
+
+def is_static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) and d >= 0 for d in shape)
+
+
+def nbytes(tensor: gs.Variable) -> int:
+    """Size of a tensor with a static shape, in bytes."""
+    return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(tensor.dtype).itemsize
+
+
+def infer_shapes(graph: gs.Graph) -> gs.Graph:
+    """Run onnx shape inference over a graphsurgeon graph and return the re-imported graph."""
+    model = gs.export_onnx(graph, do_type_check=False)
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    return gs.import_onnx(model)
+
+
+def to_toolkit_model(graph: gs.Graph, opset: int) -> onnx.ModelProto:
+    """Export a graph as a model the vendor toolkit loads (opset <= 19, matching IR version)."""
+    model = gs.export_onnx(graph, do_type_check=False)
+    if opset > TOOLKIT_MAX_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, TOOLKIT_MAX_OPSET)
+        except Exception as exc:
+            raise ModelError(f"cannot lower opset {opset} to {TOOLKIT_MAX_OPSET} for the toolkit: {exc}") from None
+    model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    return model
+
+
+def quiet_graphsurgeon() -> None:
+    """graphsurgeon warns about folding sizes and colours on stdout; shard reports what matters itself."""
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    G_LOGGER.severity = G_LOGGER.ERROR

@@ -1,0 +1,140 @@
+"""partition: cut the graph into shards at points where few bytes cross, balanced by estimated work."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from shard.errors import ModelError
+from shard.graph import is_static, nbytes
+from shard.passes import PassContext, register
+
+
+@dataclass
+class ShardPlan:
+    name: str
+    nodes: list[gs.Node]
+    inputs: list[gs.Variable]
+    outputs: list[gs.Variable]
+    macs: int
+    source_nodes: list[str] = field(default_factory=list)
+
+
+def estimate_macs(node: gs.Node) -> int:
+    """Multiply-accumulates of one node (MatMul/Gemm/Conv exactly, anything else one per output element)."""
+    out = node.outputs[0] if node.outputs else None
+    if out is None or not is_static(out.shape):
+        return 0
+    out_elems = int(np.prod(out.shape, dtype=np.int64))
+    if node.op in ("MatMul", "Gemm") and is_static(node.inputs[0].shape):
+        k = node.inputs[0].shape[-1] if node.op == "MatMul" or not node.attrs.get("transA") else node.inputs[0].shape[0]
+        return out_elems * int(k)
+    if node.op == "Conv" and is_static(node.inputs[1].shape):
+        return out_elems * int(np.prod(node.inputs[1].shape[1:], dtype=np.int64))
+    return out_elems
+
+
+def build_dataflow(graph: gs.Graph) -> nx.DiGraph:
+    """Nodes are graph nodes (by index in topological order); edges carry the tensor between them."""
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(graph.nodes)))
+    for i, node in enumerate(graph.nodes):
+        for tensor in node.outputs:
+            for consumer in tensor.outputs:
+                if id(consumer) in index:
+                    dag.add_edge(i, index[id(consumer)], tensor=tensor)
+    return dag
+
+
+def live_bytes_after(graph: gs.Graph, dag: nx.DiGraph) -> list[float]:
+    """For each position i, bytes of activations that cross a cut after node i (inf if a size is unknown)."""
+    n = len(graph.nodes)
+    spans: dict[int, tuple[int, int, gs.Variable]] = {}  # tensor -> (producer, last consumer, tensor)
+    for u, v, data in dag.edges(data=True):
+        tensor = data["tensor"]
+        spans[id(tensor)] = (u, max(v, spans.get(id(tensor), (u, v))[1]), tensor)
+    for tensor in graph.inputs:
+        consumers = [i for i, node in enumerate(graph.nodes) if tensor in node.inputs]
+        if consumers:
+            spans[id(tensor)] = (0, max(consumers), tensor)
+    delta = np.zeros(n + 1)
+    unknown = np.zeros(n + 1)
+    for start, end, tensor in spans.values():  # crosses every cut i with start <= i < end
+        if is_static(tensor.shape) and tensor.dtype is not None:
+            delta[start] += nbytes(tensor)
+            delta[end] -= nbytes(tensor)
+        else:
+            unknown[start] += 1
+            unknown[end] -= 1
+    live, unk = np.cumsum(delta)[:n], np.cumsum(unknown)[:n]
+    return [float("inf") if unk[i] > 0 else float(live[i]) for i in range(n)]
+
+
+def choose_cuts(costs: list[int], live: list[float], shards: int) -> list[int]:
+    """Positions to cut after: among the cheapest crossings, those nearest to equal shares of work."""
+    n = len(costs)
+    interior = [i for i in range(n - 1) if math.isfinite(live[i]) and live[i] > 0]
+    if shards <= 1 or not interior:
+        return []
+    floor = min(live[i] for i in interior)
+    candidates = [i for i in interior if live[i] <= 1.5 * floor]
+    prefix = np.cumsum(costs)
+    total = float(prefix[-1]) or 1.0
+    cuts: list[int] = []
+    for k in range(1, shards):
+        target = total * k / shards
+        options = [i for i in candidates if not cuts or i > cuts[-1]]
+        if not options:
+            break
+        best = min(options, key=lambda i: abs(prefix[i] - target))
+        cuts.append(best)
+    return sorted(set(cuts))
+
+
+def shard_boundaries(graph: gs.Graph, cuts: list[int]) -> list[ShardPlan]:
+    """Turn cut positions into shards with their input and output tensors."""
+    ranges, start = [], 0
+    for cut in cuts + [len(graph.nodes) - 1]:
+        ranges.append((start, cut + 1))
+        start = cut + 1
+    graph_outputs = set(id(t) for t in graph.outputs)
+    plans = []
+    for k, (lo, hi) in enumerate(ranges):
+        nodes = graph.nodes[lo:hi]
+        inside = set(id(n) for n in nodes)
+        produced = {id(t): t for n in nodes for t in n.outputs}
+        inputs: dict[int, gs.Variable] = {}
+        for node in nodes:
+            for t in node.inputs:
+                if isinstance(t, gs.Variable) and id(t) not in produced and t.name:
+                    inputs.setdefault(id(t), t)
+        outputs = [t for t in produced.values()
+                   if id(t) in graph_outputs or any(id(c) not in inside for c in t.outputs)]
+        plans.append(ShardPlan(name=f"shard_{k:03d}", nodes=nodes, inputs=list(inputs.values()), outputs=outputs,
+                               macs=sum(estimate_macs(n) for n in nodes), source_nodes=[n.name for n in nodes]))
+    return plans
+
+
+@register("partition")
+def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
+    opts = ctx.options
+    n = len(graph.nodes)
+    if n == 0:
+        raise ModelError("the model has no operators left after constant folding")
+    shards = max(1, getattr(opts, "shards", None) or ctx.profile.cores)
+    max_ops = getattr(opts, "max_ops", None)
+    if max_ops:
+        shards = max(shards, math.ceil(n / max_ops))
+    dag = build_dataflow(graph)
+    if not nx.is_directed_acyclic_graph(dag):
+        raise ModelError("the graph has a cycle")
+    live = live_bytes_after(graph, dag)
+    cuts = choose_cuts([estimate_macs(node) for node in graph.nodes], live, min(shards, n))
+    ctx.plan = shard_boundaries(graph, cuts)
+    return graph, {"requested": shards, "shards": len(ctx.plan),
+                   "cut_bytes": [live[c] for c in cuts], "macs": [p.macs for p in ctx.plan]}

@@ -1,0 +1,61 @@
+"""Profile: a target's hardware facts (never user knobs), each with where it came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from shard.errors import ShardError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Limit:
+    """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
+
+    value: int
+    failure: str
+    evidence: str
+    source: str
+
+
+@dataclass
+class Profile:
+    target: str
+    cores: int
+    toolkit: str
+    limits: dict[str, Limit] = field(default_factory=dict)
+    facts: dict[str, object] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ShardError(f"profile schema {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+        limits = {name: Limit(**lim) for name, lim in data.get("limits", {}).items()}
+        return cls(target=data["target"], cores=data["cores"], toolkit=data["toolkit"], limits=limits,
+                   facts=data.get("facts", {}), schema_version=data["schema_version"])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_profile(target: str, path: str | Path | None = None) -> Profile:
+    """The profile at `path`, else the one shipped for `target`."""
+    if path is not None:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ShardError(f"{path}: cannot read profile ({exc})") from None
+    else:
+        data = json.loads(resources.files("shard.targets").joinpath("profiles").joinpath(f"{target}.json").read_text())
+    profile = Profile.from_dict(data)
+    if profile.target != target:
+        raise ShardError(f"profile {path} is for {profile.target}, not {target}")
+    return profile

@@ -1,0 +1,70 @@
+"""sim: rknn-toolkit2's simulator on x86, in one long-lived toolkit worker process.
+
+The simulator only runs a model built in the same process, so the worker rebuilds every shard
+from its ONNX file with the bundle's build options; arrays travel as .npy files in a scratch dir.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from shard.bundle import Manifest, ShardSpec
+from shard.errors import RunError
+from shard.runtime.executors import outputs_by_name
+from shard.toolkit.env import find_python
+from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+
+
+class RknnSimExecutor:
+    def __init__(self, bundle: Path, manifest: Manifest, timeout: float = 1800.0,
+                 on_ready: Callable[[str], None] = lambda name: None):
+        self.scratch = Path(tempfile.mkdtemp(prefix="shard-sim-"))
+        self.timeout = timeout
+        self.worker = ToolkitWorker(find_python(manifest.target), self.scratch / "worker.log")
+        try:
+            for shard in manifest.shards:
+                log = self.scratch / f"{shard.name}.build.log"
+                answer = self._ask(shard, op="build", onnx=str((bundle / shard.onnx).resolve()), rknn=None,
+                                   log=str(log), config=manifest.build["config"], build=manifest.build["build"],
+                                   keep=shard.name)
+                if not answer["ok"]:
+                    raise RunError(f"{shard.name}: the simulator build failed ({answer.get('error') or answer['rc']}); "
+                                   f"log: {log}")
+                on_ready(shard.name)
+        except BaseException:
+            self.worker.kill()
+            raise
+
+    def _ask(self, shard: ShardSpec, **req) -> dict:
+        try:
+            return self.worker.request(timeout=self.timeout, **req)
+        except WorkerFailed as exc:
+            raise RunError(f"{shard.name}: simulator {exc}; log: {exc.log}") from None
+
+    def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=self.scratch))
+        try:
+            paths = []
+            for k, spec in enumerate(shard.inputs):
+                paths.append(str(work / f"in{k}.npy"))
+                np.save(paths[-1], np.ascontiguousarray(inputs[spec.name], dtype=spec.dtype))
+            # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
+            # (the toolkit ignores the format of other ranks but refuses None).
+            formats = ["nchw"] * len(shard.inputs)
+            log = self.scratch / f"{shard.name}.run.log"
+            answer = self._ask(shard, op="infer", key=shard.name, inputs=paths, data_format=formats,
+                               outdir=str(work), log=str(log))
+            if not answer["ok"]:
+                raise RunError(f"{shard.name}: simulator inference failed ({answer['error']}); log: {log}")
+            return outputs_by_name(shard, [np.load(p) for p in answer["outputs"]])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def close(self) -> None:
+        self.worker.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)

@@ -1,0 +1,52 @@
+"""Compile side of each target: which ops it takes, how a shard is compiled, which executors run it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from shard.errors import TargetError
+
+
+@dataclass
+class ShardJob:
+    """One shard to compile: its ONNX file in, its artifact and log out."""
+
+    name: str
+    onnx: Path
+    artifact: Path | None
+    log: Path
+
+
+@dataclass
+class ShardBuild:
+    """What compiling one shard produced."""
+
+    name: str
+    seconds: float
+    diagnostics: dict = field(default_factory=dict)
+
+
+class Target(Protocol):
+    name: str
+    executors: tuple[str, ...]       # the runtime backends that can run its artifacts, default first
+    artifact_suffix: str | None
+
+    def build_options(self, options) -> dict: ...
+
+    def check_environment(self) -> None: ...
+
+    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
+                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]: ...
+
+
+def get_target(name: str) -> Target:
+    from shard.targets.cpu import CpuTarget
+    from shard.targets.rk3588 import Rk3588Target
+
+    targets = {t.name: t for t in (Rk3588Target(), CpuTarget())}
+    try:
+        return targets[name]
+    except KeyError:
+        raise TargetError(f"unknown target {name!r}; known targets: {', '.join(targets)}") from None

@@ -1,0 +1,28 @@
+"""cpu: the shard ONNX files are the artifacts; onnxruntime runs them. The reference target."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from shard.targets import ShardBuild, ShardJob
+
+
+class CpuTarget:
+    name = "cpu"
+    executors = ("cpu",)
+    artifact_suffix = None
+
+    def build_options(self, options) -> dict:
+        return {}
+
+    def check_environment(self) -> None:
+        pass
+
+    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
+                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+        results = []
+        for job in jobs:
+            job.log.write_text("cpu target: the shard ONNX file is run as is by onnxruntime\n")
+            results.append(ShardBuild(name=job.name, seconds=0.0))
+            on_done(results[-1])
+        return results

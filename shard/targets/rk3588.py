@@ -1,0 +1,104 @@
+"""rk3588: shards compiled by rknn-toolkit2 in worker processes of the toolkit environment."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Callable
+
+from shard.errors import CompileError
+from shard.targets import ShardBuild, ShardJob
+from shard.targets.rknn_log import parse_build_log
+from shard.toolkit.env import find_python
+from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+
+
+class Rk3588Target:
+    name = "rk3588"
+    executors = ("sim", "cpu", "board")
+    artifact_suffix = ".rknn"
+
+    def build_options(self, options) -> dict:
+        """The toolkit calls every shard is built with; the simulator replays them."""
+        return {"config": {"target_platform": "rk3588"},
+                "build": {"do_quantization": False},
+                "precision": "fp16"}
+
+    def check_environment(self) -> None:
+        find_python(self.name)
+
+    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
+                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+        """Build every shard, `workers` at a time, each worker process reused for many builds."""
+        python = find_python(self.name)
+        workers = max(1, min(workers, len(jobs)))
+        log_dir = jobs[0].log.parent
+        pool: queue.Queue[ToolkitWorker | None] = queue.Queue()
+        for k in range(workers):
+            pool.put(None)  # started on first use
+        started: list[ToolkitWorker] = []
+        numbers = itertools.count()
+
+        def build_one(job: ShardJob) -> ShardBuild:
+            worker = pool.get()
+            if worker is None:
+                worker = ToolkitWorker(python, log_dir / f"worker-{next(numbers)}.log")
+                started.append(worker)
+            try:
+                result = build_shard(worker, job, build, timeout)
+            except BaseException:
+                worker.kill()
+                pool.put(None)
+                raise
+            pool.put(worker)
+            on_done(result)
+            return result
+
+        executor = ThreadPoolExecutor(max_workers=workers)
+        futures = [executor.submit(build_one, job) for job in jobs]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception()), None)
+            if failed is not None:
+                for worker in started:  # stop builds still running; their errors are not the first
+                    worker.kill()
+                raise failed.exception()
+            return [f.result() for f in futures]
+        finally:
+            executor.shutdown(wait=True, cancel_futures=True)
+            for worker in started:
+                worker.close()
+
+
+BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")
+
+
+def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: float) -> ShardBuild:
+    """One vendor build; a CompileError if it failed, crashed, timed out, or logged REGTASK errors."""
+    started = time.monotonic()
+    job.log.write_text("")
+    try:
+        answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
+                                log=str(job.log), config=build["config"], build=build["build"], keep=None,
+                                timeout=timeout)
+    except WorkerFailed as exc:
+        raise CompileError(f"{job.name}: the vendor build {exc}; log: {job.log}") from None
+    diag = parse_build_log(job.log.read_text(errors="replace"))
+    if not answer["ok"]:
+        with open(job.log, "a") as log:
+            log.write(answer.get("traceback") or "")
+        rc = answer.get("rc", {})
+        stage = next((s for s in BUILD_STAGES if rc.get(s, 0) != 0 or s not in rc), "build")
+        if "error" in answer:  # the toolkit raised: its last line names the exception
+            last = [line for line in answer["error"].splitlines() if line.strip()][-1].strip()
+            raise CompileError(f"{job.name}: the vendor build crashed in {stage}() ({last}); log: {job.log}")
+        detail = diag.first_error or "no error line in the log"
+        raise CompileError(f"{job.name}: the vendor build failed ({stage}() returned {rc[stage]}): {detail}; "
+                           f"log: {job.log}")
+    if diag.regtask_lines:
+        raise CompileError(
+            f"{job.name}: the vendor build returned 0 but logged {diag.regtask_lines} REGTASK errors "
+            f"(a register field overflows; this shard would fail on the board): {diag.first_regtask}; log: {job.log}")
+    return ShardBuild(name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag.summary())

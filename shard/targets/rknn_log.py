@@ -1,0 +1,78 @@
+"""Read what rknn-toolkit2 really said: error lines, the per-layer table, fallbacks, cycle estimates.
+
+The build returns 0 on models that will crash on the board; the truth is in its verbose log.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+LAYER_ROW = re.compile(
+    r"^D RKNN: \[[^\]]*\]\s+(?P<id>\d+)\s+(?P<op>\S+)\s+(?P<dtype>\S+)\s+(?P<target>NPU|CPU)\s+"
+    r"(?P<inshape>\S+)\s+(?P<outshape>\S+)\s+(?P<ddr>\d+)/(?P<npu>\d+)/(?P<total>\d+)\s+(?P<rw>\d+)\s+(?P<name>.+?)\s*$"
+)
+SINGLE_CORE = re.compile(r"Failed to config layer: '(?P<layer>[^']+)' using 3Core fallback to single core mode")
+MEMORY = re.compile(r"Total (?P<kind>Internal|Weight) Memory Size: (?P<kb>\d+)KB")
+HOST_OPS = {"InputOperator", "OutputOperator"}
+
+
+@dataclass
+class Layer:
+    id: int
+    op: str
+    target: str
+    output_shape: str
+    cycles: int
+    name: str
+
+
+@dataclass
+class BuildDiagnostics:
+    """Everything shard reads out of one build log."""
+
+    regtask_lines: int = 0
+    first_regtask: str | None = None
+    error_lines: int = 0
+    first_error: str | None = None
+    cpu_ops: list[str] = field(default_factory=list)
+    single_core_fallbacks: list[str] = field(default_factory=list)
+    cpu_fallback_warnings: list[str] = field(default_factory=list)
+    layers: list[Layer] = field(default_factory=list)
+    estimated_cycles: int = 0
+    internal_memory_kb: int | None = None
+    weight_memory_kb: int | None = None
+
+    def summary(self) -> dict:
+        """The diagnostics without the full layer table (that stays in the log)."""
+        data = asdict(self)
+        data.pop("layers")
+        data["layer_count"] = len(self.layers)
+        return data
+
+
+def parse_build_log(text: str) -> BuildDiagnostics:
+    diag = BuildDiagnostics()
+    for raw in text.splitlines():
+        line = ANSI.sub("", raw).rstrip()
+        if "REGTASK" in line:
+            diag.regtask_lines += 1
+            diag.first_regtask = diag.first_regtask or line
+        if line.startswith("E "):
+            diag.error_lines += 1
+            diag.first_error = diag.first_error or line
+        if row := LAYER_ROW.match(line):
+            layer = Layer(id=int(row["id"]), op=row["op"], target=row["target"], output_shape=row["outshape"],
+                          cycles=int(row["total"]), name=row["name"])
+            diag.layers.append(layer)
+            diag.estimated_cycles += layer.cycles
+            if layer.target == "CPU" and layer.op not in HOST_OPS:
+                diag.cpu_ops.append(f"{layer.op} {layer.name}")
+        elif m := SINGLE_CORE.search(line):
+            diag.single_core_fallbacks.append(m["layer"])
+        elif "fallback to CPU" in line or "fallback to cpu" in line:
+            diag.cpu_fallback_warnings.append(line)
+        elif m := MEMORY.search(line):
+            setattr(diag, f"{m['kind'].lower()}_memory_kb", int(m["kb"]))
+    return diag

@@ -1,0 +1,79 @@
+"""Client side of a toolkit worker process (see rknn_worker.py): spawn, ask, time out, kill.
+
+Imports nothing beyond the standard library, so the runtime's simulator executor can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import threading
+from pathlib import Path
+
+WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
+
+
+class WorkerFailed(Exception):
+    """The worker process died or timed out; `log` is where its own output went."""
+
+    def __init__(self, message: str, log: Path):
+        super().__init__(message)
+        self.log = log
+
+
+class ToolkitWorker:
+    """One long-lived worker process in a toolkit environment; requests are answered in order."""
+
+    def __init__(self, python: Path, log: Path):
+        self.log = Path(log)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        # -I: the user's PYTHONPATH and site-packages must not leak into the toolkit's environment.
+        self.proc = subprocess.Popen(
+            [str(python), "-I", str(WORKER_SCRIPT), str(self.log)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
+        )
+        self._answers: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_answers, daemon=True).start()
+
+    def _read_answers(self) -> None:
+        for line in self.proc.stdout:
+            self._answers.put(line)
+        self._answers.put(None)
+
+    def request(self, timeout: float | None = None, **req) -> dict:
+        """Send one request and wait for its answer; WorkerFailed if the process dies or times out."""
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the process is gone; reading the answer says how
+        try:
+            line = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise WorkerFailed(f"no answer within {timeout:.0f} s (killed)", self.log) from None
+        if line is None:
+            code = self.proc.wait()
+            raise WorkerFailed(f"the toolkit process died (exit code {code})", self.log)
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.kill()
+
+    def __enter__(self) -> ToolkitWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""verify_bundle: the bundle against the original model, end to end and shard by shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from shard.bundle import read_manifest
+from shard.graph import load_model, sha256_file
+from shard.runtime import Session, random_inputs
+
+
+@dataclass
+class Comparison:
+    name: str
+    cosine: float
+    max_abs_diff: float
+
+
+@dataclass
+class VerifyReport:
+    backend: str
+    min_cosine: float
+    outputs: list[Comparison]
+    shards: dict[str, list[Comparison]] = field(default_factory=dict)
+    reference_is_source: bool = True
+    skipped_shards: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.cosine >= self.min_cosine for c in self.outputs)
+
+
+def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
+    a = np.asarray(expected, dtype=np.float64).ravel()
+    b = np.asarray(actual, dtype=np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
+    diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    return Comparison(name, cosine, diff)
+
+
+def reference_session(model: onnx.ModelProto, extra_outputs: list[str]):
+    """onnxruntime over the reference, also returning the named intermediate tensors."""
+    import onnxruntime as ort
+
+    present = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra_outputs if n not in present)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
+                  seed: int = 0, session: Session | None = None,
+                  progress: Callable[[str, int, int], None] = lambda *a: None) -> VerifyReport:
+    """Run seeded inputs through the reference (onnxruntime) and the bundle; compare every output."""
+    manifest = read_manifest(bundle)
+    model = load_model(reference)
+    known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
+        {n_out for node in model.graph.node for n_out in node.output}
+    graph_inputs = {t.name for t in manifest.inputs}
+    edges = [t.name for s in manifest.shards for t in (*s.inputs, *s.outputs) if t.name not in graph_inputs]
+    edges = list(dict.fromkeys(e for e in edges if e in known))
+    inputs = random_inputs(manifest.inputs, seed)
+
+    progress("reference (onnxruntime)", 0, 1)
+    ref = reference_session(model, edges)
+    names = [o.name for o in ref.get_outputs()]
+    expected = dict(zip(names, ref.run(names, inputs)))
+    expected.update(inputs)
+
+    own_session = session is None
+    session = session or Session(bundle, backend)
+    try:
+        progress("bundle end to end", 0, 1)
+        actual = session.run(inputs)
+        report = VerifyReport(backend=session.backend, min_cosine=min_cosine,
+                              outputs=[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs],
+                              reference_is_source=sha256_file(reference) == manifest.source["sha256"])
+        for k, shard in enumerate(manifest.shards):
+            progress("shards, fed the reference's tensors", k, len(manifest.shards))
+            missing = [t.name for t in (*shard.inputs, *shard.outputs) if t.name not in expected]
+            if missing:
+                report.skipped_shards[shard.name] = f"reference has no tensor {missing[0]}"
+                continue
+            got = session.executor.run(shard, {t.name: expected[t.name] for t in shard.inputs})
+            report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
+    finally:
+        if own_session:
+            session.close()
+    return report

@@ -1,0 +1,97 @@
+"""Real architectures with seeded random weights, exported offline to ONNX for tests, demos, benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from shard.errors import ShardError
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    description: str
+    layers: int
+    image_size: int
+    build: Callable  # (layers, image_size) -> torch.nn.Module taking pixel_values
+    residual_writer: str  # a Linear whose output is added to the residual stream in the first layer
+
+
+def _siglip(layers: int, image_size: int, hidden=768, heads=12, mlp=3072):
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    cfg = SiglipVisionConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                             num_attention_heads=heads, image_size=image_size, patch_size=16)
+    cfg._attn_implementation = "eager"
+    return SiglipVisionModel(cfg)
+
+
+def _vit(layers: int, image_size: int):
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=192, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=3,
+                    image_size=image_size, patch_size=16)
+    cfg._attn_implementation = "eager"
+    return ViTModel(cfg, add_pooling_layer=False)
+
+
+MODELS = {m.name: m for m in (
+    ZooModel("siglip-base-512", "SigLIP-base-patch16-512 vision encoder: hidden 768, 12 heads, MLP 3072, 1024 tokens",
+             12, 512, _siglip, "encoder.layers.0.mlp.fc2"),
+    ZooModel("vit-tiny", "ViT-tiny/16 encoder: hidden 192, 3 heads, MLP 768, 197 tokens (seconds to compile)",
+             12, 224, _vit, "layers.0.mlp.fc2"),
+)}
+
+
+def get_model(name: str) -> ZooModel:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ShardError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}") from None
+
+
+def export_model(name: str, output: str | Path, layers: int | None = None, image_size: int | None = None,
+                 outliers: float = 0.0, seed: int = 0, opset: int = 17) -> Path:
+    """Export a zoo model's encoder (input pixel_values, output last_hidden_state) to ONNX."""
+    try:
+        import torch
+    except ImportError:
+        raise ShardError("the zoo needs torch and transformers: pip install 'shard[zoo]'") from None
+    spec = get_model(name)
+    layers = layers or spec.layers
+    image_size = image_size or spec.image_size
+    if layers < 1 or image_size < 16 or image_size % 16:
+        raise ShardError(f"need --layers >= 1 and --image-size a multiple of 16 (got {layers}, {image_size})")
+    torch.manual_seed(seed)
+    model = spec.build(layers, image_size).eval()
+    if outliers:
+        plant_outlier_channel(model.get_submodule(spec.residual_writer), outliers)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values):
+            return self.inner(pixel_values=pixel_values).last_hidden_state
+
+    output = Path(output)
+    x = torch.randn(1, 3, image_size, image_size)
+    with torch.no_grad():
+        torch.onnx.export(Encoder(model), (x,), str(output), opset_version=opset, dynamo=False,
+                          input_names=["pixel_values"], output_names=["last_hidden_state"])
+    return output
+
+
+def plant_outlier_channel(linear, magnitude: float, channel: int = 7) -> None:
+    """Give one residual-stream channel a massive activation from the first layer on, as trained ViTs have.
+
+    The bias of a Linear that writes into the residual stream adds `magnitude` to one channel of
+    every token; the following LayerNorms normalise it away, so the blocks see ordinary values.
+    """
+    import torch
+
+    with torch.no_grad():
+        linear.bias[channel] += magnitude

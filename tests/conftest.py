@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+DATA = Path(__file__).parent / "data"
+
+
+def toolkit_ready() -> bool:
+    from shard.toolkit.env import read_marker
+
+    return read_marker("rk3588") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if toolkit_ready():
+        return
+    skip = pytest.mark.skip(reason="rknn-toolkit2 environment not installed (run `shard toolkit install rk3588`)")
+    for item in items:
+        if "toolkit" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=17) -> onnx.ModelProto:
+    """A model from onnx.helper pieces; inputs/outputs are (name, shape) with float32 elements."""
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                              initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def add_model(shape) -> onnx.ModelProto:
+    return make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add0")], [("x", shape)], [("y", shape)])
+
+
+def mlp_chain(blocks: int, width: int = 16, seed: int = 0) -> onnx.ModelProto:
+    """Residual blocks y = x + relu(x @ W1) @ W2 in a chain: cut points between blocks carry one tensor."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    for b in range(blocks):
+        w1 = helper.make_tensor(f"w1_{b}", TensorProto.FLOAT, [width, 2 * width],
+                                rng.standard_normal((width, 2 * width)).astype(np.float32).ravel())
+        w2 = helper.make_tensor(f"w2_{b}", TensorProto.FLOAT, [2 * width, width],
+                                rng.standard_normal((2 * width, width)).astype(np.float32).ravel() / width)
+        inits += [w1, w2]
+        out = "y" if b == blocks - 1 else f"r{b}"
+        nodes += [helper.make_node("MatMul", [x, f"w1_{b}"], [f"h{b}"], name=f"fc1_{b}"),
+                  helper.make_node("Relu", [f"h{b}"], [f"a{b}"], name=f"relu_{b}"),
+                  helper.make_node("MatMul", [f"a{b}", f"w2_{b}"], [f"m{b}"], name=f"fc2_{b}"),
+                  helper.make_node("Add", [x, f"m{b}"], [out], name=f"res_{b}")]
+        x = out
+    return make_model(nodes, [("x", [1, 8, width])], [("y", [1, 8, width])], inits)
+
+
+def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def shard_cli(*args, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run the real `shard` command line in a child process."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "shard", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=900)
+
+
+@pytest.fixture
+def save(tmp_path):
+    def save(model: onnx.ModelProto, name: str = "model.onnx") -> Path:
+        path = tmp_path / name
+        onnx.save(model, str(path))
+        return path
+    return save

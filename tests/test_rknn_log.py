@@ -1,0 +1,36 @@
+"""The build-log reader on real rknn-toolkit2 2.5.0 output captured on x86."""
+
+from conftest import DATA
+
+from shard.targets.rknn_log import parse_build_log
+
+
+def test_regtask_lines_are_counted_and_quoted():
+    diag = parse_build_log((DATA / "regtask-add-131072.txt").read_text())
+    text = (DATA / "regtask-add-131072.txt").read_text()
+    assert diag.regtask_lines == text.count("REGTASK: The bit width")
+    assert diag.regtask_lines > 0
+    assert diag.first_regtask.startswith("E RKNN:") and "limit: 0x1fff" in diag.first_regtask
+    assert diag.error_lines >= diag.regtask_lines
+
+
+def test_layer_table_cycles_fallbacks_and_memory():
+    diag = parse_build_log((DATA / "siglip-512-layer-table.txt").read_text())
+    assert diag.regtask_lines == 0 and diag.error_lines == 0
+    ops = {layer.op for layer in diag.layers}
+    assert {"Conv", "exSDPAttention", "exNorm", "exGelu", "ConvAdd"} <= ops
+    patch = next(layer for layer in diag.layers if layer.name.endswith("patch_embedding/Conv_split"))
+    assert patch.cycles == 192086016 and patch.target == "NPU"
+    assert diag.estimated_cycles == sum(layer.cycles for layer in diag.layers)
+    assert diag.single_core_fallbacks == ["Conv:/m/embeddings/patch_embedding/Conv_select"]
+    assert diag.cpu_ops == []  # InputOperator is listed on the CPU but is not an op that runs there
+    assert diag.internal_memory_kb == 35328 and diag.weight_memory_kb == 170830
+
+
+def test_cpu_ops_and_colour_codes():
+    log = ("D RKNN: [00:21:01.771] 7    Transpose          FLOAT16  CPU    (1,8,9000)                               "
+           "(1,9000,8)             0/0/0                    140          Transpose:/t\n"
+           "\x1b[1;31mE\x1b[0m \x1b[1;31mbuild: something broke\x1b[0m\n")
+    diag = parse_build_log(log)
+    assert diag.cpu_ops == ["Transpose Transpose:/t"]
+    assert diag.first_error == "E build: something broke"
