@@ -47,7 +47,9 @@ def remove_identities(graph: gs.Graph) -> int:
         if id(dst) in outputs:
             continue
         for consumer in list(dst.outputs):
-            consumer.inputs[:] = [src if t is dst else t for t in consumer.inputs]
+            for k, tensor in enumerate(consumer.inputs):
+                if tensor is dst:
+                    consumer.inputs[k] = src
         node.outputs.clear()
         removed += 1
     return removed

@@ -1,0 +1,62 @@
+"""canonicalize: static shapes, folded constants, no Identity; numerics unchanged."""
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper
+
+from shard.compiler import CompileOptions
+from shard.errors import ModelError
+from shard.passes import PassContext
+from shard.passes.canonicalize import canonicalize
+from shard.profile import load_profile
+
+
+def ctx(**options):
+    return PassContext(profile=load_profile("rk3588"), options=CompileOptions(**options))
+
+
+def dynamic_model():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_dynamic_dim_names_input_dim_and_flag():
+    with pytest.raises(ModelError) as err:
+        canonicalize(gs.import_onnx(dynamic_model()), ctx())
+    msg = str(err.value)
+    assert "'x'" in msg and "dimension 0" in msg and "'batch'" in msg and "--input-shape x=N,4" in msg
+
+
+def test_input_shape_fixes_dynamic_dim():
+    graph, report = canonicalize(gs.import_onnx(dynamic_model()), ctx(input_shapes={"x": (3, 4)}))
+    assert graph.inputs[0].shape == [3, 4] and graph.outputs[0].shape == [3, 4]
+    assert report["fixed_inputs"] == ["x"]
+
+
+def test_input_shape_for_unknown_input_lists_inputs():
+    with pytest.raises(ModelError, match="inputs are: x"):
+        canonicalize(gs.import_onnx(dynamic_model()), ctx(input_shapes={"pixels": (3, 4)}))
+
+
+def test_folds_shape_arithmetic_and_removes_identity():
+    # y = Reshape(Identity(x), Shape(x)) + 1: the Shape feeds a Reshape and folds once shapes are known.
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [helper.make_node("Identity", ["x"], ["xi"]),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Reshape", ["xi", "s"], ["r"]),
+             helper.make_node("Add", ["r", "one"], ["y"])]
+    model = make_model(nodes, [("x", [2, 3])], [("y", [2, 3])], [one])
+    graph, report = canonicalize(gs.import_onnx(model), ctx())
+    ops = [n.op for n in graph.nodes]
+    assert "Identity" not in ops and "Shape" not in ops
+    assert report["identities_removed"] == 1
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    before = run_ort(model, {"x": x})[0]
+    after = run_ort(gs.export_onnx(graph), {"x": x})[0]
+    np.testing.assert_array_equal(before, after)

@@ -1,0 +1,73 @@
+"""Bad input ends the command with one line on stderr and exit 1: no traceback, no partial bundle."""
+
+import pytest
+from conftest import add_model, shard_cli
+
+
+def assert_one_line_error(res, *fragments):
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_file(tmp_path):
+    res = shard_cli("compile", tmp_path / "nope.onnx", "--target", "cpu")
+    assert_one_line_error(res, "nope.onnx: no such file")
+
+
+def test_not_onnx(tmp_path):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(b"\x00\x01 this is not a protobuf at all \xff" * 10)
+    res = shard_cli("compile", path, "--target", "cpu")
+    assert_one_line_error(res, "not an ONNX model")
+    assert not (tmp_path / "junk.shard").exists()
+
+
+def test_dynamic_dim(tmp_path):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seq", 4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    import onnx
+
+    onnx.save(model, str(tmp_path / "dyn.onnx"))
+    res = shard_cli("compile", tmp_path / "dyn.onnx", "--target", "cpu")
+    assert_one_line_error(res, "dynamic dimension 1", "--input-shape x=1,N,4")
+    assert not (tmp_path / "dyn.shard").exists()
+    ok = shard_cli("compile", tmp_path / "dyn.onnx", "--target", "cpu", "--input-shape", "x=1,5,4")
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "dyn.shard" / "manifest.json").is_file()
+
+
+def test_unknown_target_lists_known(save):
+    res = shard_cli("compile", save(add_model([1, 4])), "--target", "rk9999")
+    assert_one_line_error(res, "unknown target 'rk9999'", "rk3588", "cpu")
+
+
+def test_missing_toolkit_says_how_to_install(save, tmp_path):
+    res = shard_cli("compile", save(add_model([1, 4])), "--target", "rk3588",
+                    env_extra={"SHARD_TOOLKIT_HOME": str(tmp_path / "empty")})
+    assert_one_line_error(res, "shard toolkit install rk3588")
+    assert not (tmp_path / "model.shard").exists()
+
+
+def test_output_in_the_way_is_not_replaced(save, tmp_path):
+    (tmp_path / "model.shard").mkdir()
+    (tmp_path / "model.shard" / "precious.txt").write_text("keep me")
+    res = shard_cli("compile", save(add_model([1, 4])), "--target", "cpu")
+    assert_one_line_error(res, "is not a shard bundle")
+    assert (tmp_path / "model.shard" / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "nowhere.shard"], "not a shard bundle"),
+    (["verify", "nowhere.shard", "--reference", "x.onnx"], "not a shard bundle"),
+    (["zoo", "export", "resnet-9000", "-o", "x.onnx"], "unknown zoo model"),
+])
+def test_other_commands(tmp_path, args, fragment):
+    assert_one_line_error(shard_cli(*args, cwd=tmp_path), fragment)

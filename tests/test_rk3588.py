@@ -1,0 +1,92 @@
+"""rk3588 end to end with the real rknn-toolkit2 compiler and simulator (needs the toolkit env)."""
+
+import json
+
+import numpy as np
+
+import pytest
+from conftest import add_model, make_model, shard_cli
+from onnx import helper
+
+import shard
+from shard.compiler import CompileOptions
+from shard.errors import CompileError
+
+pytestmark = pytest.mark.toolkit
+
+
+def test_regtask_overflow_fails_compile_and_leaves_nothing(save, tmp_path):
+    res = shard_cli("compile", save(add_model([1, 1, 1, 131072])), "--target", "rk3588")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    line = next(line for line in res.stderr.splitlines() if line.startswith("error:"))
+    assert "shard_000" in line and "REGTASK lines" not in line
+    assert "REGTASK errors" in line and "E RKNN:" in line and "limit: 0x1fff" in line
+    log = line.rsplit("log: ", 1)[1].strip()
+    assert log.endswith("shard_000.log") and "REGTASK" in open(log).read()
+    assert not (tmp_path / "model.shard").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.shard")]
+
+
+def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):
+    model = save(add_model([1, 1, 1, 65536]))
+    res = shard_cli("compile", model, "--target", "rk3588")
+    assert res.returncode == 0, res.stderr
+    assert "0 REGTASK lines" in res.stdout
+    report = json.loads((tmp_path / "model.shard" / "report.json").read_text())
+    assert report["totals"]["regtask_lines"] == 0
+    assert (tmp_path / "model.shard" / "shards" / "shard_000.rknn").stat().st_size > 0
+    res = shard_cli("verify", tmp_path / "model.shard", "--reference", model, "--backend", "sim",
+                    "--min-cosine", "0.9999", "--json", tmp_path / "v.json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    assert verdict["passed"] and verdict["outputs"][0]["cosine"] >= 0.9999
+
+
+def test_vendor_crash_names_shard_and_log(save, tmp_path):
+    # 4-D MatMul -> Softmax -> MatMul without the scale Mul: the toolkit's SDPA fusion rule raises.
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    model = make_model(nodes, [("q", [1, 2, 16, 8]), ("k", [1, 2, 8, 16]), ("v", [1, 2, 16, 8])],
+                       [("y", [1, 2, 16, 8])])
+    with pytest.raises(CompileError) as err:
+        shard.compile(save(model), "rk3588", tmp_path / "att.shard", CompileOptions(shards=1))
+    msg = str(err.value)
+    assert msg.startswith("shard_000: the vendor build crashed in build()") and "IndexError" in msg
+    assert "\n" not in msg
+    assert "Traceback" in open(msg.rsplit("log: ", 1)[1]).read()
+    assert not (tmp_path / "att.shard").exists()
+
+
+def test_vendor_timeout_names_shard_and_log(save, tmp_path):
+    # The worker's first build imports the toolkit (about 1.7 s): a 0.2 s budget cannot be met.
+    with pytest.raises(CompileError, match=r"shard_000: the vendor build no answer within 0 s \(killed\); log: "):
+        shard.compile(save(add_model([1, 64])), "rk3588", tmp_path / "t.shard", CompileOptions(timeout=0.2))
+    assert not (tmp_path / "t.shard").exists()
+
+
+def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
+    onnx_path = tmp_path / "vit.onnx"
+    res = shard_cli("zoo", "export", "vit-tiny", "-o", onnx_path, "--layers", "3")
+    assert res.returncode == 0, res.stderr
+    result = shard.compile(onnx_path, "rk3588", tmp_path / "vit.shard", CompileOptions(shards=3, jobs=2))
+    m = result.manifest
+    assert [s.core for s in m.shards] == [0, 1, 2]
+    assert all(s.source_nodes for s in m.shards)
+    assert result.report["totals"]["regtask_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
+    report = shard.verify(result.bundle, onnx_path, backend="sim")
+    assert report.passed and report.outputs[0].cosine >= 0.9999
+    assert set(report.shards) == {"shard_000", "shard_001", "shard_002"}
+    assert min(c.cosine for comps in report.shards.values() for c in comps) >= 0.9999
+    # The run command on the same bundle, with a saved input.
+    x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    res = shard_cli("run", result.bundle, "--input", f"pixel_values={tmp_path / 'x.npy'}", "--backend", "sim",
+                    "--save", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert "shape [1, 197, 192]" in res.stdout and "shard_002" in res.stdout
+    got = np.load(tmp_path / "out" / "last_hidden_state.npy")
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(None, {"pixel_values": x})[0]
+    cos = float(np.dot(got.ravel(), want.ravel()) / np.linalg.norm(got) / np.linalg.norm(want))
+    assert cos >= 0.9999

@@ -1,0 +1,63 @@
+"""The runtime: what it imports, how it checks inputs, how it reads bundles."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import mlp_chain
+
+import shard
+from shard.compiler import CompileOptions
+from shard.errors import BundleError, RunError
+
+
+@pytest.fixture
+def bundle(tmp_path, save):
+    return shard.compile(save(mlp_chain(3)), "cpu", tmp_path / "m.shard", CompileOptions(shards=3)).bundle
+
+
+def test_runtime_imports_only_numpy_and_executor_library(bundle):
+    code = ("import sys, numpy as np, shard.runtime as rt\n"
+            f"s = rt.load({str(bundle)!r}, backend='cpu')\n"
+            "s.run({'x': np.zeros((1, 8, 16), np.float32)})\n"
+            "heavy = {'onnx', 'onnx_graphsurgeon', 'networkx', 'torch', 'transformers', 'typer', 'rich'}\n"
+            "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_inputs_are_checked(bundle):
+    with shard.load(bundle, backend="cpu") as session:
+        with pytest.raises(RunError, match="missing"):
+            session.run({})
+        with pytest.raises(RunError, match=r"compiled for \[1, 8, 16\]"):
+            session.run({"x": np.zeros((1, 9, 16), np.float32)})
+
+
+def test_manifest_paths_never_leave_the_bundle(bundle):
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    data["shards"][0]["onnx"] = "../../etc/passwd"
+    path.write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="outside the bundle"):
+        shard.load(bundle, backend="cpu")
+
+
+def test_unknown_schema_is_refused(bundle):
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    data["schema_version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="recompile"):
+        shard.load(bundle, backend="cpu")
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("rknnlite") is not None,
+                    reason="rknn-toolkit-lite2 is installed (on a board)")
+def test_board_backend_needs_rknnlite(bundle):
+    from shard.errors import TargetError
+
+    with pytest.raises(TargetError, match="rknn-toolkit-lite2"):
+        shard.load(bundle, backend="board")
