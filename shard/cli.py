@@ -23,8 +23,9 @@ toolkit_app = typer.Typer(help="The vendor toolkit environments (rknn-toolkit2 l
 zoo_app = typer.Typer(help="Real architectures with seeded random weights, exported offline.", no_args_is_help=True)
 app.add_typer(toolkit_app, name="toolkit")
 app.add_typer(zoo_app, name="zoo")
-console = Console()
-err = Console(stderr=True)
+# Piped output (logs, CI) gets wide tables rather than rich's default of 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 @contextmanager

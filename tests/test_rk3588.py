@@ -29,7 +29,7 @@ def test_regtask_overflow_fails_compile_and_leaves_nothing(save, tmp_path):
 
 def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):
     model = save(add_model([1, 1, 1, 65536]))
-    res = shard_cli("compile", model, "--target", "rk3588")
+    res = shard_cli("compile", model.name, "--target", "rk3588", cwd=tmp_path)  # relative paths too
     assert res.returncode == 0, res.stderr
     assert "0 REGTASK lines" in res.stdout
     report = json.loads((tmp_path / "model.shard" / "report.json").read_text())

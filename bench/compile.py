@@ -1,0 +1,111 @@
+"""shard compile vs one vendor build of the whole model: wall time and peak RSS, measured in one run.
+
+    python bench/compile.py [--model siglip.onnx] [--jobs 2]
+
+Peak RSS is sampled over the whole process tree (shard plus its toolkit workers) every 50 ms.
+Ends with: RESULT wall_ratio=... rss_ratio=... shards=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def tree_rss(root: int) -> int:
+    """Resident bytes of a process and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def measure(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Wall seconds and peak tree RSS of a command."""
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    out, err = proc.communicate()
+    wall = time.monotonic() - started
+    done.set()
+    sampler.join()
+    return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+VENDOR_BUILD = """
+import sys, time
+from pathlib import Path
+from shard.toolkit.env import find_python
+from shard.toolkit.worker import ToolkitWorker
+onnx, log = sys.argv[1], sys.argv[2]
+with ToolkitWorker(find_python("rk3588"), Path(log).with_suffix(".worker.log")) as worker:
+    answer = worker.request(op="build", onnx=onnx, rknn=None, log=log, timeout=3600,
+                            config={"target_platform": "rk3588"}, build={"do_quantization": False})
+assert answer["ok"], answer
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="ONNX model [default: export siglip-base-512, 12 layers]")
+    ap.add_argument("--jobs", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    model = args.model
+    if model is None:
+        model = work / "siglip-base-512.onnx"
+        subprocess.run([sys.executable, "-m", "shard", "zoo", "export", "siglip-base-512", "-o", str(model)],
+                       check=True, capture_output=True)
+    print(f"machine: {os.cpu_count()} cores; model: {model} ({model.stat().st_size / 1e6:.0f} MB)")
+
+    vendor_wall, vendor_rss, res = measure([sys.executable, "-c", VENDOR_BUILD, str(model), str(work / "whole.log")])
+    if res.returncode:
+        sys.exit(f"vendor build failed:\n{res.stderr}")
+    bundle = work / "model.shard"
+    shard_wall, shard_rss, res = measure([sys.executable, "-m", "shard", "compile", str(model), "--target", "rk3588",
+                                          "-o", str(bundle), "--jobs", str(args.jobs)])
+    if res.returncode:
+        sys.exit(f"shard compile failed:\n{res.stderr}")
+    shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
+
+    print(f"{'':28}{'wall s':>10}{'peak RSS GB':>14}")
+    print(f"{'one vendor build (whole)':28}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
+    print(f"{f'shard compile ({shards} shards, -j{args.jobs})':28}{shard_wall:>10.1f}{shard_rss / 1e9:>14.2f}")
+    print(f"RESULT wall_ratio={shard_wall / vendor_wall:.2f} rss_ratio={shard_rss / vendor_rss:.2f} shards={shards}")
+
+
+if __name__ == "__main__":
+    main()
