@@ -80,10 +80,8 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
     started = time.monotonic()
     job.log.write_text("")
     try:
-        # The worker builds in a scratch directory of its own: every path it gets is absolute.
-        answer = worker.request(op="build", onnx=str(job.onnx.absolute()),
-                                rknn=str(job.artifact.absolute()) if job.artifact else None,
-                                log=str(job.log.absolute()), config=build["config"], build=build["build"], keep=None,
+        answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
+                                log=str(job.log), config=build["config"], build=build["build"], keep=None,
                                 timeout=timeout)
     except WorkerFailed as exc:
         raise CompileError(f"{job.name}: the vendor build {exc}; log: {job.log}") from None

@@ -59,6 +59,8 @@ def do_build(req):
     rc = {}
     started = time.monotonic()
     crash = {}
+    home = os.getcwd()  # relative paths in a request mean the client's directory, where we started
+    onnx, rknn_path = os.path.abspath(req["onnx"]), req.get("rknn") and os.path.abspath(req["rknn"])
     # The build drops check*.onnx files into the working directory.
     with tempfile.TemporaryDirectory(prefix="rknn-build-") as scratch, redirect_fds(req["log"]):
         os.chdir(scratch)
@@ -66,17 +68,17 @@ def do_build(req):
         try:
             rc["config"] = rknn.config(**req.get("config", {}))
             if rc["config"] == 0:
-                rc["load_onnx"] = rknn.load_onnx(model=req["onnx"])
+                rc["load_onnx"] = rknn.load_onnx(model=onnx)
             if rc.get("load_onnx") == 0:
                 rc["build"] = rknn.build(**req.get("build", {}))
-            if rc.get("build") == 0 and req.get("rknn"):
-                rc["export_rknn"] = rknn.export_rknn(req["rknn"])
+            if rc.get("build") == 0 and rknn_path:
+                rc["export_rknn"] = rknn.export_rknn(rknn_path)
             if rc.get("build") == 0 and req.get("keep"):
                 rc["init_runtime"] = rknn.init_runtime()
         except Exception as exc:  # the toolkit raises from inside its passes; rc says how far it got
             crash = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         finally:
-            os.chdir("/")
+            os.chdir(home)
         ok = not crash and all(v == 0 for v in rc.values())
         if ok and req.get("keep"):
             kept[req["keep"]] = rknn
