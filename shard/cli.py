@@ -73,8 +73,8 @@ def parse_input_files(items: list[str]) -> dict:
     return arrays
 
 
-@app.command()
-def compile(
+@app.command("compile")
+def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
     target: str = typer.Option("rk3588", "--target", "-t", help="rk3588 or cpu."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
@@ -117,8 +117,8 @@ def print_compile_report(report: dict) -> None:
             console.print(f"[yellow]warning[/]: {s['name']}: {layer} falls back to one NPU core")
 
 
-@app.command()
-def run(
+@app.command("run")
+def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy; seeded random inputs if absent."),
     backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator) or board [default: sim for rk3588]."),
@@ -160,8 +160,8 @@ def run(
     console.print(f"{1000 * wall:.1f} ms per run")
 
 
-@app.command()
-def verify(
+@app.command("verify")
+def verify_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
     backend: Optional[str] = typer.Option(None, help="cpu or sim [default: sim for rk3588]."),

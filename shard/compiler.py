@@ -169,8 +169,10 @@ def make_report(passes: dict, manifest: Manifest, builds: list[ShardBuild], seco
         shards.append({"name": spec.name, "core": spec.core, "nodes": len(spec.source_nodes), "macs": spec.macs,
                        "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
                        "build_seconds": b.seconds, "diagnostics": b.diagnostics})
-    total = lambda key: sum(len(v) if isinstance(v := s["diagnostics"].get(key, 0), list) else v  # noqa: E731
-                            for s in shards)
+    def total(key: str) -> int:  # counts are ints, findings are lists of names
+        values = [s["diagnostics"].get(key, 0) for s in shards]
+        return sum(len(v) if isinstance(v, list) else v for v in values)
+
     return {"passes": passes, "shards": shards,
             "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),

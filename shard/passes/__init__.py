@@ -7,6 +7,7 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
+from shard.errors import ShardError
 from shard.profile import Profile
 
 PassFn = Callable[[gs.Graph, "PassContext"], tuple[gs.Graph, dict]]
@@ -41,7 +42,6 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
 
     unknown = set(disable) - set(PIPELINE)
     if unknown:
-        from shard.errors import ShardError
         raise ShardError(f"unknown pass {', '.join(sorted(unknown))}; passes: {', '.join(PIPELINE)}")
     for name in PIPELINE:
         if name in disable:

@@ -86,8 +86,6 @@ def random_inputs(specs, seed: int = 0) -> dict[str, np.ndarray]:
         dtype = np.dtype(spec.dtype)
         if dtype.kind == "f":
             out[spec.name] = rng.standard_normal(spec.shape).astype(dtype)
-        elif dtype.kind == "b":
-            out[spec.name] = rng.integers(0, 2, spec.shape).astype(dtype)
-        else:
+        else:  # ids, masks, flags: 0 and 1 are valid for any vocabulary
             out[spec.name] = rng.integers(0, 2, spec.shape).astype(dtype)
     return out

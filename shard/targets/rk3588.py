@@ -36,8 +36,8 @@ class Rk3588Target:
         workers = max(1, min(workers, len(jobs)))
         log_dir = jobs[0].log.parent
         pool: queue.Queue[ToolkitWorker | None] = queue.Queue()
-        for k in range(workers):
-            pool.put(None)  # started on first use
+        for _ in range(workers):
+            pool.put(None)  # a slot; its process starts on first use
         started: list[ToolkitWorker] = []
         numbers = itertools.count()
 
