@@ -67,9 +67,9 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         graph = infer_shapes(graph)
         if len(graph.nodes) == count:
             break
+    # Bypassing an Identity changes no shape: the shapes inferred above still hold.
     identities = remove_identities(graph)
     graph.cleanup().toposort()
-    graph = infer_shapes(graph)
     unknown = [t.name for t in graph.outputs if not is_static(t.shape)]
     if unknown:
         raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}")
