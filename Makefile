@@ -30,8 +30,9 @@ demo: toolkit
 	$(BIN)/shard compile $(DEMO).onnx --target rk3588 -o $(DEMO).shard
 	$(BIN)/shard verify $(DEMO).shard --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
 
-bench: toolkit
-	$(BIN)/python bench/compile.py
+bench: demo
+	$(BIN)/python bench/compile.py --model $(DEMO).onnx
+	$(BIN)/python bench/runtime.py --bundle $(DEMO).shard --model $(DEMO).onnx
 
 clean:
 	rm -rf build .pytest_cache

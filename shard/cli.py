@@ -122,34 +122,51 @@ def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy; seeded random inputs if absent."),
     backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator) or board [default: sim for rk3588]."),
-    repeat: int = typer.Option(1, help="Run this many times (timings are per run)."),
-    seed: int = typer.Option(0, help="Seed of the random inputs."),
-    save: Optional[Path] = typer.Option(None, help="Directory to write each output as NAME.npy."),
+    repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
+    stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
+    cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
+    schedule: str = typer.Option("balanced", help="balanced (any free core takes the most urgent ready shard) or "
+                                                  "round-robin (the manifest's placement; less memory)."),
+    timeout: Optional[float] = typer.Option(None, help="Stop with an error if one shard runs longer (seconds)."),
+    trace: Optional[Path] = typer.Option(None, help="Write every shard execution as a Chrome trace (Perfetto)."),
+    seed: int = typer.Option(0, help="Seed of the random inputs (frame t of a stream uses seed + t)."),
+    save: Optional[Path] = typer.Option(None, help="Directory to write the last frame's outputs as NAME.npy."),
 ) -> None:
-    """Run a bundle and print its outputs' shapes and the time of each shard."""
+    """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
 
-    if repeat < 1:
-        raise ShardError("--repeat must be at least 1")
+    if repeat < 1 or stream < 0:
+        raise ShardError("--repeat must be at least 1 and --stream at least 0")
+    frames = stream or repeat
     with progress_bar() as progress:
         progress(f"load ({backend or 'default backend'})", 0, 1)
-        session = Session(bundle, backend)
+        session = Session(bundle, backend, parse_cores(cores), schedule, timeout)
         try:
-            inputs = parse_input_files(input) if input else random_inputs(session.manifest.inputs, seed)
+            given = parse_input_files(input) if input else None
+            inputs = (given or random_inputs(session.manifest.inputs, seed + t) for t in range(frames))
             started = time.perf_counter()
-            for k in range(repeat):
-                progress("run", k, repeat)
-                outputs = session.run(inputs)
-            progress("run", repeat, repeat)
-            wall = (time.perf_counter() - started) / repeat
+            if stream:
+                for k, outputs in enumerate(session.run_stream(inputs)):
+                    progress(f"stream over cores {','.join(map(str, session.cores))}", k + 1, frames)
+            else:
+                for k, frame in enumerate(inputs):
+                    progress("run", k, frames)
+                    outputs = session.run(frame)
+                progress("run", frames, frames)
+            wall = time.perf_counter() - started
         finally:
             session.close()
-    table = Table(title=f"per-shard time ({session.backend}, mean of {repeat})")
-    for col in ("shard", "core", "ms"):
+    table = Table(title=f"per-shard time ({session.backend}, {session.schedule}, mean of {frames})")
+    for col in ("shard", "cores", "ms"):
         table.add_column(col, justify="left" if col == "shard" else "right")
     for t in session.timings.values():
-        table.add_row(t.name, str(t.core), f"{1000 * sum(t.seconds) / len(t.seconds):.1f}")
+        table.add_row(t.name, ",".join(map(str, sorted(t.cores))), f"{1000 * sum(t.seconds) / len(t.seconds):.1f}")
     console.print(table)
+    for use in session.core_use():
+        console.print(f"core {use.core}: {100 * use.utilisation:.1f}% busy ({use.runs} shard runs, "
+                      f"{use.busy:.3f} s of {use.span:.3f} s)")
+    if trace:
+        console.print(f"trace: {session.write_trace(trace)} (open in ui.perfetto.dev)")
     for name, array in outputs.items():
         console.print(f"output {name}: shape {list(array.shape)} {array.dtype}")
         if save:
@@ -157,7 +174,19 @@ def run_command(
 
             save.mkdir(parents=True, exist_ok=True)
             np.save(save / f"{name.replace('/', '_')}.npy", array)
-    console.print(f"{1000 * wall:.1f} ms per run")
+    if stream:
+        console.print(f"{frames} frames in {wall:.2f} s: {frames / wall:.2f} frames/s")
+    else:
+        console.print(f"{1000 * wall / frames:.1f} ms per run")
+
+
+def parse_cores(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ShardError(f"--cores {text!r}: expected core numbers such as 0,1,2") from None
 
 
 @app.command("verify")

@@ -88,7 +88,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
             if missing:
                 report.skipped_shards[shard.name] = f"reference has no tensor {missing[0]}"
                 continue
-            got = session.executor.run(shard, {t.name: expected[t.name] for t in shard.inputs})
+            got = session.run_shard(shard, {t.name: expected[t.name] for t in shard.inputs})
             report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
     finally:
         if own_session:

@@ -22,6 +22,8 @@ def test_runtime_imports_only_numpy_and_executor_library(bundle):
     code = ("import sys, numpy as np, shard.runtime as rt\n"
             f"s = rt.load({str(bundle)!r}, backend='cpu')\n"
             "s.run({'x': np.zeros((1, 8, 16), np.float32)})\n"
+            "list(s.run_stream([{'x': np.ones((1, 8, 16), np.float32)}] * 3))\n"
+            f"s.write_trace({str(bundle / 'trace.json')!r})\n"
             "heavy = {'onnx', 'onnx_graphsurgeon', 'networkx', 'torch', 'transformers', 'typer', 'rich'}\n"
             "print(sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

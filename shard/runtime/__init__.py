@@ -1,38 +1,59 @@
 """Load a bundle and run it. Imports numpy and the chosen executor's library, nothing else.
 
-    session = shard.load("model.shard", backend="sim")
+    session = shard.load("model.shard", backend="board", cores=[0, 1, 2])
     outputs = session.run({"pixel_values": x})
+    for outputs in session.run_stream(frames): ...
 """
 
 from __future__ import annotations
 
-import time
+import collections
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from shard.bundle import Manifest, read_manifest
+from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.errors import RunError
-from shard.runtime.executors import Executor, make_executor
+from shard.runtime.executors import make_executors
+from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
+from shard.runtime.trace import CoreUse, core_use, write_trace
 
 
 @dataclass
 class ShardTiming:
     name: str
-    core: int
+    cores: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
 
 class Session:
-    """A bundle ready to run: every shard prepared once by one executor."""
+    """A bundle ready to run: every shard prepared once per core that may run it.
 
-    def __init__(self, bundle: str | Path, backend: str | None = None, executor: Executor | None = None):
+    cores: the NPU cores to spread shards over (default: those the manifest assigns); one thread and
+    one executor bound to each. schedule: balanced (list scheduling on the shards' cost estimates:
+    any free core takes the most urgent ready shard, so every core loads every shard) or round-robin
+    (the manifest's placement, dealt over the given cores when they differ; each shard loaded once).
+    timeout: seconds one shard may run before the session stops with an error.
+    """
+
+    def __init__(self, bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
+                 schedule: str = DEFAULT_SCHEDULE, timeout: float | None = None):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
         self.backend = backend or default_backend(self.manifest)
-        self.executor = executor or make_executor(self.backend, self.bundle, self.manifest)
-        self.timings = {s.name: ShardTiming(s.name, s.core) for s in self.manifest.shards}
+        self.cores = check_cores(cores if cores is not None else default_cores(self.manifest, self.backend))
+        self.schedule = schedule
+        self.placements = placements(schedule, self.manifest.shards, self.cores)
+        self.executors = make_executors(self.backend, self.bundle, self.manifest, self.placements)
+        try:
+            self.scheduler = Scheduler(self.manifest.shards, self.executors, schedule, timeout)
+        except BaseException:
+            self._close_executors()
+            raise
+        self._frames = itertools.count()
 
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The graph inputs, complete and of the compiled shapes and dtypes."""
@@ -51,16 +72,79 @@ class Session:
         return checked
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run every shard in dependency order (the manifest's order) and return the graph outputs."""
-        tensors = self.check_inputs(inputs)
-        for shard in self.manifest.shards:
-            started = time.perf_counter()
-            tensors.update(self.executor.run(shard, tensors))
-            self.timings[shard.name].seconds.append(time.perf_counter() - started)
+        """Run one frame: every shard in dependency order, independent shards on different cores at once."""
+        return self._outputs(self.scheduler.wait(self._submit(inputs)))
+
+    def run_stream(self, frames: Iterable[dict[str, np.ndarray]], depth: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Pipeline frames through the cores; yield each frame's outputs in input order.
+
+        At most `depth` frames (default two per core) are in flight, counting those finished but not
+        yet taken: the next frame is read from `frames` only when one leaves.
+        """
+        depth = depth or 2 * len(self.cores)
+        frames = iter(frames)
+        pending: collections.deque[int] = collections.deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < depth:
+                    inputs = next(frames, None)
+                    if inputs is None:
+                        exhausted = True
+                    else:
+                        pending.append(self._submit(inputs))
+                if not pending:
+                    return
+                yield self._outputs(self.scheduler.wait(pending[0]))
+                pending.popleft()
+        finally:
+            for frame in pending:
+                self.scheduler.forget(frame)
+
+    def run_shard(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one shard alone on the first core that holds it, outside the scheduler (for verify)."""
+        core = next(c for c in self.cores if shard in self.placements[c])
+        return self.executors[core].run(shard, inputs)
+
+    @property
+    def executions(self) -> list[Execution]:
+        return self.scheduler.executions
+
+    @property
+    def timings(self) -> dict[str, ShardTiming]:
+        out = {s.name: ShardTiming(s.name) for s in self.manifest.shards}
+        for e in self.executions:
+            t = out[e.shard]
+            t.seconds.append(e.end - e.start)
+            if e.core not in t.cores:
+                t.cores.append(e.core)
+        return out
+
+    def core_use(self) -> list[CoreUse]:
+        return core_use(self.executions, self.cores)
+
+    def write_trace(self, path: str | Path) -> Path:
+        title = f"{self.bundle.name} ({self.backend}, {self.schedule}, cores {','.join(map(str, self.cores))})"
+        return write_trace(path, self.executions, self.cores, title)
+
+    def _submit(self, inputs: dict[str, np.ndarray]) -> int:
+        frame = next(self._frames)
+        self.scheduler.submit(frame, self.check_inputs(inputs))
+        return frame
+
+    def _outputs(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {t.name: tensors[t.name] for t in self.manifest.outputs}
 
+    def _close_executors(self) -> None:
+        for executor in {id(e): e for e in self.executors.values()}.values():
+            executor.close()
+
     def close(self) -> None:
-        self.executor.close()
+        self.scheduler.close()
+        if not self.scheduler.busy_cores():
+            self._close_executors()
+        # else a shard ran past its timeout and its core's thread is still inside the executor;
+        # releasing the executor under it could crash the process, so the process exit cleans up
 
     def __enter__(self) -> Session:
         return self
@@ -69,13 +153,26 @@ class Session:
         self.close()
 
 
+def check_cores(cores: list[int]) -> list[int]:
+    cores = list(cores)
+    if not cores or any(not isinstance(c, int) or c < 0 for c in cores) or len(set(cores)) != len(cores):
+        raise RunError(f"cores must be distinct non-negative core numbers, got {cores}")
+    return sorted(cores)
+
+
+def default_cores(manifest: Manifest, backend: str) -> list[int]:
+    """The manifest's cores; one for the simulator, a single process in which more cores only take turns."""
+    return [0] if backend == "sim" else sorted({s.core for s in manifest.shards})
+
+
 def default_backend(manifest: Manifest) -> str:
     return "cpu" if manifest.target == "cpu" else "sim"
 
 
-def load(bundle: str | Path, backend: str | None = None) -> Session:
+def load(bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
+         schedule: str = DEFAULT_SCHEDULE, timeout: float | None = None) -> Session:
     """Open a bundle for running; backend is cpu, sim (rknn simulator) or board (on an RK3588)."""
-    return Session(bundle, backend)
+    return Session(bundle, backend, cores, schedule, timeout)
 
 
 def random_inputs(specs, seed: int = 0) -> dict[str, np.ndarray]:

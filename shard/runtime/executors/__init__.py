@@ -1,4 +1,4 @@
-"""Executors run one shard each. They never import the compile side; vendor SDKs load lazily."""
+"""Executors run shards on one core each. They never import the compile side; vendor SDKs load lazily."""
 
 from __future__ import annotations
 
@@ -10,26 +10,48 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import TargetError
 
+BACKENDS = ("cpu", "sim", "board")
+
 
 class Executor(Protocol):
-    """Prepare every shard of a bundle once, then run any of them by name."""
+    """Prepare a core's shards once, then run any of them; each executor is used by one thread at a time."""
 
     def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def close(self) -> None: ...
 
 
-def make_executor(backend: str, bundle: Path, manifest: Manifest, cores: list[int] | None = None) -> Executor:
+def make_executors(backend: str, bundle: Path, manifest: Manifest,
+                   placements: dict[int, list[ShardSpec]]) -> dict[int, Executor]:
+    """One executor per core holding the shards that core may run.
+
+    cpu: one onnxruntime session per shard and core, one thread each (a core of the host stands in
+    for an NPU core). sim: the simulator is a single process, so all cores share it and take turns.
+    board: one RKNNLite runtime per shard and core, bound with that core's mask.
+    """
     if backend == "cpu":
         from shard.runtime.executors.cpu import CpuExecutor
-        return CpuExecutor(bundle, manifest)
+        return _each_core(placements, lambda core, shards: CpuExecutor(bundle, shards, threads=1))
     if backend == "sim":
         from shard.runtime.executors.rknn_sim import RknnSimExecutor
-        return RknnSimExecutor(bundle, manifest)
+        shared = RknnSimExecutor(bundle, manifest)
+        return {core: shared for core in placements}
     if backend == "board":
         from shard.runtime.executors.rknn_board import RknnBoardExecutor
-        return RknnBoardExecutor(bundle, manifest)
-    raise TargetError(f"unknown backend {backend!r}; backends: cpu, sim, board")
+        return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core))
+    raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+
+
+def _each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Executor]:
+    made: dict[int, Executor] = {}
+    try:
+        for core, shards in placements.items():
+            made[core] = make(core, shards)
+    except BaseException:
+        for executor in made.values():
+            executor.close()
+        raise
+    return made
 
 
 def outputs_by_name(shard: ShardSpec, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:

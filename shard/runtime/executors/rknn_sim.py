@@ -2,12 +2,14 @@
 
 The simulator only runs a model built in the same process, so the worker rebuilds every shard
 from its ONNX file with the bundle's build options; arrays travel as .npy files in a scratch dir.
+It is one process, so every core's thread shares this executor and takes turns (a lock).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +27,7 @@ class RknnSimExecutor:
                  on_ready: Callable[[str], None] = lambda name: None):
         self.scratch = Path(tempfile.mkdtemp(prefix="shard-sim-"))
         self.timeout = timeout
+        self.lock = threading.Lock()
         self.worker = ToolkitWorker(find_python(manifest.target), self.scratch / "worker.log")
         try:
             for shard in manifest.shards:
@@ -47,6 +50,10 @@ class RknnSimExecutor:
             raise RunError(f"{shard.name}: simulator {exc}; log: {exc.log}") from None
 
     def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with self.lock:
+            return self._run(shard, inputs)
+
+    def _run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=self.scratch))
         try:
             paths = []
