@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import queue
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
@@ -12,7 +10,7 @@ from shard.errors import CompileError
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.rknn_log import parse_build_log
 from shard.toolkit.env import find_python
-from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
 
 class Rk3588Target:
@@ -32,27 +30,12 @@ class Rk3588Target:
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
         """Build every shard, `workers` at a time, each worker process reused for many builds."""
-        python = find_python(self.name)
         workers = max(1, min(workers, len(jobs)))
-        log_dir = jobs[0].log.parent
-        pool: queue.Queue[ToolkitWorker | None] = queue.Queue()
-        for _ in range(workers):
-            pool.put(None)  # a slot; its process starts on first use
-        started: list[ToolkitWorker] = []
-        numbers = itertools.count()
+        pool = WorkerPool(find_python(self.name), jobs[0].log.parent, workers)
 
         def build_one(job: ShardJob) -> ShardBuild:
-            worker = pool.get()
-            if worker is None:
-                worker = ToolkitWorker(python, log_dir / f"worker-{next(numbers)}.log")
-                started.append(worker)
-            try:
+            with pool.worker() as worker:
                 result = build_shard(worker, job, build, timeout)
-            except BaseException:
-                worker.kill()
-                pool.put(None)
-                raise
-            pool.put(worker)
             on_done(result)
             return result
 
@@ -62,14 +45,12 @@ class Rk3588Target:
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception()), None)
             if failed is not None:
-                for worker in started:  # stop builds still running; their errors are not the first
-                    worker.kill()
+                pool.kill_all()  # stop builds still running; their errors are not the first
                 raise failed.exception()
             return [f.result() for f in futures]
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
-            for worker in started:
-                worker.close()
+            pool.close()
 
 
 BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")

@@ -9,9 +9,11 @@ Requests:
   {"op": "build", "onnx": P, "rknn": P|null, "log": P, "config": {...}, "build": {...},
    "keep": KEY|null}      keep: hold the built model in this process for "infer" (simulator)
   {"op": "infer", "key": KEY, "inputs": [npy paths], "data_format": [...], "outdir": DIR, "log": P}
+  {"op": "release", "key": KEY}
   {"op": "exit"}
 """
 
+import ctypes
 import json
 import os
 import sys
@@ -21,6 +23,15 @@ import traceback
 
 answer = os.fdopen(os.dup(1), "w", buffering=1)
 kept = {}
+libc = ctypes.CDLL(None)
+
+
+def flush_all():
+    """Flush Python's and C's stdio buffers: the toolkit's C++ layer table sits in C's stdout buffer,
+    and would otherwise land in the next request's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    libc.fflush(None)
 
 
 class redirect_fds:
@@ -30,16 +41,14 @@ class redirect_fds:
         self.path = path
 
     def __enter__(self):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_all()
         self.saved = os.dup(1), os.dup(2)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(self.fd, 1)
         os.dup2(self.fd, 2)
 
     def __exit__(self, *exc):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_all()
         os.dup2(self.saved[0], 1)
         os.dup2(self.saved[1], 2)
         for fd in (*self.saved, self.fd):
@@ -104,7 +113,12 @@ def do_infer(req):
     return {"outputs": paths}
 
 
-OPS = {"version": do_version, "build": do_build, "infer": do_infer}
+def do_release(req):
+    kept.pop(req["key"]).release()
+    return {}
+
+
+OPS = {"version": do_version, "build": do_build, "infer": do_infer, "release": do_release}
 
 
 def main():

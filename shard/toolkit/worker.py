@@ -9,6 +9,7 @@ import json
 import queue
 import subprocess
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
@@ -17,9 +18,10 @@ WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
 class WorkerFailed(Exception):
     """The worker process died or timed out; `log` is where its own output went."""
 
-    def __init__(self, message: str, log: Path):
+    def __init__(self, message: str, log: Path, timed_out: bool = False):
         super().__init__(message)
         self.log = log
+        self.timed_out = timed_out
 
 
 class ToolkitWorker:
@@ -52,11 +54,14 @@ class ToolkitWorker:
             line = self._answers.get(timeout=timeout)
         except queue.Empty:
             self.kill()
-            raise WorkerFailed(f"no answer within {timeout:.0f} s (killed)", self.log) from None
+            raise WorkerFailed(f"timed out (no answer within {timeout:g} s; killed)", self.log, timed_out=True) from None
         if line is None:
             code = self.proc.wait()
-            raise WorkerFailed(f"the toolkit process died (exit code {code})", self.log)
+            raise WorkerFailed(f"died (the toolkit process exited with code {code})", self.log)
         return json.loads(line)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -77,3 +82,45 @@ class ToolkitWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WorkerPool:
+    """At most `size` toolkit workers shared by threads; each started on first use, reused after.
+
+        with pool.worker() as worker:
+            worker.request(op="build", ...)
+
+    A worker that died or timed out is killed and its slot starts a new one on next use.
+    """
+
+    def __init__(self, python: Path, log_dir: Path, size: int):
+        self.python = python
+        self.log_dir = Path(log_dir)
+        self._slots: queue.Queue[ToolkitWorker | None] = queue.Queue()
+        for _ in range(max(1, size)):
+            self._slots.put(None)
+        self.started: list[ToolkitWorker] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def worker(self):
+        worker = self._slots.get()
+        if worker is None:
+            with self._lock:
+                worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
+                self.started.append(worker)
+        try:
+            yield worker
+        except BaseException:
+            worker.kill()
+            self._slots.put(None)
+            raise
+        self._slots.put(worker if worker.alive() else None)
+
+    def kill_all(self) -> None:
+        for worker in self.started:
+            worker.kill()
+
+    def close(self) -> None:
+        for worker in self.started:
+            worker.close()
