@@ -33,6 +33,7 @@ demo: toolkit
 bench: demo
 	$(BIN)/python bench/compile.py --model $(DEMO).onnx
 	$(BIN)/python bench/runtime.py --bundle $(DEMO).shard --model $(DEMO).onnx
+	$(BIN)/python bench/probe.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -30,18 +30,19 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 @contextmanager
 def progress_bar() -> Iterator:
-    """A callback (step, done, total) drawing one bar per step, on stderr."""
+    """A callback (step, done, total, note="") drawing one bar per step, on stderr; the note (what is
+    happening within the step) is shown after the bar."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err, transient=False) as bar:
+                  TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err, transient=False) as bar:
         tasks: dict[str, int] = {}
 
-        def update(step: str, done: int, total: int) -> None:
+        def update(step: str, done: int, total: int, note: str = "") -> None:
             for name, task in tasks.items():  # a new step means the earlier ones are finished
                 if name != step:
                     bar.update(task, completed=bar.tasks[task].total)
             if step not in tasks:
-                tasks[step] = bar.add_task(step, total=total)
-            bar.update(tasks[step], completed=done, total=total)
+                tasks[step] = bar.add_task(step, total=total, note=note)
+            bar.update(tasks[step], completed=done, total=total, note=note)
 
         yield update
         for task in tasks.values():
@@ -225,6 +226,71 @@ def verify_command(
         err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
         raise typer.Exit(1)
     console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}")
+
+
+@app.command("probe")
+def probe_command(
+    target: str = typer.Option("rk3588", help="The target whose compiler is probed."),
+    families: Optional[str] = typer.Option(None, help="Comma-separated families [default: all]; see --list."),
+    jobs: int = typer.Option(2, "--jobs", "-j", help="Builds at a time (one toolkit worker each)."),
+    max_size: Optional[int] = typer.Option(None, help="Probe no size above this (caps every family)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Profile to write [default: ./TARGET.profile.json]. "
+                                                                "An existing profile there keeps the limits not probed now."),
+    replace: bool = typer.Option(False, help="Do not keep the limits of an existing --out profile."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Where probed points are kept [default: ~/.cache/shard/probes "
+                                                        "or $SHARD_PROBE_CACHE]."),
+    no_cache: bool = typer.Option(False, help="Build every point again (the cache is still written)."),
+    slow_factor: float = typer.Option(4.0, help="A point is `slow` when the compiler's estimated cycles per MAC "
+                                                "exceed the peak rate by this factor."),
+    timeout: float = typer.Option(300.0, help="Seconds one probe build may take; past it the point fails (timeout)."),
+    on_board: bool = typer.Option(False, help="Also run each clean point on NPU core 0 with rknn-toolkit-lite2 "
+                                              "(on an RK3588 board); a failure there is class `board`."),
+    list_families: bool = typer.Option(False, "--list", help="List the families and exit."),
+) -> None:
+    """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
+    from shard.probes.cache import default_cache_dir
+    from shard.probes.families import FAMILIES
+    from shard.probes.runner import merge_into, probe
+
+    if list_families:
+        table = Table(title="probe families")
+        for col in ("family", "graph (N is swept)", "settings", "kind"):
+            table.add_column(col)
+        for f in FAMILIES.values():
+            kind = "numeric (simulator)" if f.numeric else "slow + build" if f.macs else "build"
+            table.add_row(f.name, f.what, ", ".join(f.settings), kind)
+        console.print(table)
+        return
+    if jobs < 1 or (max_size is not None and max_size < 1):
+        raise ShardError("--jobs and --max-size must be at least 1")
+    out = out or Path(f"{target}.profile.json")
+    cache = default_cache_dir() if cache_dir is None else cache_dir
+    started = time.perf_counter()
+    with progress_bar() as progress:
+        profile, searches = probe(target, families.split(",") if families else None, jobs, max_size, cache,
+                                  read_cache=not no_cache, slow_factor=slow_factor, timeout=timeout,
+                                  on_board=on_board, progress=progress)
+    table = Table(title=f"{target} limits ({profile.toolkit})")
+    for col in ("limit", "largest ok", "first failing", "class", "builds", "evidence"):
+        table.add_column(col, justify="right" if col in ("largest ok", "first failing", "builds") else "left",
+                         overflow="fold")
+    builds = cached = 0
+    for s in searches:
+        b = s.boundary
+        builds += b.builds
+        cached += len(b.points) - b.builds
+        lim = profile.limits[s.name]
+        table.add_row(s.name, str(b.largest_ok), str(b.smallest_failing or "-"), lim.failure,
+                      f"{b.builds}/{len(b.points)}", (b.failing_point.evidence if b.failing_point else "clean")[:160])
+    console.print(table)
+    if not replace:
+        profile, kept = merge_into(out, profile)
+        if kept:
+            console.print(f"kept {kept} limits of {out} that this run did not probe")
+    profile.save(out)
+    console.print(f"{len(searches)} limits, {builds} builds, {cached} points from the cache ({cache}); "
+                  f"{time.perf_counter() - started:.1f} s")
+    console.print(f"profile: {out}")
 
 
 @toolkit_app.command("install")

@@ -17,9 +17,12 @@ class Limit:
     """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
 
     value: int
-    failure: str
+    failure: str                   # how the first size past it fails (see shard.probes.classify); none
     evidence: str
     source: str
+    toolkit: str = ""              # the toolkit version it was measured with
+    date: str = ""                 # when
+    failing: int | None = None     # the smallest size that failed
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""Probe points on disk, one JSON file each, keyed by (toolkit version, target, family, setting, size).
+
+A rerun, or a run that was interrupted, is served from here; a family's `version` is in the key,
+so changing a builder invalidates its old points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from shard.probes.search import Point
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SHARD_PROBE_CACHE") or Path.home() / ".cache" / "shard" / "probes")
+
+
+class PointCache:
+    def __init__(self, root: Path | None, toolkit: str, target: str, read: bool = True):
+        self.dir = None if root is None else Path(root) / toolkit.replace(" ", "-") / target
+        self.read = read
+
+    def _path(self, limit: str, version: int, size: int) -> Path:
+        return self.dir / limit / f"v{version}-{size}.json"
+
+    def get(self, limit: str, version: int, size: int) -> Point | None:
+        if self.dir is None or not self.read:
+            return None
+        try:
+            data = json.loads(self._path(limit, version, size).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return Point(**{**data, "cached": True})
+
+    def put(self, limit: str, version: int, point: Point) -> None:
+        if self.dir is None:
+            return
+        path = self._path(limit, version, point.size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**asdict(point), "cached": False}, f)
+        os.replace(tmp, path)  # a point is on disk whole or not at all

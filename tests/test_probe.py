@@ -1,0 +1,153 @@
+"""shard probe: the search, the failure classifier, the cache, and families through the real compiler."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import DATA, shard_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shard.probes.cache import PointCache
+from shard.probes.classify import classify_build, classify_numeric
+from shard.probes.search import Point, find_boundary
+from shard.targets.rknn_log import parse_build_log
+
+
+def oracle(boundary: int, calls: list[int]):
+    def test(size: int) -> Point:
+        calls.append(size)
+        return Point(size, size <= boundary, None if size <= boundary else "regtask")
+    return test
+
+
+@settings(max_examples=300, deadline=None)
+@given(boundary=st.integers(1, 1 << 20), start=st.sampled_from([1, 64, 1024, 4096]))
+def test_search_finds_the_exact_boundary_in_logarithmic_builds(boundary, start):
+    calls: list[int] = []
+    found = find_boundary(oracle(boundary, calls), start, 1 << 21)
+    assert (found.largest_ok, found.smallest_failing) == (boundary, boundary + 1)
+    assert len(calls) == len(set(calls))  # no size built twice
+    assert len(calls) <= 2 * math.ceil(math.log2(1 << 21)) + 2
+
+
+@pytest.mark.parametrize("boundary, start", [(65536, 1024), (8192, 256), (8, 1)])
+def test_power_of_two_boundaries_cost_one_build_past_the_doubling(boundary, start):
+    calls: list[int] = []
+    found = find_boundary(oracle(boundary, calls), start, 1 << 20)
+    assert found.largest_ok == boundary
+    doubling = int(math.log2(boundary // start)) + 2  # start .. boundary, then 2 x boundary fails
+    assert calls == [start << k for k in range(doubling)] + [boundary + 1]
+
+
+def test_search_reports_no_failure_up_to_the_maximum_and_total_failure():
+    calls: list[int] = []
+    clean = find_boundary(oracle(10 ** 9, calls), 1024, 50000)
+    assert (clean.largest_ok, clean.smallest_failing) == (50000, None)
+    broken = find_boundary(oracle(0, []), 1024, 50000)
+    assert (broken.largest_ok, broken.smallest_failing) == (None, 1)
+    below = find_boundary(oracle(300, []), 1024, 50000)  # the start already fails: search below it
+    assert (below.largest_ok, below.smallest_failing) == (300, 301)
+
+
+def test_classifier_on_a_real_regtask_log():
+    diag = parse_build_log((DATA / "regtask-add-131072.txt").read_text())
+    point = classify_build(131072, {"ok": True, "rc": {"build": 0}}, diag)
+    assert (point.ok, point.failure) == (False, "regtask")
+    assert "REGTASK lines, first: E RKNN:" in point.evidence and "limit: 0x1fff" in point.evidence
+
+
+def test_classifier_finds_the_slow_strided_conv_in_real_logs():
+    macs = 32 * 32 * 64 * 16 * 8 * 8  # stride 8: 32x32 outputs, 64 channels, 16 in, 8x8 kernel
+    slow = classify_build(8, {"ok": True}, parse_build_log((DATA / "conv-stride8-cin16.txt").read_text()), macs)
+    assert (slow.ok, slow.failure) == (False, "slow")
+    assert slow.figures["estimated_cycles"] == 1019904 + 27025  # the stride-4 Conv_split + the subsampling select
+    assert "7.99x the peak rate" in slow.evidence
+    macs7 = 36 * 36 * 64 * 16 * 7 * 7
+    fast = classify_build(7, {"ok": True}, parse_build_log((DATA / "conv-stride7-cin16.txt").read_text()), macs7)
+    assert fast.ok and fast.figures["cycles_per_peak"] == pytest.approx(2.0, abs=0.05)
+
+
+def test_classifier_orders_crash_build_error_cpu_and_numeric():
+    clean = parse_build_log("")
+    crash = classify_build(1, {"ok": False, "error": "Traceback...\nIndexError: list index out of range"}, clean)
+    assert (crash.failure, crash.evidence) == ("crash", "IndexError: list index out of range")
+    failed = classify_build(1, {"ok": False, "rc": {"config": 0, "load_onnx": -1}},
+                            parse_build_log("E load_onnx: opset 21 unsupported\n"))
+    assert failed.failure == "build-error" and "load_onnx() returned -1" in failed.evidence
+    cpu = classify_build(1, {"ok": True}, parse_build_log(
+        "D RKNN: [00:21:01.771] 1    exSoftmax13        FLOAT16  CPU    (1,1,1,8193)                             "
+        "(1,1,1,8193)           0/0/0                    64           exSoftmax13:y\n"))
+    assert cpu.failure == "cpu-fallback" and "exSoftmax13" in cpu.evidence
+    assert classify_numeric(Point(4, True), 0.9).failure == "numeric"
+    assert classify_numeric(Point(4, True), float("nan")).failure == "numeric"
+    assert classify_numeric(Point(4, True), 0.99995).ok
+
+
+def test_cache_round_trip_keyed_by_version(tmp_path):
+    cache = PointCache(tmp_path, "rknn-toolkit2 2.5.0", "rk3588")
+    cache.put("add-width@h1", 1, Point(65537, False, "regtask", "E RKNN: ...", {"estimated_cycles": 0}))
+    got = cache.get("add-width@h1", 1, 65537)
+    assert got.cached and (got.ok, got.failure, got.evidence) == (False, "regtask", "E RKNN: ...")
+    assert cache.get("add-width@h1", 2, 65537) is None  # a changed builder does not reuse old points
+    assert PointCache(tmp_path, "rknn-toolkit2 2.5.0", "rk3588", read=False).get("add-width@h1", 1, 65537) is None
+
+
+def test_unknown_family_and_target_are_refused(tmp_path):
+    out = shard_cli("probe", "--families", "add-width,bogus-width", "--cache-dir", tmp_path)
+    assert out.returncode == 1 and "unknown probe family bogus-width" in out.stderr
+    out = shard_cli("probe", "--target", "cpu", "--cache-dir", tmp_path)
+    assert out.returncode == 1 and "no probe families" in out.stderr
+
+
+@pytest.mark.toolkit
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("rknnlite") is not None,
+                    reason="rknn-toolkit-lite2 is installed (on a board)")
+def test_on_board_probing_says_it_needs_a_board(tmp_path):
+    out = shard_cli("probe", "--families", "add-width", "--on-board", "--cache-dir", tmp_path)
+    assert out.returncode == 1 and "rknn-toolkit-lite2 on an RK3588 board" in out.stderr
+
+
+@pytest.mark.toolkit
+def test_probe_finds_65536_then_serves_the_cache(tmp_path):
+    out, cache = tmp_path / "p.json", tmp_path / "cache"
+    args = ["probe", "--families", "add-width,conv-stride", "--cache-dir", cache, "-o", out]
+    first = shard_cli(*args)
+    assert first.returncode == 0, first.stderr
+    profile = json.loads(out.read_text())
+    h1 = profile["limits"]["add-width@h1"]
+    assert (h1["value"], h1["failing"], h1["failure"]) == (65536, 65537, "regtask")
+    assert "REGTASK" in h1["evidence"] and h1["toolkit"] == "rknn-toolkit2 2.5.0" and h1["date"]
+    assert int(h1["source"].split(", ")[1].split()[0]) <= 20  # new builds for this limit
+    stride = profile["limits"]["conv-stride@cin16"]
+    assert (stride["value"], stride["failing"], stride["failure"]) == (7, 8, "slow")
+    assert "estimated cycles" in stride["evidence"]
+
+    again = shard_cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert " 0 builds," in again.stdout
+    assert json.loads(out.read_text())["limits"]["add-width@h1"]["value"] == 65536
+
+    numeric = shard_cli("probe", "--families", "softmax-magnitude", "--max-size", "64", "--cache-dir", cache, "-o", out)
+    assert numeric.returncode == 0, numeric.stderr
+    assert "kept 5 limits" in numeric.stdout  # add-width x3 and conv-stride x2 stay in the profile
+    limits = json.loads(out.read_text())["limits"]
+    assert limits["softmax-magnitude@h12"]["failure"] == "none" and limits["softmax-magnitude@h12"]["value"] == 64
+    assert len(limits) == 6
+
+
+@pytest.mark.toolkit
+def test_the_shipped_profile_is_what_the_probe_measures(tmp_path):
+    """Every shipped rk3588 limit comes out of a fresh probe unchanged (a new toolkit fails this)."""
+    from shard.probes.runner import probe
+    from shard.profile import load_profile
+
+    shipped = load_profile("rk3588")
+    fresh, _ = probe("rk3588", jobs=2, cache_dir=tmp_path)
+    assert set(fresh.limits) == set(shipped.limits)
+    for name, limit in shipped.limits.items():
+        got = fresh.limits[name]
+        assert (got.value, got.failing, got.failure) == (limit.value, limit.failing, limit.failure), name
+        assert limit.toolkit == fresh.toolkit and limit.evidence.split(": ")[0] == got.evidence.split(": ")[0]
