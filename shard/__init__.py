@@ -10,7 +10,7 @@ _API = {
     "compile": ("shard.compiler", "compile_model"),
     "CompileOptions": ("shard.compiler", "CompileOptions"),
     "load": ("shard.runtime", "load"),
-    "verify": ("shard.verify", "verify_bundle"),
+    "verify": ("shard.verifier", "verify_bundle"),
     "ShardError": ("shard.errors", "ShardError"),
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -45,6 +45,10 @@ class Manifest:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     shards: list[ShardSpec]
+    # Layout steps the runtime does on the host, in numpy, before the first shard and after the
+    # last: tensors at the model's edges that no shard could take whole (see shard.runtime.host).
+    host_pre: list[dict] = field(default_factory=list)
+    host_post: list[dict] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
 

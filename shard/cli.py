@@ -85,12 +85,17 @@ def compile_command(
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
     profile: Optional[Path] = typer.Option(None, help="Target profile JSON instead of the shipped one."),
+    disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable): "
+                                                           "slow_paths, legalize, host_edges."),
+    dump_after: Optional[tuple[str, Path]] = typer.Option(None, "--dump-after", help="PASS DIR: write the graph "
+                                                                                     "after PASS as DIR/after-PASS.onnx."),
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET."""
     from shard.compiler import CompileOptions, compile_model
 
     options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape), shards=shards,
-                             max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None)
+                             max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
+                             disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {})
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -111,6 +116,16 @@ def print_compile_report(report: dict) -> None:
     console.print(f"{t['shards']} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
                   f"{t['single_core_fallbacks']} single-core fallbacks, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s")
+    before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
+    console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
+                  f"{t['estimated_cycles'] / 1e6:.1f} M after")
+    for name, passed in report["passes"].items():
+        for c in passed.get("changes", []):
+            cycles = (f" ({c['before_cycles'] / 1e6:.2f} M -> {c['after_cycles'] / 1e6:.2f} M estimated cycles)"
+                      if c.get("before_cycles") is not None else "")
+            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycles}")
+        for c in passed.get("not_fixed", []):
+            console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
     for s in report["shards"]:
         for op in s["diagnostics"].get("cpu_ops", []):
             console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
@@ -202,7 +217,7 @@ def verify_command(
     """Check a bundle against the original model: end to end, and each shard fed the reference's tensors."""
     from dataclasses import asdict
 
-    from shard.verify import verify_bundle
+    from shard.verifier import verify_bundle
 
     with progress_bar() as progress:
         report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress)
@@ -226,6 +241,41 @@ def verify_command(
         err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
         raise typer.Exit(1)
     console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}")
+
+
+@app.command("inspect")
+def inspect_command(
+    model: Path = typer.Argument(..., help="An ONNX model."),
+    target: str = typer.Option("rk3588", help="rk3588 or cpu."),
+    input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
+    profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
+    disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
+) -> None:
+    """List every op that breaks a limit of the target, its evidence, and what compile does about it."""
+    from shard.compiler import CompileOptions
+    from shard.inspection import inspect_model
+
+    options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape),
+                             profile=str(profile) if profile else None, disable=tuple(disable))
+    with progress_bar() as progress:
+        progress("inspect (rewriting passes, one-op builds)", 0, 1)
+        result = inspect_model(model, target, options)
+        progress("inspect (rewriting passes, one-op builds)", 1, 1)
+    table = Table(title=f"{model.name} on {target}: ops over a limit (profile {result.profile})")
+    for col in ("node", "op", "limit and evidence", "what compile does"):
+        table.add_column(col, overflow="fold")
+    order = {"rewrite": 0, "not fixed": 1, "cpu": 2}
+    for f in sorted(result.findings, key=lambda f: order[f.kind]):
+        style = {"rewrite": "", "not fixed": "red", "cpu": "yellow"}[f.kind]
+        table.add_row(f.node, f.op, f.reason, f"[{style}]{f.action}[/]" if style else f.action)
+    console.print(table)
+    for when, steps in (("before the first shard", result.host_pre), ("after the last shard", result.host_post)):
+        for step in steps:
+            console.print(f"host step {when}: {step['op']} {step.get('input') or ', '.join(step['inputs'])} -> "
+                          f"{step['output']}")
+    counts = {k: sum(1 for f in result.findings if f.kind == k) for k in order}
+    console.print(f"{counts['rewrite']} rewrites, {counts['not fixed']} over a limit and not fixed, "
+                  f"{counts['cpu']} ops that would run on the CPU")
 
 
 @app.command("probe")

@@ -18,6 +18,7 @@ from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec
 from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, dtype_name, load_model, quiet_graphsurgeon, sha256_file, to_toolkit_model
 from shard.passes import PassContext, run_pipeline
+from shard.passes.fit import Legality
 from shard.profile import load_profile
 from shard.targets import ShardBuild, ShardJob, get_target
 
@@ -34,6 +35,8 @@ class CompileOptions:
     jobs: int = 2                   # vendor builds in parallel
     timeout: float = 1800.0         # seconds one vendor build may take
     profile: str | None = None      # a profile file instead of the shipped one
+    disable: tuple[str, ...] = ()   # optional passes to skip
+    dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
 
 
 @dataclass
@@ -67,9 +70,17 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     graph = gs.import_onnx(proto)
     del proto
 
-    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE).
-    ctx = PassContext(profile=profile, options=options)
-    graph = run_pipeline(graph, ctx, on_pass=lambda name: progress(name, 0, 1))
+    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE). Where the target has
+    #    a toolkit, passes ask it about single ops and small regions (cached builds).
+    ops = tgt.pass_toolkit(profile, options)
+    ctx = PassContext(profile=profile, options=options, ops=ops,
+                      legality=Legality(profile, ops) if profile.limits else None)
+    try:
+        graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
+                             dump_after=options.dump_after)
+    finally:
+        if ops is not None:
+            ops.close()
     plans = ctx.plan
     t_passes = time.monotonic() - t0
 
@@ -107,8 +118,9 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             target=target, source=source, shard_version=__version__,
             profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
             build=build,
-            inputs=[tensor_spec(t) for t in graph.inputs],
-            outputs=[tensor_spec(t) for t in graph.outputs],
+            inputs=ctx.model_inputs or [tensor_spec(t) for t in graph.inputs],
+            outputs=ctx.model_outputs or [tensor_spec(t) for t in graph.outputs],
+            host_pre=ctx.host_pre, host_post=ctx.host_post,
             shards=[ShardSpec(name=p.name, onnx=f"shards/{p.name}.onnx",
                               artifact=f"shards/{p.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None,
                               log=f"logs/{p.name}.log", inputs=[tensor_spec(t) for t in p.inputs],
@@ -173,9 +185,17 @@ def make_report(passes: dict, manifest: Manifest, builds: list[ShardBuild], seco
         values = [s["diagnostics"].get(key, 0) for s in shards]
         return sum(len(v) if isinstance(v, list) else v for v in values)
 
+    after = total("estimated_cycles")
     return {"passes": passes, "shards": shards,
             "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
                        "single_core_fallbacks": total("single_core_fallbacks"),
-                       "estimated_cycles": total("estimated_cycles")},
+                       "estimated_cycles": after, "estimated_cycles_before_passes": after + rewrite_delta(passes)},
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+
+
+def rewrite_delta(passes: dict) -> int:
+    """Cycles the rewrites saved, each measured by building its region before and after alone.
+    The whole model before the passes is then the built shards' sum plus this."""
+    return sum((c.get("before_cycles") or 0) - (c.get("after_cycles") or 0)
+               for report in passes.values() for c in report.get("changes", []) if "before_cycles" in c)

@@ -63,3 +63,11 @@ def test_board_backend_needs_rknnlite(bundle):
 
     with pytest.raises(TargetError, match="rknn-toolkit-lite2"):
         shard.load(bundle, backend="board")
+
+
+def test_public_api_names_survive_importing_their_modules():
+    """`import shard.x` sets the attribute shard.x; no public function may share a module's name."""
+    code = ("import shard, shard.verifier, shard.compiler, shard.runtime\n"
+            "print(all(callable(getattr(shard, n)) for n in ('compile', 'load', 'verify')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import onnx_graphsurgeon as gs
@@ -27,26 +28,54 @@ class PassContext:
 
     profile: Profile
     options: object
+    legality: object = None          # shard.passes.fit.Legality; None where the target has no limits
+    ops: object = None               # small vendor builds (shard.probes.oneop.ToolkitOps) or None
     reports: dict[str, dict] = field(default_factory=dict)
+    host_candidates: set[str] = field(default_factory=set)   # layout nodes that may run on the host
+    host_pre: list[dict] = field(default_factory=list)       # set by host_edges
+    host_post: list[dict] = field(default_factory=list)
+    model_inputs: list = field(default_factory=list)         # the model's own inputs and outputs
+    model_outputs: list = field(default_factory=list)
     plan: object = None  # set by partition
 
 
 # The order of the RK3588 pipeline; every name is a module in this package.
-PIPELINE = ["canonicalize", "partition"]
+PIPELINE = ["canonicalize", "slow_paths", "legalize", "host_edges", "partition"]
+REQUIRED = ("canonicalize", "partition")   # the compile cannot go on without these
 
 
 def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (),
-                 on_pass: Callable[[str], None] = lambda name: None) -> gs.Graph:
-    """Run each enabled pass in order; each must leave a valid, toposorted graph."""
-    from shard.passes import canonicalize, partition  # noqa: F401  (registers the passes)
+                 on_pass: Callable[[str], None] = lambda name: None,
+                 dump_after: dict[str, str] | None = None, until: str | None = None) -> gs.Graph:
+    """Run each enabled pass in order; each must leave a valid, toposorted graph.
+    dump_after: {pass name: directory} to write the graph after that pass as ONNX.
+    until: stop before this pass (inspect runs the rewrites without partitioning)."""
+    from shard.passes import canonicalize, host_edges, legalize, partition, slow_paths  # noqa: F401  (registers)
 
-    unknown = set(disable) - set(PIPELINE)
-    if unknown:
-        raise ShardError(f"unknown pass {', '.join(sorted(unknown))}; passes: {', '.join(PIPELINE)}")
+    for flag, names in (("--disable", disable), ("--dump-after", dump_after or {})):
+        unknown = set(names) - set(PIPELINE)
+        if unknown:
+            raise ShardError(f"{flag}: unknown pass {', '.join(sorted(unknown))}; passes: {', '.join(PIPELINE)}")
+    required = set(disable) & set(REQUIRED)
+    if required:
+        raise ShardError(f"--disable: {', '.join(sorted(required))} cannot be disabled; "
+                         f"optional passes: {', '.join(p for p in PIPELINE if p not in REQUIRED)}")
     for name in PIPELINE:
+        if name == until:
+            break
         if name in disable:
+            ctx.reports[name] = {"disabled": True}
             continue
         on_pass(name)
         graph, ctx.reports[name] = PASSES[name](graph, ctx)
         graph.cleanup().toposort()
+        if dump_after and name in dump_after:
+            dump_graph(graph, Path(dump_after[name]) / f"after-{name}.onnx")
     return graph
+
+
+def dump_graph(graph: gs.Graph, path: Path) -> None:
+    import onnx
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(gs.export_onnx(graph.copy()), path, save_as_external_data=True, location=f"{path.name}.data")

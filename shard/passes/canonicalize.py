@@ -1,7 +1,8 @@
-"""canonicalize: fixed input shapes, folded constants, no Identity, every tensor's shape known."""
+"""canonicalize: fixed input shapes, folded constants, no Identity or no-op Cast, every tensor's shape known."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
@@ -38,11 +39,23 @@ def fix_input_shapes(graph: gs.Graph, overrides: dict[str, tuple[int, ...]]) -> 
     return changed
 
 
+def is_noop(node: gs.Node) -> bool:
+    """Identity, or a Cast to the dtype its input already has (exporters leave these in)."""
+    if node.op == "Identity":
+        return True
+    if node.op == "Cast" and node.inputs and node.inputs[0].dtype is not None:
+        import onnx
+
+        to = onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])
+        return np.dtype(node.inputs[0].dtype) == to
+    return False
+
+
 def remove_identities(graph: gs.Graph) -> int:
-    """Bypass Identity nodes, keeping the output's name where it is a graph output."""
+    """Bypass Identity nodes and no-op Casts, keeping the output's name where it is a graph output."""
     outputs = set(id(t) for t in graph.outputs)
     removed = 0
-    for node in [n for n in graph.nodes if n.op == "Identity"]:
+    for node in [n for n in graph.nodes if is_noop(n)]:
         src, dst = node.inputs[0], node.outputs[0]
         if id(dst) in outputs:
             continue

@@ -24,22 +24,20 @@ class PointCache:
         self.dir = None if root is None else Path(root) / toolkit.replace(" ", "-") / target
         self.read = read
 
-    def _path(self, limit: str, version: int, size: int) -> Path:
-        return self.dir / limit / f"v{version}-{size}.json"
-
-    def get(self, limit: str, version: int, size: int) -> Point | None:
+    def get(self, limit: str, version: int, size: int | str) -> Point | None:
+        """The cached point for a family's size, or (size a digest) for one model under `limit`."""
         if self.dir is None or not self.read:
             return None
         try:
-            data = json.loads(self._path(limit, version, size).read_text())
+            data = json.loads((self.dir / limit / f"v{version}-{size}.json").read_text())
         except (OSError, json.JSONDecodeError):
             return None
         return Point(**{**data, "cached": True})
 
-    def put(self, limit: str, version: int, point: Point) -> None:
+    def put(self, limit: str, version: int, point: Point, size: int | str | None = None) -> None:
         if self.dir is None:
             return
-        path = self._path(limit, version, point.size)
+        path = self.dir / limit / f"v{version}-{point.size if size is None else size}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:

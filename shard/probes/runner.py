@@ -73,12 +73,19 @@ class RknnProber:
 
     def test(self, family: Family, setting: str, size: int) -> Point:
         params = family.settings[setting]
-        model = family.build(size, params)
-        stem = self.scratch / f"{limit_name(family, setting)}-{size}"
+        return self.run_model(family.build(size, params), f"{limit_name(family, setting)}-{size}", size,
+                              family.macs(size, params) if family.macs else None,
+                              family.input_range(size, params) if family.numeric else None)
+
+    def run_model(self, model: onnx.ModelProto, stem: str, size: int = 0, macs: int | None = None,
+                  simulate_range: float | None = None) -> Point:
+        """Build one model, classify what the compiler said; simulate it (inputs uniform in
+        +-simulate_range) or run it on the board where asked."""
+        stem = self.scratch / stem
         onnx_path, log = stem.with_suffix(".onnx"), stem.with_suffix(".log")
         artifact = stem.with_suffix(".rknn") if self.board else None
         onnx.save(model, onnx_path)
-        key = stem.name if family.numeric else None
+        key = stem.name if simulate_range is not None else None
         try:
             with self.pool.worker() as worker:
                 try:
@@ -88,12 +95,13 @@ class RknnProber:
                 except WorkerFailed as exc:
                     return Point(size, False, "timeout" if exc.timed_out else "crash", f"the build {exc}")
                 diag = parse_build_log(log.read_text(errors="replace"))
-                macs = family.macs(size, params) if family.macs else None
                 point = classify_build(size, answer, diag, macs, self.macs_per_cycle, self.slow_factor)
-                if point.ok and family.numeric:
-                    point = self._simulate(worker, key, model, family.input_range(size, params), point)
+                point.figures["layers"] = [[layer.op, layer.target, layer.cycles] for layer in diag.layers
+                                           if layer.op not in ("InputOperator", "OutputOperator")]
+                if point.ok and key is not None:
+                    point = self._simulate(worker, key, model, simulate_range, point)
             if point.ok and self.board:
-                point = self._on_board(artifact, model, family.input_range(size, params), point)
+                point = self._on_board(artifact, model, simulate_range or 1.0, point)
             return point
         finally:
             for path in (onnx_path, log, artifact):

@@ -18,6 +18,7 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.errors import RunError
 from shard.runtime.executors import make_executors
+from shard.runtime.host import run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
 
@@ -129,10 +130,11 @@ class Session:
 
     def _submit(self, inputs: dict[str, np.ndarray]) -> int:
         frame = next(self._frames)
-        self.scheduler.submit(frame, self.check_inputs(inputs))
+        self.scheduler.submit(frame, run_host(self.manifest.host_pre, self.check_inputs(inputs)))
         return frame
 
     def _outputs(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        run_host(self.manifest.host_post, tensors)
         return {t.name: tensors[t.name] for t in self.manifest.outputs}
 
     def _close_executors(self) -> None:

@@ -40,6 +40,10 @@ class Target(Protocol):
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]: ...
 
+    def pass_toolkit(self, profile, options):
+        """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""
+        ...
+
 
 def get_target(name: str) -> Target:
     from shard.targets.cpu import CpuTarget

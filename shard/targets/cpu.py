@@ -18,6 +18,9 @@ class CpuTarget:
     def check_environment(self) -> None:
         pass
 
+    def pass_toolkit(self, profile, options):
+        return None
+
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
         results = []

@@ -27,6 +27,12 @@ class Rk3588Target:
     def check_environment(self) -> None:
         find_python(self.name)
 
+    def pass_toolkit(self, profile, options):
+        from shard.probes.oneop import ToolkitOps
+
+        return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
+                          timeout=getattr(options, "timeout", 300.0))
+
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
         """Build every shard, `workers` at a time, each worker process reused for many builds."""

@@ -12,6 +12,7 @@ import onnx
 from shard.bundle import read_manifest
 from shard.graph import load_model, sha256_file
 from shard.runtime import Session, random_inputs
+from shard.runtime.host import run_host
 
 
 @dataclass
@@ -55,6 +56,19 @@ def reference_session(model: onnx.ModelProto, extra_outputs: list[str]):
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reference's values of the pieces the runtime concatenates into graph outputs on the host."""
+    shapes = {t.name: t.shape for s in manifest.shards for t in s.outputs}
+    pieces = {}
+    for step in manifest.host_post:
+        if step["op"] != "concat" or step["output"] not in expected or not all(n in shapes for n in step["inputs"]):
+            continue
+        edges = np.cumsum([shapes[n][step["axis"]] for n in step["inputs"]])[:-1]
+        for name, part in zip(step["inputs"], np.split(expected[step["output"]], edges, axis=step["axis"])):
+            pieces[name] = part
+    return pieces
+
+
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
                   progress: Callable[[str, int, int], None] = lambda *a: None) -> VerifyReport:
@@ -73,6 +87,8 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
     names = [o.name for o in ref.get_outputs()]
     expected = dict(zip(names, ref.run(names, inputs)))
     expected.update(inputs)
+    run_host(manifest.host_pre, expected)  # the tensors the first shards take, as the runtime makes them
+    expected.update(unjoin(manifest, expected))
 
     own_session = session is None
     session = session or Session(bundle, backend)

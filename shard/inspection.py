@@ -1,0 +1,66 @@
+"""inspect: what breaks the target's limits in a model, and what compile will do about each.
+
+Runs the rewriting passes (not the partition, not the builds) and gathers their findings, with the
+same reason sentences the passes write into a bundle's report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_graphsurgeon as gs
+
+from shard.graph import load_model, quiet_graphsurgeon
+from shard.passes import PassContext, run_pipeline
+from shard.passes.fit import Legality
+from shard.profile import load_profile
+from shard.targets import get_target
+
+
+@dataclass
+class Finding:
+    node: str
+    op: str
+    reason: str          # which limit, with its evidence
+    action: str          # what compile does
+    kind: str            # rewrite | not fixed | cpu | host
+
+
+@dataclass
+class Inspection:
+    target: str
+    profile: str
+    findings: list[Finding] = field(default_factory=list)
+    host_pre: list[dict] = field(default_factory=list)
+    host_post: list[dict] = field(default_factory=list)
+
+
+def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> Inspection:
+    from shard.compiler import CompileOptions
+
+    options = options or CompileOptions()
+    tgt = get_target(target)
+    profile = load_profile(target, options.profile)
+    quiet_graphsurgeon()
+    graph = gs.import_onnx(load_model(model))
+    ops = tgt.pass_toolkit(profile, options)
+    ctx = PassContext(profile=profile, options=options, ops=ops, legality=Legality(profile, ops) if profile.limits else None)
+    try:
+        run_pipeline(graph, ctx, options.disable, until="partition")
+    finally:
+        if ops is not None:
+            ops.close()
+    result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post)
+    for name in ("slow_paths", "legalize"):
+        report = ctx.reports.get(name, {})
+        for c in report.get("changes", []):
+            cycles = (f" ({c['before_cycles'] / 1e6:.2f} M -> {c['after_cycles'] / 1e6:.2f} M estimated cycles)"
+                      if c.get("before_cycles") is not None else "")
+            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycles, "rewrite"))
+        for c in report.get("not_fixed", []):
+            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"], "not fixed"))
+        for c in report.get("reported", []):
+            result.findings.append(Finding(c["node"], c["op"], c["reason"], "left to the vendor compiler (runs on the CPU)",
+                                           "cpu"))
+    return result

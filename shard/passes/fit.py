@@ -1,0 +1,127 @@
+"""Does one op, at its real shapes, fit the target? The profile first; where it cannot decide, a
+one-op build of exactly that op in the toolkit worker (cached on disk).
+
+Only failures that make a build unusable count here (regtask, error, build-error, crash): an op
+that would land on the CPU still runs, and in isolation that verdict is often wrong (the compiler
+fuses Softmax into its attention kernel), so it is reported, not rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper, numpy_helper
+
+from shard.profile import Profile
+
+HARD_FAILURES = ("regtask", "error", "build-error", "crash")
+
+# The probe family whose limits speak for an op, and the setting key its [1,1,H,N] shape selects.
+FAMILY_OF = {"Add": ("add-width", "h"), "Sub": ("add-width", "h"), "Mul": ("mul-width", "h"),
+             "Div": ("mul-width", "h"), "Sigmoid": ("sigmoid-width", "h"), "Exp": ("exp-width", "h"),
+             "Softmax": ("softmax-width", "r"), "Concat": ("concat-width", "h")}
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    failure: str | None = None
+    reason: str = ""            # one sentence: which limit or build says so
+
+
+@dataclass
+class OpSpec:
+    """One op at concrete shapes, detached from its graph."""
+
+    op: str
+    attrs: dict
+    inputs: list[tuple[list[int], np.ndarray | None]]   # (shape, value if constant)
+    outputs: list[list[int]]
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @classmethod
+    def of(cls, node: gs.Node) -> OpSpec:
+        ins = [(list(t.shape), t.values if isinstance(t, gs.Constant) else None) for t in node.inputs]
+        return cls(node.op, dict(node.attrs), ins, [list(t.shape) for t in node.outputs])
+
+    def key(self) -> str:
+        consts = [None if v is None else (v.tolist() if v.size <= 16 else f"{v.dtype}{list(v.shape)}")
+                  for _, v in self.inputs]
+        return repr((self.op, sorted(self.attrs.items()), [s for s, _ in self.inputs], consts, self.outputs))
+
+    def model(self) -> onnx.ModelProto:
+        """This op alone; large float constants become seeded noise of their shape (values do not
+        change legality, and zeros would let the compiler fold the op away)."""
+        names = [f"in{k}" for k in range(len(self.inputs))]
+        graph_inputs, inits = [], []
+        for name, (shape, value) in zip(names, self.inputs):
+            if value is None:
+                graph_inputs.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+            else:
+                keep = value if value.size <= 1024 or value.dtype.kind != "f" else \
+                    np.random.default_rng(0).standard_normal(value.shape).astype(value.dtype)
+                inits.append(numpy_helper.from_array(np.asarray(keep), name))
+        outs = [helper.make_tensor_value_info(f"out{k}", onnx.TensorProto.FLOAT, s) for k, s in enumerate(self.outputs)]
+        node = helper.make_node(self.op, names, [f"out{k}" for k in range(len(self.outputs))], **self.attrs)
+        m = helper.make_model(helper.make_graph([node], "op", graph_inputs, outs, initializer=inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        return m
+
+
+class OpBuilder(Protocol):
+    def check(self, spec: OpSpec) -> Verdict: ...
+
+
+class Legality:
+    """Verdicts per op spec: from the profile's limits where a family and setting match the shape,
+    else from `builder` (a one-op vendor build), else (no builder) the op is taken to fit."""
+
+    def __init__(self, profile: Profile, builder: OpBuilder | None = None):
+        self.profile = profile
+        self.builder = builder
+        self.seen: dict[str, Verdict] = {}
+
+    def check(self, spec: OpSpec) -> Verdict:
+        key = spec.key()
+        if key not in self.seen:
+            self.seen[key] = self._from_profile(spec) or (self.builder.check(spec) if self.builder else Verdict(True))
+        return self.seen[key]
+
+    def _from_profile(self, spec: OpSpec) -> Verdict | None:
+        family = FAMILY_OF.get(spec.op)
+        shape = spec.outputs[0]
+        if family is None or len(shape) != 4 or shape[:2] != [1, 1]:
+            return None
+        name = f"{family[0]}@{family[1]}{shape[2]}"
+        limit = self.profile.limits.get(name)
+        if limit is None or limit.failure == "none" and shape[3] > limit.value:
+            return None  # not measured at this setting, or only up to a smaller size
+        if shape[3] <= limit.value:
+            return Verdict(True, None, f"{name}: N={shape[3]} <= {limit.value}")
+        if limit.failure not in HARD_FAILURES:
+            return Verdict(True, limit.failure, f"{name}: N={shape[3]} > {limit.value} ({limit.failure}, not rewritten)")
+        return Verdict(False, limit.failure, f"{name}: N={shape[3]} > {limit.value} ({limit.failure})")
+
+
+class WidthLimit:
+    """A stand-in limit for tests and what-ifs: every tensor's last axis at most `width`, and at
+    most `elements` elements per tensor."""
+
+    def __init__(self, width: int, elements: int | None = None):
+        self.width, self.elements = width, elements
+
+    def check(self, spec: OpSpec) -> Verdict:
+        for shape in [s for s, v in spec.inputs if v is None] + spec.outputs:
+            if shape and shape[-1] > self.width:
+                return Verdict(False, "regtask", f"last axis {shape[-1]} > {self.width}")
+            if self.elements and int(np.prod(shape)) > self.elements:
+                return Verdict(False, "regtask", f"{int(np.prod(shape))} elements > {self.elements}")
+        return Verdict(True)
+
+
+Checker = Callable[[OpSpec], Verdict]

@@ -1,0 +1,93 @@
+"""host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime.
+
+A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
+already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output
+is a graph output runs after the last. Their NPU-side tensors become the graph's new inputs and
+outputs, so no shard edge carries the oversize tensor (FACTS: splitting an oversize graph input
+on the NPU overflows just the same). The bundle keeps the model's own inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from shard.bundle import TensorSpec
+from shard.graph import dtype_name
+from shard.passes import PassContext, register
+
+PRE_OPS = ("Slice", "Reshape", "Transpose")
+POST_OPS = ("Concat", "Reshape", "Transpose")
+
+
+def spec(t: gs.Variable) -> TensorSpec:
+    return TensorSpec(t.name, [int(d) for d in t.shape], dtype_name(t.dtype))
+
+
+def const(node: gs.Node, k: int) -> np.ndarray | None:
+    t = node.inputs[k] if k < len(node.inputs) else None
+    return t.values if isinstance(t, gs.Constant) else None
+
+
+def host_step(node: gs.Node) -> dict | None:
+    """The runtime step for a node, or None if this node cannot run on the host as it is."""
+    data, out = node.inputs[0], node.outputs[0]
+    if node.op == "Slice":
+        starts, ends, axes = (const(node, k) for k in (1, 2, 3))
+        steps = const(node, 4)
+        if starts is None or ends is None or axes is None or starts.size != 1 or (steps is not None and steps.ravel()[0] != 1):
+            return None
+        rank = len(data.shape)
+        return {"op": "slice", "input": data.name, "output": out.name, "axis": int(axes.ravel()[0]) % rank,
+                "start": int(starts.ravel()[0]), "end": min(int(ends.ravel()[0]), int(data.shape[int(axes.ravel()[0])]))}
+    if node.op == "Reshape":
+        return {"op": "reshape", "input": data.name, "output": out.name, "shape": [int(d) for d in out.shape]}
+    if node.op == "Transpose":
+        return {"op": "transpose", "input": data.name, "output": out.name, "perm": list(node.attrs["perm"])}
+    if node.op == "Concat":
+        return {"op": "concat", "inputs": [t.name for t in node.inputs], "output": out.name,
+                "axis": node.attrs["axis"] % len(out.shape)}
+    return None
+
+
+@register("host_edges")
+def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
+    ctx.model_inputs = [spec(t) for t in graph.inputs]
+    ctx.model_outputs = [spec(t) for t in graph.outputs]
+    pre, post = [], []
+    on_host = {t.name for t in graph.inputs}
+    moved = True
+    while moved:  # inputs side: in dependency order, each step's input is already on the host
+        moved = False
+        for node in graph.nodes:
+            if node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs \
+                    and node.inputs[0].name in on_host and (step := host_step(node)):
+                out = node.outputs[0]
+                pre.append(step)
+                on_host.add(out.name)
+                node.outputs.clear()
+                node.inputs.clear()
+                graph.inputs.append(out)
+                moved = True
+    graph_outputs = {t.name for t in graph.outputs}
+    moved = True
+    while moved:  # outputs side, last step first
+        moved = False
+        for node in reversed(graph.nodes):
+            if node.name in ctx.host_candidates and node.op in POST_OPS and node.outputs \
+                    and node.outputs[0].name in graph_outputs and not node.outputs[0].outputs \
+                    and all(isinstance(t, gs.Variable) for t in node.inputs) and (step := host_step(node)):
+                out = node.outputs[0]
+                post.insert(0, step)
+                graph.outputs = [t for t in graph.outputs if t is not out]
+                node.outputs.clear()
+                for t in node.inputs:
+                    if t.name not in {o.name for o in graph.outputs}:
+                        graph.outputs.append(t)
+                graph_outputs = {t.name for t in graph.outputs}
+                node.inputs.clear()
+                moved = True
+    used = {t.name for n in graph.nodes for t in n.inputs}
+    graph.inputs = [t for t in graph.inputs if t.name in used or t.name in graph_outputs]
+    ctx.host_pre, ctx.host_post = pre, post
+    return graph, {"host_pre": pre, "host_post": post}

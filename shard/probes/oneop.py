@@ -1,0 +1,61 @@
+"""Small builds for the passes: is this one op legal at its real shapes, what does this region cost.
+
+Every model is built once per toolkit version: the verdict is cached on disk beside the probe points
+(keyed by the model's bytes), so the second compile of a model builds nothing here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from shard.passes.fit import HARD_FAILURES, OpSpec, Verdict
+from shard.probes.cache import PointCache, default_cache_dir
+from shard.probes.search import Point
+from shard.profile import Profile
+from shard.toolkit.env import find_python, read_marker
+from shard.toolkit.worker import WorkerPool
+
+MODELS = "by-model"
+
+
+class ToolkitOps:
+    def __init__(self, target: str, profile: Profile, build: dict, jobs: int = 1, timeout: float = 300.0,
+                 cache_dir: Path | None = None):
+        from shard.probes.runner import RknnProber
+
+        marker = read_marker(target) or {}
+        toolkit = f"rknn-toolkit2 {marker.get('packages', {}).get('rknn-toolkit2') or marker.get('version', '?')}"
+        self.cache = PointCache(cache_dir or default_cache_dir(), toolkit, target)
+        self.scratch = Path(tempfile.mkdtemp(prefix="shard-ops-"))
+        self.pool = WorkerPool(find_python(target), self.scratch, jobs)
+        slow = float(profile.facts.get("slow_factor", 4.0))
+        self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout)
+        self.builds = 0
+
+    def build(self, model: onnx.ModelProto, macs: int | None = None) -> Point:
+        """What the compiler says of this model (cycles in figures); from the cache when seen before."""
+        digest = hashlib.sha256(model.SerializeToString() + repr(macs).encode()).hexdigest()[:24]
+        point = self.cache.get(MODELS, 1, digest)
+        if point is None:
+            point = self.prober.run_model(model, digest, macs=macs)
+            self.cache.put(MODELS, 1, point, size=digest)
+            self.builds += 1
+        return point
+
+    def check(self, spec: OpSpec) -> Verdict:
+        point = self.build(spec.model())
+        where = f"one-op build of {spec.op} {spec.outputs[0]}"
+        if point.ok or point.failure not in HARD_FAILURES:
+            # A CPU placement or a slow estimate in isolation often differs inside the real graph
+            # (the compiler fuses Softmax into its attention kernel): the shard build reports those.
+            return Verdict(True, None, f"{where}: {point.failure or 'clean'}")
+        return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")
+
+    def close(self) -> None:
+        self.pool.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)

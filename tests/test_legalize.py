@@ -1,0 +1,195 @@
+"""legalize, host_edges and slow_paths on small synthetic graphs: numerics (onnxruntime before and
+after) and structure (no op over the limit; the pieces and host steps are there)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from conftest import make_model, run_ort
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+import shard
+from shard.compiler import CompileOptions
+from shard.graph import infer_shapes
+from shard.passes import PassContext
+from shard.passes.fit import Legality, OpSpec, WidthLimit
+from shard.passes.host_edges import host_edges
+from shard.passes.legalize import CHECKED, legalize, node_label
+from shard.profile import Limit, Profile
+from shard.runtime.host import run_host
+
+EMPTY = Profile("cpu", 1, "none")
+
+
+def legalized(model: onnx.ModelProto, width: int) -> tuple[gs.Graph, PassContext]:
+    graph = infer_shapes(gs.import_onnx(model))
+    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, WidthLimit(width)))
+    graph, ctx.reports["legalize"] = legalize(graph, ctx)
+    graph.cleanup().toposort()
+    graph, ctx.reports["host_edges"] = host_edges(graph, ctx)
+    graph.cleanup().toposort()
+    return graph, ctx
+
+
+def run_legalized(graph: gs.Graph, ctx: PassContext, feeds: dict) -> dict:
+    """The rewritten graph as the runtime runs it: host steps, the NPU graph, host steps."""
+    tensors = run_host(ctx.host_pre, dict(feeds))
+    model = gs.export_onnx(graph.copy())
+    model.ir_version = 8
+    names = [t.name for t in graph.outputs]
+    inputs = {t.name: np.ascontiguousarray(tensors[t.name]) for t in graph.inputs}
+    tensors.update(zip(names, run_ort(model, inputs)))
+    return run_host(ctx.host_post, tensors)
+
+
+def const(name, array):
+    return numpy_helper.from_array(np.asarray(array, np.float32), name)
+
+
+def test_oversize_add_is_split_and_its_edges_go_to_the_host():
+    model = make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add")], [("x", [1, 1, 1, 200])],
+                       [("y", [1, 1, 1, 200])])
+    graph, ctx = legalized(model, 64)
+    assert [n.op for n in graph.nodes] == ["Add"] * 4  # 200 = 4 pieces of at most 64 (50 each)
+    assert all(int(t.shape[-1]) <= 64 for t in [*graph.inputs, *graph.outputs])
+    assert [s["op"] for s in ctx.host_pre] == ["slice"] * 4 and [s["op"] for s in ctx.host_post] == ["concat"]
+    x = np.random.default_rng(0).standard_normal((1, 1, 1, 200)).astype(np.float32)
+    assert np.array_equal(run_legalized(graph, ctx, {"x": x})["y"], x + x)
+    change = ctx.reports["legalize"]["changes"][0]
+    assert change["node"] == "add" and "split into 4 along axis 3" in change["action"]
+
+
+def test_chains_stay_split_inside_the_graph():
+    """Sigmoid(Add(x, b)) with both over the limit: the Concat/Slice pair between them folds away."""
+    model = make_model([helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Sigmoid", ["a"], ["y"])],
+                       [("x", [2, 96])], [("y", [2, 96])], [const("b", np.arange(96) / 96)])
+    graph, ctx = legalized(model, 32)
+    assert ctx.reports["legalize"]["slices_folded"] == 3
+    assert sorted(n.op for n in graph.nodes) == ["Add"] * 3 + ["Sigmoid"] * 3
+    x = np.random.default_rng(1).standard_normal((2, 96)).astype(np.float32)
+    np.testing.assert_allclose(run_legalized(graph, ctx, {"x": x})["y"], run_ort(model, {"x": x})[0], rtol=0, atol=0)
+
+
+OPS = st.sampled_from(["add_const", "mul_self", "sigmoid", "softmax_rows", "matmul_n", "transpose"])
+
+
+@st.composite
+def chains(draw):
+    rank = draw(st.integers(2, 4))
+    shape = [1] * (rank - 2) + [draw(st.integers(1, 6)), draw(st.integers(2, 200))]
+    ops = draw(st.lists(OPS, min_size=1, max_size=4))
+    return shape, ops, draw(st.integers(2, 64))
+
+
+def chain_model(shape, ops, seed=0):
+    rng = np.random.default_rng(seed)
+    nodes, inits, x, cur = [], [], "x", list(shape)
+    for i, op in enumerate(ops):
+        out = f"t{i}"
+        if op == "add_const":
+            inits.append(const(f"b{i}", rng.standard_normal(cur[-1:])))
+            nodes.append(helper.make_node("Add", [x, f"b{i}"], [out]))
+        elif op == "mul_self":
+            nodes.append(helper.make_node("Mul", [x, x], [out]))
+        elif op == "sigmoid":
+            nodes.append(helper.make_node("Sigmoid", [x], [out]))
+        elif op == "softmax_rows":  # normalise over the second-last axis: the last axis splits safely
+            nodes.append(helper.make_node("Softmax", [x], [out], axis=len(cur) - 2))
+        elif op == "matmul_n":
+            n = int(rng.integers(2, 150))
+            inits.append(const(f"w{i}", rng.standard_normal((cur[-1], n)) / np.sqrt(cur[-1])))
+            nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [out]))
+            cur = cur[:-1] + [n]
+        elif op == "transpose":
+            perm = list(range(len(cur) - 2)) + [len(cur) - 1, len(cur) - 2]
+            nodes.append(helper.make_node("Transpose", [x], [out], perm=perm))
+            cur = [cur[p] for p in perm]
+        x = out
+    nodes[-1].output[0] = "y"
+    return make_model(nodes, [("x", shape)], [("y", cur)], inits)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chains())
+def test_legalize_keeps_numerics_and_every_op_within_the_limit(case):
+    shape, ops, width = case
+    model = chain_model(shape, ops)
+    graph, ctx = legalized(model, width)
+    x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(run_legalized(graph, ctx, {"x": x})["y"], run_ort(model, {"x": x})[0],
+                               rtol=1e-5, atol=1e-6)
+    stuck = {c["node"] for c in ctx.reports["legalize"]["not_fixed"]}
+    limit = WidthLimit(width)
+    for node in graph.nodes:
+        if node.op in CHECKED and node_label(node) not in stuck and not node.name.endswith("/legalize/concat") \
+                and "/legalize/slice" not in node.name:
+            assert limit.check(OpSpec.of(node)).ok, (node.op, [t.shape for t in node.outputs])
+    for t in [*graph.inputs, *graph.outputs]:  # what crosses into and out of the NPU graph fits
+        assert int(t.shape[-1]) <= width or any(c["node"] for c in ctx.reports["legalize"]["not_fixed"])
+
+
+def test_profile_limits_drive_a_cpu_compile_with_host_steps(tmp_path, save):
+    """A profile says Add fits up to 64 wide at H=1: compile for cpu splits, the runtime joins."""
+    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    model = make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add")], [("x", [1, 1, 1, 150])],
+                       [("y", [1, 1, 1, 150])])
+    result = shard.compile(save(model), "cpu", tmp_path / "a.shard", CompileOptions(profile=str(tmp_path / "p.json")))
+    manifest = json.loads((result.bundle / "manifest.json").read_text())
+    assert [s["op"] for s in manifest["host_pre"]] == ["slice"] * 3 and manifest["inputs"][0]["shape"] == [1, 1, 1, 150]
+    x = np.random.default_rng(3).standard_normal((1, 1, 1, 150)).astype(np.float32)
+    with shard.load(result.bundle, backend="cpu") as session:
+        assert np.array_equal(session.run({"x": x})["y"], x + x)
+    report = shard.verify(result.bundle, tmp_path / "model.onnx", backend="cpu")
+    assert report.passed and not report.skipped_shards  # the shards are checked alone too
+
+
+def patch_embed_model(c=3, o=8, hw=32, k=8, seed=0):
+    rng = np.random.default_rng(seed)
+    w, b = rng.standard_normal((o, c, k, k)) / k, rng.standard_normal(o)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], kernel_shape=[k, k], strides=[k, k], name="patch")
+    return make_model([node], [("x", [1, c, hw, hw])], [("y", [1, o, hw // k, hw // k])], [const("w", w), const("b", b)])
+
+
+def test_patch_conv_becomes_host_patches_and_a_matmul(tmp_path, save):
+    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7, "slow", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    model = patch_embed_model()
+    result = shard.compile(save(model), "cpu", tmp_path / "c.shard", CompileOptions(profile=str(tmp_path / "p.json")))
+    manifest = json.loads((result.bundle / "manifest.json").read_text())
+    assert [s["op"] for s in manifest["host_pre"]] == ["reshape", "transpose", "reshape"]
+    ops = [n.op_type for n in onnx.load(result.bundle / manifest["shards"][0]["onnx"]).graph.node]
+    assert "Conv" not in ops and "MatMul" in ops
+    x = np.random.default_rng(4).standard_normal((1, 3, 32, 32)).astype(np.float32)
+    with shard.load(result.bundle, backend="cpu") as session:
+        np.testing.assert_allclose(session.run({"x": x})["y"], run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert result.report["passes"]["slow_paths"]["changes"][0]["node"] == "patch"
+    disabled = shard.compile(save(model), "cpu", tmp_path / "d.shard",
+                             CompileOptions(profile=str(tmp_path / "p.json"), disable=("slow_paths",)))
+    assert disabled.report["passes"]["slow_paths"] == {"disabled": True}
+    assert json.loads((disabled.bundle / "manifest.json").read_text())["host_pre"] == []
+
+
+@pytest.mark.parametrize("stride, rewritten", [(4, False), (8, True)])
+def test_only_strides_past_the_profile_are_rewritten(tmp_path, save, stride, rewritten):
+    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7, "slow", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    result = shard.compile(save(patch_embed_model(k=stride)), "cpu", tmp_path / "c.shard",
+                           CompileOptions(profile=str(tmp_path / "p.json")))
+    assert bool(result.report["passes"]["slow_paths"]["changes"]) is rewritten
+
+
+def test_dump_after_writes_the_graph_after_a_pass(tmp_path, save):
+    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    model = make_model([helper.make_node("Add", ["x", "x"], ["y"])], [("x", [1, 1, 1, 100])], [("y", [1, 1, 1, 100])])
+    shard.compile(save(model), "cpu", tmp_path / "a.shard",
+                  CompileOptions(profile=str(tmp_path / "p.json"), dump_after={"legalize": str(tmp_path / "dump")}))
+    dumped = onnx.load(tmp_path / "dump" / "after-legalize.onnx")
+    assert [n.op_type for n in dumped.graph.node].count("Add") == 2
