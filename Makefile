@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 export SHARD_TORCH_INDEX_URL ?= $(TORCH_INDEX_URL)
 DEMO := build/siglip-base-512
 
-.PHONY: test demo toolkit bench clean
+.PHONY: test demo demo-tiles toolkit bench clean
 
 $(BIN)/shard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ demo: toolkit
 	$(BIN)/shard zoo export siglip-base-512 -o $(DEMO).onnx
 	$(BIN)/shard compile $(DEMO).onnx --target rk3588 -o $(DEMO).shard
 	$(BIN)/shard verify $(DEMO).shard --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
+
+# The same model with every attention cut into query tiles (nano-tiling), checked on the simulator.
+demo-tiles: toolkit
+	mkdir -p build
+	test -f $(DEMO).onnx || $(BIN)/shard zoo export siglip-base-512 -o $(DEMO).onnx
+	$(BIN)/shard compile $(DEMO).onnx --target rk3588 --tile-attention force -o $(DEMO)-tiles.shard
+	$(BIN)/shard verify $(DEMO)-tiles.shard --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
 
 bench: demo
 	$(BIN)/python bench/compile.py --model $(DEMO).onnx

@@ -86,7 +86,13 @@ def compile_command(
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
     profile: Optional[Path] = typer.Option(None, help="Target profile JSON instead of the shipped one."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable): "
-                                                           "slow_paths, legalize, host_edges."),
+                                                           "slow_paths, tile_attention, legalize, host_edges."),
+    tile_attention: str = typer.Option("auto", help="auto (tile attention only where a limit requires it), "
+                                                    "off, or force."),
+    fusion_barrier: str = typer.Option("check", help="check (confirm tiles stay apart in the vendor log), rules "
+                                                     "(also pass --disable-rule names to the toolkit) or pill."),
+    disable_rule: list[str] = typer.Option([], "--disable-rule", help="A toolkit fusion rule to switch off "
+                                                                      "(with --fusion-barrier rules; repeatable)."),
     dump_after: Optional[tuple[str, Path]] = typer.Option(None, "--dump-after", help="PASS DIR: write the graph "
                                                                                      "after PASS as DIR/after-PASS.onnx."),
 ) -> None:
@@ -95,7 +101,9 @@ def compile_command(
 
     options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape), shards=shards,
                              max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
-                             disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {})
+                             disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
+                             tile_attention=tile_attention, fusion_barrier=fusion_barrier,
+                             disable_rules=tuple(disable_rule))
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -124,6 +132,10 @@ def print_compile_report(report: dict) -> None:
             cycles = (f" ({c['before_cycles'] / 1e6:.2f} M -> {c['after_cycles'] / 1e6:.2f} M estimated cycles)"
                       if c.get("before_cycles") is not None else "")
             console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycles}")
+            if "tiles_survived" in c:
+                verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
+                console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
+                              f"layers of their own: {verdict}")
         for c in passed.get("not_fixed", []):
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
     for s in report["shards"]:

@@ -36,6 +36,9 @@ class CompileOptions:
     timeout: float = 1800.0         # seconds one vendor build may take
     profile: str | None = None      # a profile file instead of the shipped one
     disable: tuple[str, ...] = ()   # optional passes to skip
+    tile_attention: str = "auto"    # auto (only where a limit requires it), off, force
+    fusion_barrier: str = "check"   # check, rules (with disable_rules), pill
+    disable_rules: tuple[str, ...] = ()   # toolkit fusion rules to switch off (--fusion-barrier rules)
     dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
 
 
@@ -54,6 +57,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
                   options: CompileOptions | None = None, progress: Progress = lambda *a: None) -> CompileResult:
     """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
     options = options or CompileOptions()
+    check_options(options)
     model = Path(model)
     output = Path(output) if output else default_output(model)
     tgt = get_target(target)
@@ -102,6 +106,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             artifact = staging / "shards" / f"{plan.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
             jobs.append(ShardJob(name=plan.name, onnx=onnx_path, artifact=artifact, log=logs / f"{plan.name}.log"))
         build = tgt.build_options(options)
+        if ctx.build_config and "config" in build:
+            build["config"] = {**build["config"], **ctx.build_config}
         done: list[ShardBuild] = []
 
         def on_done(result: ShardBuild) -> None:
@@ -112,6 +118,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         builds = tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done)
         t_build = time.monotonic() - t0 - t_passes
 
+        confirm_tiles_in_logs(ctx.reports, jobs)
         shutil.copytree(logs, staging / "logs")
         profile.save(staging / "profile.json")
         manifest = Manifest(
@@ -140,6 +147,31 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         raise
     shutil.rmtree(logs, ignore_errors=True)
     return CompileResult(bundle=output, manifest=manifest, report=report)
+
+
+def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob]) -> None:
+    """Read the shard build logs' layer tables: did the attention tiles stay apart?"""
+    from shard.passes.tile_attention import confirm_tiles
+    from shard.targets.rknn_log import parse_build_log
+
+    changes = reports.get("tile_attention", {}).get("changes", [])
+    if not changes:
+        return
+    names = [layer.name for job in jobs if job.log.exists()
+             for layer in parse_build_log(job.log.read_text(errors="replace")).layers]
+    if names:  # targets without a layer table (cpu) have nothing to confirm
+        confirm_tiles(changes, names)
+
+
+def check_options(options: CompileOptions) -> None:
+    from shard.passes import fusion_barrier, tile_attention
+
+    for flag, value, modes in (("--tile-attention", options.tile_attention, tile_attention.MODES),
+                               ("--fusion-barrier", options.fusion_barrier, fusion_barrier.MODES)):
+        if value not in modes:
+            raise ShardError(f"{flag} {value!r}: expected one of {', '.join(modes)}")
+    if options.fusion_barrier == "rules" and not options.disable_rules:
+        raise ShardError("--fusion-barrier rules needs the rule names: --disable-rule NAME (repeatable)")
 
 
 def tensor_spec(tensor: gs.Variable) -> TensorSpec:

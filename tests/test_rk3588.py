@@ -89,6 +89,8 @@ def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     assert [s.core for s in m.shards] == [0, 1, 2]
     assert all(s.source_nodes for s in m.shards)
     assert result.report["totals"]["regtask_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
+    tiling = result.report["passes"]["tile_attention"]
+    assert tiling["found"] == 3 and tiling["changes"] == []  # auto: every attention builds clean whole
     report = shard.verify(result.bundle, onnx_path, backend="sim")
     assert report.passed and report.outputs[0].cosine >= 0.9999
     assert set(report.shards) == {"shard_000", "shard_001", "shard_002"}
@@ -144,3 +146,17 @@ def test_inspect_names_the_oversize_op_its_evidence_and_the_fix(save):
     assert "add-width@h1: N=131072 > 65536 (regtask)" in res.stdout and "split into 2 along axis 3" in res.stdout
     assert "host step before the first shard: slice x" in res.stdout
     assert "1 rewrites, 0 over a limit and not fixed" in res.stdout
+
+
+def test_forced_attention_tiles_survive_the_vendor_compiler(tmp_path):
+    onnx_path = tmp_path / "vit.onnx"
+    res = shard_cli("zoo", "export", "vit-tiny", "-o", onnx_path, "--layers", "2")
+    assert res.returncode == 0, res.stderr
+    result = shard.compile(onnx_path, "rk3588", tmp_path / "t.shard", CompileOptions(tile_attention="force", shards=2))
+    totals = result.report["totals"]
+    assert totals["regtask_lines"] == 0 and totals["cpu_ops"] == 0
+    changes = result.report["passes"]["tile_attention"]["changes"]
+    assert len(changes) == 2 and all(c["query_tiles"] >= 2 for c in changes)
+    assert all(c["tiles_survived"] and c["tiles_in_layer_table"] == c["query_tiles"] for c in changes)
+    report = shard.verify(result.bundle, onnx_path, backend="sim")
+    assert report.passed and report.outputs[0].cosine >= 0.9999

@@ -36,11 +36,12 @@ class PassContext:
     host_post: list[dict] = field(default_factory=list)
     model_inputs: list = field(default_factory=list)         # the model's own inputs and outputs
     model_outputs: list = field(default_factory=list)
+    build_config: dict = field(default_factory=dict)          # extra toolkit config(...) for every shard
     plan: object = None  # set by partition
 
 
 # The order of the RK3588 pipeline; every name is a module in this package.
-PIPELINE = ["canonicalize", "slow_paths", "legalize", "host_edges", "partition"]
+PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "fusion_barrier", "legalize", "host_edges", "partition"]
 REQUIRED = ("canonicalize", "partition")   # the compile cannot go on without these
 
 
@@ -50,7 +51,8 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
     """Run each enabled pass in order; each must leave a valid, toposorted graph.
     dump_after: {pass name: directory} to write the graph after that pass as ONNX.
     until: stop before this pass (inspect runs the rewrites without partitioning)."""
-    from shard.passes import canonicalize, host_edges, legalize, partition, slow_paths  # noqa: F401  (registers)
+    from shard.passes import (canonicalize, fusion_barrier, host_edges, legalize, partition,  # noqa: F401
+                              slow_paths, tile_attention)
 
     for flag, names in (("--disable", disable), ("--dump-after", dump_after or {})):
         unknown = set(names) - set(PIPELINE)
