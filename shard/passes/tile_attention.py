@@ -158,7 +158,6 @@ def sliced_mask(b: Builder, att: Attention, node: gs.Node, scores: gs.Tensor, ro
 def scores_tile(b: Builder, att: Attention, q: gs.Tensor, rows: tuple[int, int], cols: tuple[int, int],
                 name: str) -> gs.Tensor:
     """MatMul(Q rows, K^T cols) and the scale/mask nodes, for one tile."""
-    rank = len(att.qk.outputs[0].shape)
     kt = b.slice(att.kt, len(att.kt.shape) - 1, *cols, f"{name}/kt")
     shape = list(att.qk.outputs[0].shape[:-2]) + [rows[1] - rows[0], cols[1] - cols[0]]
     s = b.node("MatMul", f"{name}/qk", [q, kt], shape, att.qk.outputs[0])
@@ -171,7 +170,6 @@ def scores_tile(b: Builder, att: Attention, q: gs.Tensor, rows: tuple[int, int],
             ins = [s, node.inputs[1]]
         s = b.node(node.op, f"{name}/{node.op.lower()}", ins, shape, node.outputs[0], **node.attrs)
         prev = node.outputs[0]
-    assert len(shape) == rank
     return s
 
 
@@ -227,8 +225,8 @@ def region_model(att: Attention, rows: int | None = None, cols: int | None = Non
     tensors = {}
 
     def var(t: gs.Tensor, axis_sizes: dict[int, int]) -> gs.Tensor:
-        if isinstance(t, gs.Constant):
-            return t
+        if isinstance(t, gs.Constant):  # a copy: the model's own tensors must not gain consumers here
+            return gs.Constant(f"c{len(g.nodes)}_{len(g.inputs)}", t.values)
         shape = [axis_sizes.get(a, int(d)) for a, d in enumerate(t.shape)]
         v = gs.Variable(f"in{len(g.inputs)}", dtype=np.float32, shape=shape)
         g.inputs.append(v)
@@ -259,7 +257,7 @@ def region_model(att: Attention, rows: int | None = None, cols: int | None = Non
                 "mask", np.zeros([sizes.get(a, int(d)) for a, d in enumerate(mask.shape)], np.float32))
             s = add("Add", [s, m] if k == 1 else [m, s], shape)
         else:
-            s = add(node.op, [s, node.inputs[1]], shape)
+            s = add(node.op, [s, var(node.inputs[1], {})], shape)
         prev = node.outputs[0]
     p = add("Softmax", [s], shape, axis=-1)
     g.outputs = [add("MatMul", [p, tensors["v"]], shape[:-1] + [int(att.out.shape[-1])])]
