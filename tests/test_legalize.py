@@ -76,7 +76,8 @@ def test_chains_stay_split_inside_the_graph():
     np.testing.assert_allclose(run_legalized(graph, ctx, {"x": x})["y"], run_ort(model, {"x": x})[0], rtol=0, atol=0)
 
 
-OPS = st.sampled_from(["add_const", "mul_self", "sigmoid", "softmax_rows", "matmul_n", "transpose"])
+OPS = st.sampled_from(["add_const", "mul_self", "sigmoid", "softmax_rows", "softmax_last", "matmul_n", "matmul_k",
+                       "transpose", "concat_rows", "slice_rows", "reshape_split"])
 
 
 @st.composite
@@ -101,11 +102,27 @@ def chain_model(shape, ops, seed=0):
             nodes.append(helper.make_node("Sigmoid", [x], [out]))
         elif op == "softmax_rows":  # normalise over the second-last axis: the last axis splits safely
             nodes.append(helper.make_node("Softmax", [x], [out], axis=len(cur) - 2))
-        elif op == "matmul_n":
-            n = int(rng.integers(2, 150))
+        elif op == "softmax_last":  # over the last axis itself: two passes where it is too wide
+            nodes.append(helper.make_node("Softmax", [x], [out], axis=-1))
+        elif op in ("matmul_n", "matmul_k"):  # k: a narrow output from a wide K
+            n = int(rng.integers(2, 150)) if op == "matmul_n" else int(rng.integers(1, 4))
             inits.append(const(f"w{i}", rng.standard_normal((cur[-1], n)) / np.sqrt(cur[-1])))
             nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [out]))
             cur = cur[:-1] + [n]
+        elif op == "concat_rows":  # [.., R, W] with itself along the rows
+            nodes.append(helper.make_node("Concat", [x, x], [out], axis=len(cur) - 2))
+            cur = cur[:-2] + [2 * cur[-2], cur[-1]]
+        elif op == "slice_rows" and cur[-2] < 2:
+            nodes.append(helper.make_node("Sigmoid", [x], [out]))
+        elif op == "slice_rows":
+            inits += [numpy_helper.from_array(np.array(v, np.int64), f"{p}{i}")
+                      for p, v in (("st", [1]), ("en", [cur[-2]]), ("ax", [len(cur) - 2]))]
+            nodes.append(helper.make_node("Slice", [x, f"st{i}", f"en{i}", f"ax{i}"], [out]))
+            cur = cur[:-2] + [cur[-2] - 1, cur[-1]]
+        elif op == "reshape_split":  # [.., W] -> [.., W, 1]: the leading axes are kept
+            cur = cur + [1]
+            inits.append(numpy_helper.from_array(np.array(cur, np.int64), f"sh{i}"))
+            nodes.append(helper.make_node("Reshape", [x, f"sh{i}"], [out]))
         elif op == "transpose":
             perm = list(range(len(cur) - 2)) + [len(cur) - 1, len(cur) - 2]
             nodes.append(helper.make_node("Transpose", [x], [out], perm=perm))
@@ -115,7 +132,7 @@ def chain_model(shape, ops, seed=0):
     return make_model(nodes, [("x", shape)], [("y", cur)], inits)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_legalize_keeps_numerics_and_every_op_within_the_limit(case):
     shape, ops, width = case
@@ -193,3 +210,21 @@ def test_dump_after_writes_the_graph_after_a_pass(tmp_path, save):
                   CompileOptions(profile=str(tmp_path / "p.json"), dump_after={"legalize": str(tmp_path / "dump")}))
     dumped = onnx.load(tmp_path / "dump" / "after-legalize.onnx")
     assert [n.op_type for n in dumped.graph.node].count("Add") == 2
+
+
+def test_reduced_axes_split_as_partial_sums_and_two_pass_softmax():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    wide_k = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [("x", [3, 100])], [("y", [3, 4])],
+                        [const("w", rng.standard_normal((100, 4)))])
+    graph, ctx = legalized(wide_k, 32)
+    assert "partial products summed" in ctx.reports["legalize"]["changes"][0]["action"]
+    assert [n.op for n in graph.nodes].count("MatMul") == 4 and all(int(t.shape[-1]) <= 32 for t in graph.inputs)
+    np.testing.assert_allclose(run_legalized(graph, ctx, {"x": x})["y"], run_ort(wide_k, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    wide_softmax = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")], [("x", [3, 100])],
+                              [("y", [3, 100])])
+    graph, ctx = legalized(wide_softmax, 32)
+    assert "two-pass" in ctx.reports["legalize"]["changes"][0]["action"]
+    assert {"ReduceMax", "ReduceSum", "Exp"} <= {n.op for n in graph.nodes} and "Softmax" not in {n.op for n in graph.nodes}
+    np.testing.assert_allclose(run_legalized(graph, ctx, {"x": 30 * x})["y"], run_ort(wide_softmax, {"x": 30 * x})[0],
+                               rtol=1e-5, atol=1e-7)

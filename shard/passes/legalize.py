@@ -3,9 +3,14 @@ join the results; the graph computes exactly what it did (slicing and concatenat
 
 Which axes are safe, per op:
   elementwise and unary ops   any output axis (broadcast inputs are passed whole)
-  Softmax, LayerNormalization any axis before the normalised ones
+  Softmax, LayerNormalization any axis but the normalised ones
   MatMul                      M (rows of A), N (columns of B), batch axes
   Transpose                   any output axis (the matching input axis is sliced)
+  Concat                      any axis but the concatenated one
+  Slice                       any axis it does not slice
+  Reshape                     the leading axes it keeps as they are (the target shape is rewritten)
+Where no such split fits, the reduced axis: MatMul's K as partial products summed, Softmax's own
+axis in two passes (max and sum over the pieces, then exp(x - max) / sum per piece).
 The piece count is the smallest that makes one piece fit (checked by ctx.legality). The Slices and
 Concats are marked for the host: where they sit at the model's edges, host_edges moves them to the
 runtime, since an oversize tensor at a shard's edge cannot be split on the NPU. A Slice that takes
@@ -25,7 +30,7 @@ from shard.passes.fit import OpSpec, Verdict
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or",
                "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sqrt", "Reciprocal", "Neg", "Abs", "Clip",
                "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "Softplus", "Cast", "Sin", "Cos"}
-CHECKED = ELEMENTWISE | {"Softmax", "LayerNormalization", "MatMul", "Transpose", "Concat"}
+CHECKED = ELEMENTWISE | {"Softmax", "LayerNormalization", "MatMul", "Transpose", "Concat", "Slice", "Reshape"}
 MAX_PIECES = 64
 
 
@@ -42,9 +47,23 @@ def split_axes(node: gs.Node) -> list[int]:
         axes = range(rank)
     elif node.op == "Transpose":
         axes = range(rank)
+    elif node.op == "Concat":
+        axes = [a for a in range(rank) if a != node.attrs["axis"] % rank]
+    elif node.op == "Slice" and all(isinstance(t, gs.Constant) for t in node.inputs[1:]):
+        axes = [a for a in range(rank) if a not in sliced_axes(node)]
+    elif node.op == "Reshape" and isinstance(node.inputs[1], gs.Constant):
+        src = list(node.inputs[0].shape)
+        axes = [a for a in range(min(rank, len(src))) if src[:a + 1] == list(node.outputs[0].shape[:a + 1])]
     else:
         return []
     return sorted(axes, reverse=True)
+
+
+def sliced_axes(node: gs.Node) -> set[int]:
+    rank = len(node.inputs[0].shape)
+    starts = node.inputs[1].values.ravel()
+    axes = node.inputs[3].values.ravel() if len(node.inputs) > 3 else range(len(starts))
+    return {int(a) % rank for a in axes}
 
 
 def input_axis(node: gs.Node, k: int, out_axis: int) -> int | None:
@@ -53,6 +72,8 @@ def input_axis(node: gs.Node, k: int, out_axis: int) -> int | None:
     shape = list(node.inputs[k].shape)
     if node.op == "Transpose":
         return node.attrs["perm"][out_axis]
+    if node.op in ("Slice", "Reshape"):  # the parameters are passed whole (Reshape's shape is rewritten)
+        return out_axis if k == 0 else None
     if node.op == "MatMul":
         if out_axis == out_rank - 2:
             return len(shape) - 2 if k == 0 else None
@@ -76,6 +97,8 @@ def piece_spec(node: gs.Node, out_axis: int, start: int, stop: int) -> OpSpec:
                 value = np.take(value, range(start, stop), axis=axis)
         inputs.append((shape, value))
     outputs = [s[:out_axis] + [stop - start] + s[out_axis + 1:] for s in spec.outputs]
+    if node.op == "Reshape":
+        inputs[1] = ([len(outputs[0])], np.array(outputs[0], np.int64))
     return OpSpec(spec.op, spec.attrs, inputs, outputs)
 
 
@@ -98,6 +121,35 @@ def choose_split(node: gs.Node, check) -> tuple[int, int, Verdict] | None:
     return None
 
 
+def take(graph: gs.Graph, tensor: gs.Tensor, axis: int, lo: int, hi: int, name: str, host: set[str],
+         slices: dict) -> gs.Tensor:
+    """Rows [lo, hi) of `tensor` along `axis`: a sliced constant, or a Slice node made once per range."""
+    if isinstance(tensor, gs.Constant):
+        return gs.Constant(f"{tensor.name}__{axis}_{lo}_{hi}", np.take(tensor.values, range(lo, hi), axis=axis))
+    key = (id(tensor), axis, lo, hi)
+    if key not in slices:
+        shape = [int(d) for d in tensor.shape]
+        shape[axis] = hi - lo
+        piece = gs.Variable(f"{tensor.name}__{axis}_{lo}_{hi}", dtype=tensor.dtype, shape=shape)
+        params = [gs.Constant(f"{piece.name}/{p}", np.array([v], np.int64))
+                  for p, v in (("starts", lo), ("ends", hi), ("axes", axis))]
+        graph.nodes.append(gs.Node("Slice", name, inputs=[tensor, *params], outputs=[piece]))
+        host.add(name)
+        slices[key] = piece
+    return slices[key]
+
+
+def add_node(graph: gs.Graph, op: str, name: str, inputs: list, like: gs.Tensor, shape: list[int], **attrs) -> gs.Variable:
+    out = gs.Variable(f"{name}_out", dtype=like.dtype, shape=[int(d) for d in shape])
+    graph.nodes.append(gs.Node(op, name, attrs, inputs, [out]))
+    return out
+
+
+def join(graph: gs.Graph, parts: list[gs.Tensor], out: gs.Variable, axis: int, name: str, host: set[str]) -> None:
+    graph.nodes.append(gs.Node("Concat", name, {"axis": axis}, parts, [out]))
+    host.add(name)
+
+
 def split_node(graph: gs.Graph, node: gs.Node, axis: int, pieces: int, host: set[str],
                slices: dict | None = None) -> None:
     """Replace `node` by `pieces` copies on slices of its inputs, joined by a Concat into its output.
@@ -110,32 +162,95 @@ def split_node(graph: gs.Graph, node: gs.Node, axis: int, pieces: int, host: set
         ins = []
         for k, tensor in enumerate(node.inputs):
             in_axis = input_axis(node, k, axis)
-            if in_axis is None:
-                ins.append(tensor)
-            elif isinstance(tensor, gs.Constant):
-                ins.append(gs.Constant(f"{tensor.name}__{axis}_{lo}", np.take(tensor.values, range(lo, hi), axis=in_axis)))
-            else:
-                key = (id(tensor), in_axis, lo, hi)
-                if key not in slices:
-                    shape = list(tensor.shape)
-                    shape[in_axis] = hi - lo
-                    piece = gs.Variable(f"{tensor.name}__{in_axis}_{lo}_{hi}", dtype=tensor.dtype, shape=shape)
-                    params = [gs.Constant(f"{piece.name}/{p}", np.array([v], np.int64))
-                              for p, v in (("starts", lo), ("ends", hi), ("axes", in_axis))]
-                    name = f"{base}/legalize/slice{k}_{i}"
-                    graph.nodes.append(gs.Node("Slice", name, inputs=[tensor, *params], outputs=[piece]))
-                    host.add(name)
-                    slices[key] = piece
-                ins.append(slices[key])
-        shape = list(out.shape)
+            ins.append(tensor if in_axis is None else
+                       take(graph, tensor, in_axis, lo, hi, f"{base}/legalize/slice{k}_{i}", host, slices))
+        shape = [int(d) for d in out.shape]
         shape[axis] = hi - lo
-        part = gs.Variable(f"{out.name}__{axis}_{lo}_{hi}", dtype=out.dtype, shape=shape)
-        graph.nodes.append(gs.Node(node.op, f"{base}/part{i}", dict(node.attrs), ins, [part]))
-        parts.append(part)
+        if node.op == "Reshape":
+            ins[1] = gs.Constant(f"{base}/shape{i}", np.array(shape, np.int64))
+        parts.append(add_node(graph, node.op, f"{base}/part{i}", ins, out, shape, **node.attrs))
     node.outputs.clear()
-    name = f"{base}/legalize/concat"
-    graph.nodes.append(gs.Node("Concat", name, {"axis": axis}, parts, [out]))
-    host.add(name)
+    join(graph, parts, out, axis, f"{base}/legalize/concat", host)
+
+
+def reduction_piece(node: gs.Node, width: int) -> OpSpec | None:
+    """One piece of a split along the axis the node reduces: MatMul's K, Softmax's own axis."""
+    if node.op == "MatMul" and all(len(t.shape) >= 2 for t in node.inputs):
+        spec = OpSpec.of(node)
+        (a, av), (b, bv) = spec.inputs
+        a = a[:-1] + [width]
+        b = b[:-2] + [width, b[-1]]
+        return OpSpec("MatMul", {}, [(a, None if av is None else av[..., :width]),
+                                     (b, None if bv is None else bv[..., :width, :])], spec.outputs)
+    if node.op == "Softmax":
+        shape = [int(d) for d in node.outputs[0].shape]
+        shape[node.attrs.get("axis", -1) % len(shape)] = width
+        return OpSpec("Exp", {}, [(shape, None)], [shape])
+    return None
+
+
+def choose_reduction_split(node: gs.Node, check) -> tuple[int, Verdict] | None:
+    """The fewest pieces along the reduced axis that fit (summed partials, or a two-pass softmax)."""
+    if node.op == "MatMul":
+        total = int(node.inputs[0].shape[-1])
+    elif node.op == "Softmax":
+        total = int(node.outputs[0].shape[node.attrs.get("axis", -1) % len(node.outputs[0].shape)])
+    else:
+        return None
+    for pieces in range(2, min(total, MAX_PIECES) + 1):
+        if len(bounds(total, pieces)) < pieces:
+            continue
+        spec = reduction_piece(node, bounds(total, pieces)[0][1])
+        verdict = check(spec)
+        if verdict.ok:
+            return pieces, verdict
+    return None
+
+
+def split_reduction(graph: gs.Graph, node: gs.Node, pieces: int, host: set[str], slices: dict) -> None:
+    """MatMul: sum of A[..., K_j] @ B[K_j, :]. Softmax: max and sum over the pieces, then each piece
+    exp(x_j - max) / sum, joined. Both exact up to fp32 rounding of the summation order."""
+    out, base = node.outputs[0], node_label(node)
+    shape = [int(d) for d in out.shape]
+    if node.op == "MatMul":
+        a, b = node.inputs
+        parts = []
+        for i, (lo, hi) in enumerate(bounds(int(a.shape[-1]), pieces)):
+            ai = take(graph, a, len(a.shape) - 1, lo, hi, f"{base}/legalize/sliceA{i}", host, slices)
+            bi = take(graph, b, len(b.shape) - 2, lo, hi, f"{base}/legalize/sliceB{i}", host, slices)
+            parts.append(add_node(graph, "MatMul", f"{base}/k{i}", [ai, bi], out, shape))
+        node.outputs.clear()
+        total = parts[0]
+        for i, part in enumerate(parts[1:], 1):
+            if i == len(parts) - 1:
+                graph.nodes.append(gs.Node("Add", f"{base}/k{i}/sum", inputs=[total, part], outputs=[out]))
+            else:
+                total = add_node(graph, "Add", f"{base}/k{i}/sum", [total, part], out, shape)
+        return
+    x, rank = node.inputs[0], len(shape)
+    axis = node.attrs.get("axis", -1) % rank
+    ranges = bounds(shape[axis], pieces)
+    reduce_axes = gs.Constant(f"{base}/axes", np.array([axis], np.int64))
+    kept = shape[:axis] + [1] + shape[axis + 1:]
+    xs = [take(graph, x, axis, lo, hi, f"{base}/legalize/slice{i}", host, slices) for i, (lo, hi) in enumerate(ranges)]
+    if (graph.opset or 17) >= 18:  # ReduceMax took its axes as an attribute before opset 18
+        maxes = [add_node(graph, "ReduceMax", f"{base}/max{i}", [xi, reduce_axes], out, kept, keepdims=1)
+                 for i, xi in enumerate(xs)]
+    else:
+        maxes = [add_node(graph, "ReduceMax", f"{base}/max{i}", [xi], out, kept, axes=[axis], keepdims=1)
+                 for i, xi in enumerate(xs)]
+    m = add_node(graph, "Max", f"{base}/max", maxes, out, kept)
+    exps, total = [], None
+    for i, (xi, (lo, hi)) in enumerate(zip(xs, ranges)):
+        piece = shape[:axis] + [hi - lo] + shape[axis + 1:]
+        ei = add_node(graph, "Exp", f"{base}/exp{i}", [add_node(graph, "Sub", f"{base}/sub{i}", [xi, m], out, piece)],
+                      out, piece)
+        si = add_node(graph, "ReduceSum", f"{base}/sum{i}", [ei, reduce_axes], out, kept, keepdims=1)
+        total = si if total is None else add_node(graph, "Add", f"{base}/sum{i}/acc", [total, si], out, kept)
+        exps.append((ei, piece))
+    parts = [add_node(graph, "Div", f"{base}/part{i}", [ei, total], out, piece) for i, (ei, piece) in enumerate(exps)]
+    node.outputs.clear()
+    join(graph, parts, out, axis, f"{base}/legalize/concat", host)
 
 
 def node_label(node: gs.Node) -> str:
@@ -143,13 +258,16 @@ def node_label(node: gs.Node) -> str:
     return node.name or f"{node.op}({node.outputs[0].name})"
 
 
-def fold_slices_of_concats(graph: gs.Graph) -> int:
-    """Slice(Concat(parts), axis, a, b) where [a, b) is exactly one part: use that part."""
+def fold_slices_of_concats(graph: gs.Graph, joins: set[str]) -> int:
+    """Slice(Concat(parts), axis, a, b) where [a, b) is exactly one part and the Concat is one of
+    legalize's own joins: use that part."""
     folded = 0
-    for node in [n for n in graph.nodes if n.op == "Slice" and len(n.inputs) >= 4]:
+    outputs = {id(t) for t in graph.outputs}
+    for node in [n for n in graph.nodes if n.op == "Slice" and len(n.inputs) >= 4 and n.outputs]:
         src = node.inputs[0]
         producer = src.inputs[0] if src.inputs else None
-        if producer is None or producer.op != "Concat" or not all(isinstance(t, gs.Constant) for t in node.inputs[1:4]):
+        if producer is None or producer.op != "Concat" or producer.name not in joins \
+                or id(node.outputs[0]) in outputs or not all(isinstance(t, gs.Constant) for t in node.inputs[1:4]):
             continue
         start, end, axis = (int(t.values.ravel()[0]) for t in node.inputs[1:4])
         rank = len(src.shape)
@@ -186,15 +304,21 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             if verdict.failure:
                 noted.append({"node": node_label(node), "op": node.op, "reason": verdict.reason})
             continue
+        shape, label = [int(d) for d in node.outputs[0].shape], node_label(node)
         choice = choose_split(node, legality.check)
-        if choice is None:
-            stuck.append({"node": node_label(node), "op": node.op, "reason": verdict.reason,
+        if choice is not None:
+            axis, pieces, piece = choice
+            split_node(graph, node, axis, pieces, ctx.host_candidates, slices)
+            action = f"split into {pieces} along axis {axis} ({piece.reason})"
+        elif (reduction := choose_reduction_split(node, legality.check)) is not None:
+            pieces, piece = reduction
+            split_reduction(graph, node, pieces, ctx.host_candidates, slices)
+            how = "partial products summed" if node.op == "MatMul" else "two-pass max and sum"
+            action = f"split into {pieces} along the reduced axis, {how} ({piece.reason})"
+        else:
+            stuck.append({"node": label, "op": node.op, "reason": verdict.reason,
                           "action": "left as is: no split along a safe axis fits"})
             continue
-        axis, pieces, piece = choice
-        shape, label = [int(d) for d in node.outputs[0].shape], node_label(node)
-        split_node(graph, node, axis, pieces, ctx.host_candidates, slices)
-        changes.append({"node": label, "op": node.op, "shape": shape, "reason": verdict.reason,
-                        "action": f"split into {pieces} along axis {axis} ({piece.reason})"})
-    folded = fold_slices_of_concats(graph)
+        changes.append({"node": label, "op": node.op, "shape": shape, "reason": verdict.reason, "action": action})
+    folded = fold_slices_of_concats(graph, ctx.host_candidates)
     return graph, {"changes": changes, "not_fixed": stuck, "reported": noted, "slices_folded": folded}
