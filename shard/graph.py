@@ -60,11 +60,45 @@ def nbytes(tensor: gs.Variable) -> int:
     return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(tensor.dtype).itemsize
 
 
+LIGHT_CONSTANT = 4096  # elements; larger constants enter shape inference as typed inputs, not values
+
+
 def infer_shapes(graph: gs.Graph) -> gs.Graph:
-    """Run onnx shape inference over a graphsurgeon graph and return the re-imported graph."""
-    model = gs.export_onnx(graph, do_type_check=False)
+    """Run onnx shape inference and write the shapes and dtypes it finds onto the graph's tensors.
+
+    Inference runs on a light copy: constants over LIGHT_CONSTANT elements (the weights) become
+    graph inputs of their type and shape, so neither the export nor the inference copies them.
+    Small constants keep their values, which data propagation needs (Reshape targets)."""
+    clone: dict[int, gs.Tensor] = {}
+    inputs: list[gs.Variable] = []
+
+    def light(t: gs.Tensor) -> gs.Tensor:
+        if id(t) not in clone:
+            if isinstance(t, gs.Constant) and t.values.size > LIGHT_CONSTANT:
+                clone[id(t)] = gs.Variable(t.name, dtype=t.values.dtype, shape=list(t.values.shape))
+                inputs.append(clone[id(t)])
+            elif isinstance(t, gs.Constant):
+                clone[id(t)] = gs.Constant(t.name, t.values)
+            else:
+                clone[id(t)] = gs.Variable(t.name, dtype=t.dtype, shape=t.shape)
+        return clone[id(t)]
+
+    nodes = [gs.Node(n.op, n.name, dict(n.attrs), [light(t) for t in n.inputs], [light(t) for t in n.outputs],
+                     domain=n.domain) for n in graph.nodes]
+    copy = gs.Graph(nodes=nodes, inputs=[light(t) for t in graph.inputs] + inputs,
+                    outputs=[light(t) for t in graph.outputs], opset=graph.opset, import_domains=graph.import_domains)
+    model = gs.export_onnx(copy, do_type_check=False)
     model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    return gs.import_onnx(model)
+    found = {v.name: v for v in [*model.graph.value_info, *model.graph.output]}
+    for tensor in graph.tensors().values():
+        info = found.get(tensor.name)
+        if isinstance(tensor, gs.Variable) and info is not None and info.type.HasField("tensor_type"):
+            tt = info.type.tensor_type
+            if tt.HasField("shape"):
+                tensor.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+            if tt.elem_type:
+                tensor.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+    return graph
 
 
 def to_toolkit_model(graph: gs.Graph, opset: int) -> onnx.ModelProto:

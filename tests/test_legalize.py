@@ -139,8 +139,9 @@ def test_legalize_keeps_numerics_and_every_op_within_the_limit(case):
     model = chain_model(shape, ops)
     graph, ctx = legalized(model, width)
     x = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    # Exact pieces except the reduced-axis splits, which sum in another order: fp32 rounding.
     np.testing.assert_allclose(run_legalized(graph, ctx, {"x": x})["y"], run_ort(model, {"x": x})[0],
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-4, atol=1e-5)
     stuck = {c["node"] for c in ctx.reports["legalize"]["not_fixed"]}
     limit = WidthLimit(width)
     for node in graph.nodes:
