@@ -111,6 +111,8 @@ def compile_command(
 
 
 def print_compile_report(report: dict) -> None:
+    from shard.compiler import cycle_note
+
     table = Table(title="shards")
     for col in ("shard", "core", "nodes", "GMACs", "build s", "REGTASK", "CPU ops", "1-core fallbacks", "est. Mcycles"):
         table.add_column(col, justify="right" if col != "shard" else "left")
@@ -129,9 +131,7 @@ def print_compile_report(report: dict) -> None:
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")
     for name, passed in report["passes"].items():
         for c in passed.get("changes", []):
-            cycles = (f" ({c['before_cycles'] / 1e6:.2f} M -> {c['after_cycles'] / 1e6:.2f} M estimated cycles)"
-                      if c.get("before_cycles") is not None else "")
-            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycles}")
+            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}")
             if "tiles_survived" in c:
                 verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
                 console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "

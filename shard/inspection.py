@@ -37,7 +37,7 @@ class Inspection:
 
 
 def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> Inspection:
-    from shard.compiler import CompileOptions
+    from shard.compiler import CompileOptions, cycle_note
 
     options = options or CompileOptions()
     tgt = get_target(target)
@@ -55,9 +55,7 @@ def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> In
     for name in ("slow_paths", "legalize"):
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):
-            cycles = (f" ({c['before_cycles'] / 1e6:.2f} M -> {c['after_cycles'] / 1e6:.2f} M estimated cycles)"
-                      if c.get("before_cycles") is not None else "")
-            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycles, "rewrite"))
+            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycle_note(c), "rewrite"))
         for c in report.get("not_fixed", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"], "not fixed"))
         for c in report.get("reported", []):

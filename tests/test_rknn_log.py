@@ -34,3 +34,17 @@ def test_cpu_ops_and_colour_codes():
     diag = parse_build_log(log)
     assert diag.cpu_ops == ["Transpose Transpose:/t"]
     assert diag.first_error == "E build: something broke"
+
+
+def test_ops_the_estimate_leaves_at_zero_are_costed_by_the_bytes_they_move():
+    from shard.targets.rknn_log import unestimated_cost
+
+    diag = parse_build_log((DATA / "siglip-512-layer-table.txt").read_text())
+    reshape = next(layer for layer in diag.layers if layer.op == "Reshape")
+    assert (reshape.cycles, reshape.rw_kb) == (0, 1536)
+    rated = [layer for layer in diag.layers if layer.ddr_cycles]
+    rate = sum(layer.ddr_cycles for layer in rated) / sum(layer.rw_kb for layer in rated)
+    cycles, used = unestimated_cost(diag.layers)
+    zero_kb = sum(layer.rw_kb for layer in diag.layers if layer.cycles == 0 and "Operator" not in layer.op)
+    assert used == rate and cycles == round(zero_kb * rate) > 0
+    assert unestimated_cost(diag.layers, 10.0) == (zero_kb * 10, 10.0)

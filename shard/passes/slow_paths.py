@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
+from shard.targets.rknn_log import Layer, unestimated_cost
 
 
 def fastest_stride(profile) -> int | None:
@@ -95,6 +96,14 @@ def region_model(node: gs.Node, k: int):
     return model
 
 
+def cost(point, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
+    """(total, part costed by bytes, DDR cycles per KB): the compiler's estimate, plus the ops it
+    leaves at 0 costed by the bytes they move at the DDR rate of the ops it does estimate."""
+    layers = [Layer(0, op, target, "", cycles, "", ddr, rw) for op, target, cycles, ddr, rw in point.figures.get("layers", [])]
+    extra, rate = unestimated_cost(layers, cycles_per_kb)
+    return point.figures.get("estimated_cycles", 0) + extra, extra, rate
+
+
 @register("slow_paths")
 def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     limit = fastest_stride(ctx.profile)
@@ -112,9 +121,12 @@ def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         if ctx.ops is not None:  # judge both forms by the compiler's own estimate
             before = ctx.ops.build(OpSpec.of(node).model())
             after = ctx.ops.build(region_model(node, k))
+            before_cost, _, rate = cost(before)
+            after_cost, unestimated, _ = cost(after, rate)
             entry.update(before_cycles=before.figures.get("estimated_cycles"), after_cycles=after.figures.get("estimated_cycles"),
-                         after_class=after.failure)
-            if not after.ok or after.figures["estimated_cycles"] >= before.figures["estimated_cycles"]:
+                         before_cost=before_cost, after_cost=after_cost, unestimated_cycles=unestimated,
+                         ddr_cycles_per_kb=rate and round(rate, 1), after_class=after.failure)
+            if not after.ok or after_cost >= before_cost:
                 kept.append({**entry, "action": "left as is: the patch MatMul form is not cheaper or not clean"})
                 continue
         out = node.outputs[0]

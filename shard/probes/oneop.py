@@ -21,6 +21,7 @@ from shard.toolkit.env import find_python, read_marker
 from shard.toolkit.worker import WorkerPool
 
 MODELS = "by-model"
+MODELS_VERSION = 2  # points carry each layer's DDR cycles and bytes
 
 
 class ToolkitOps:
@@ -40,10 +41,10 @@ class ToolkitOps:
     def build(self, model: onnx.ModelProto, macs: int | None = None) -> Point:
         """What the compiler says of this model (cycles in figures); from the cache when seen before."""
         digest = hashlib.sha256(model.SerializeToString() + repr(macs).encode()).hexdigest()[:24]
-        point = self.cache.get(MODELS, 1, digest)
+        point = self.cache.get(MODELS, MODELS_VERSION, digest)
         if point is None:
             point = self.prober.run_model(model, digest, macs=macs)
-            self.cache.put(MODELS, 1, point, size=digest)
+            self.cache.put(MODELS, MODELS_VERSION, point, size=digest)
             self.builds += 1
         return point
 

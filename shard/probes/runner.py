@@ -96,8 +96,8 @@ class RknnProber:
                     return Point(size, False, "timeout" if exc.timed_out else "crash", f"the build {exc}")
                 diag = parse_build_log(log.read_text(errors="replace"))
                 point = classify_build(size, answer, diag, macs, self.macs_per_cycle, self.slow_factor)
-                point.figures["layers"] = [[layer.op, layer.target, layer.cycles] for layer in diag.layers
-                                           if layer.op not in ("InputOperator", "OutputOperator")]
+                point.figures["layers"] = [[layer.op, layer.target, layer.cycles, layer.ddr_cycles, layer.rw_kb]
+                                           for layer in diag.layers if layer.op not in ("InputOperator", "OutputOperator")]
                 if point.ok and key is not None:
                     point = self._simulate(worker, key, model, simulate_range, point)
             if point.ok and self.board:

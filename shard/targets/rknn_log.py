@@ -26,6 +26,8 @@ class Layer:
     output_shape: str
     cycles: int
     name: str
+    ddr_cycles: int = 0
+    rw_kb: int = 0
 
 
 @dataclass
@@ -52,6 +54,19 @@ class BuildDiagnostics:
         return data
 
 
+def unestimated_cost(layers: list[Layer], cycles_per_kb: float | None = None) -> tuple[int, float | None]:
+    """Cycles for the ops the estimate leaves at 0 (Transpose, Reshape, exWindow...), costed by the
+    bytes they move at the DDR rate the same table shows for the ops it does estimate.
+    Returns (cycles, cycles per KB used); (0, None) when no rate is known."""
+    if cycles_per_kb is None:
+        rw = sum(layer.rw_kb for layer in layers if layer.ddr_cycles)
+        cycles_per_kb = sum(layer.ddr_cycles for layer in layers if layer.ddr_cycles) / rw if rw else None
+    if cycles_per_kb is None:
+        return 0, None
+    zero = [layer for layer in layers if layer.cycles == 0 and layer.op not in HOST_OPS]
+    return round(sum(layer.rw_kb for layer in zero) * cycles_per_kb), cycles_per_kb
+
+
 def parse_build_log(text: str) -> BuildDiagnostics:
     diag = BuildDiagnostics()
     for raw in text.splitlines():
@@ -64,7 +79,7 @@ def parse_build_log(text: str) -> BuildDiagnostics:
             diag.first_error = diag.first_error or line
         if row := LAYER_ROW.match(line):
             layer = Layer(id=int(row["id"]), op=row["op"], target=row["target"], output_shape=row["outshape"],
-                          cycles=int(row["total"]), name=row["name"])
+                          cycles=int(row["total"]), name=row["name"], ddr_cycles=int(row["ddr"]), rw_kb=int(row["rw"]))
             diag.layers.append(layer)
             diag.estimated_cycles += layer.cycles
             if layer.target == "CPU" and layer.op not in HOST_OPS:
