@@ -229,3 +229,15 @@ def test_reduced_axes_split_as_partial_sums_and_two_pass_softmax():
     assert {"ReduceMax", "ReduceSum", "Exp"} <= {n.op for n in graph.nodes} and "Softmax" not in {n.op for n in graph.nodes}
     np.testing.assert_allclose(run_legalized(graph, ctx, {"x": 30 * x})["y"], run_ort(wide_softmax, {"x": 30 * x})[0],
                                rtol=1e-5, atol=1e-7)
+
+
+def test_profile_verdicts_read_each_family_in_its_own_terms():
+    """concat-width's N is each input's width, not the output's; unknown settings are undecided."""
+    profile = Profile("cpu", 1, "test", {"concat-width@h1": Limit(64, "regtask", "synthetic", "test"),
+                                         "add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    legality = Legality(profile)  # no builder: what the profile cannot decide is taken to fit
+    concat = OpSpec("Concat", {"axis": -1}, [([1, 1, 1, 64], None)] * 2, [[1, 1, 1, 128]])
+    assert legality.check(concat).ok
+    assert not legality.check(OpSpec("Concat", {"axis": -1}, [([1, 1, 1, 65], None)] * 2, [[1, 1, 1, 130]])).ok
+    assert not legality.check(OpSpec("Add", {}, [([1, 1, 1, 65], None)] * 2, [[1, 1, 1, 65]])).ok
+    assert legality.check(OpSpec("Add", {}, [([1, 1, 7, 65], None)] * 2, [[1, 1, 7, 65]])).ok  # no h7 setting

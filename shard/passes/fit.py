@@ -95,6 +95,10 @@ class Legality:
     def _from_profile(self, spec: OpSpec) -> Verdict | None:
         family = FAMILY_OF.get(spec.op)
         shape = spec.outputs[0]
+        if spec.op == "Concat":  # concat-width probes two equal inputs: N is each input's width
+            if len(spec.inputs) != 2 or spec.inputs[0][0] != spec.inputs[1][0] or spec.attrs.get("axis") not in (-1, 3):
+                return None
+            shape = spec.inputs[0][0]
         if family is None or len(shape) != 4 or shape[:2] != [1, 1]:
             return None
         name = f"{family[0]}@{family[1]}{shape[2]}"
