@@ -79,7 +79,7 @@ def main() -> None:
         for _ in range(args.runs):
             bundle_s.append(timed(lambda: session.run(frames[0])))
             whole_s.append(timed(lambda: whole.run([out_name], frames[0])))
-    del whole
+    whole = None  # free the whole-model session before the streams
     overhead = statistics.median(bundle_s) / statistics.median(whole_s)
     print(f"(a) latency, median of {args.runs}: bundle on 1 core {1000 * statistics.median(bundle_s):.0f} ms, "
           f"whole model 1 thread {1000 * statistics.median(whole_s):.0f} ms -> overhead {overhead:.3f}x")

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from shard import __version__
 from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec
-from shard.errors import CompileError, ShardError
+from shard.errors import ShardError
 from shard.graph import default_opset, dtype_name, load_model, quiet_graphsurgeon, sha256_file, to_toolkit_model
 from shard.passes import PassContext, run_pipeline
 from shard.passes.fit import Legality

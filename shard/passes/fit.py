@@ -9,7 +9,7 @@ fuses Softmax into its attention kernel), so it is reported, not rewritten.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -41,7 +41,6 @@ class OpSpec:
     attrs: dict
     inputs: list[tuple[list[int], np.ndarray | None]]   # (shape, value if constant)
     outputs: list[list[int]]
-    dtype: np.dtype = np.dtype(np.float32)
 
     @classmethod
     def of(cls, node: gs.Node) -> OpSpec:
@@ -127,5 +126,3 @@ class WidthLimit:
                 return Verdict(False, "regtask", f"{int(np.prod(shape))} elements > {self.elements}")
         return Verdict(True)
 
-
-Checker = Callable[[OpSpec], Verdict]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class _Frame:
 class _Task:
     frame: int
     neg_rank: float
-    shard: int = field(compare=True)
+    shard: int
 
 
 def shard_dependencies(shards: list[ShardSpec]) -> list[set[int]]:
@@ -66,10 +66,14 @@ def shard_dependencies(shards: list[ShardSpec]) -> list[set[int]]:
     return [{producer[t.name] for t in s.inputs if t.name in producer} for s in shards]
 
 
-def upward_ranks(shards: list[ShardSpec], deps: list[set[int]]) -> list[float]:
+def shard_users(deps: list[set[int]]) -> list[list[int]]:
+    """For each shard, the indices of the shards that take one of its outputs."""
+    return [[j for j in range(len(deps)) if k in deps[j]] for k in range(len(deps))]
+
+
+def upward_ranks(shards: list[ShardSpec], users: list[list[int]]) -> list[float]:
     """Each shard's cost plus the costliest chain of shards that depend on it (the list-scheduling priority)."""
     cost = [float(s.macs or 1) for s in shards]
-    users = [[j for j in range(len(shards)) if k in deps[j]] for k in range(len(shards))]
     rank = [0.0] * len(shards)
     for k in reversed(range(len(shards))):  # the manifest lists shards in dependency order
         rank[k] = cost[k] + max((rank[j] for j in users[k]), default=0.0)
@@ -119,8 +123,8 @@ class Scheduler:
         self.timeout = timeout
         self.clock = clock
         self.deps = shard_dependencies(shards)
-        self.users = [[j for j in range(len(shards)) if k in self.deps[j]] for k in range(len(shards))]
-        self.rank = upward_ranks(shards, self.deps)
+        self.users = shard_users(self.deps)
+        self.rank = upward_ranks(shards, self.users)
         self.executions: list[Execution] = []
         self.error: RunError | None = None
         self._frames: dict[int, _Frame] = {}
