@@ -14,9 +14,9 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from shard import __version__
-from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec
+from shard.bundle import MANIFEST, Manifest, ShardSpec
 from shard.errors import ShardError
-from shard.graph import default_opset, dtype_name, load_model, quiet_graphsurgeon, sha256_file, to_toolkit_model
+from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
 from shard.passes import PassContext, run_pipeline
 from shard.passes.fit import Legality
 from shard.profile import load_profile
@@ -74,17 +74,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     graph = gs.import_onnx(proto)
     del proto
 
-    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE). Where the target has
-    #    a toolkit, passes ask it about single ops and small regions (cached builds).
-    ops = tgt.pass_toolkit(profile, options)
-    ctx = PassContext(profile=profile, options=options, ops=ops,
-                      legality=Legality(profile, ops) if profile.limits else None)
-    try:
-        graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
-                             dump_after=options.dump_after)
-    finally:
-        if ops is not None:
-            ops.close()
+    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE).
+    graph, ctx = run_passes(graph, tgt, profile, options, progress)
     plans = ctx.plan
     t_passes = time.monotonic() - t0
 
@@ -149,6 +140,22 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     return CompileResult(bundle=output, manifest=manifest, report=report)
 
 
+def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress: Progress = lambda *a: None,
+               until: str | None = None) -> tuple[gs.Graph, PassContext]:
+    """The pass pipeline (up to `until`); where the target has a toolkit, the passes ask it about
+    single ops and small regions (cached builds), and its workers stop when the passes end."""
+    ops = tgt.pass_toolkit(profile, options)
+    ctx = PassContext(profile=profile, options=options, ops=ops,
+                      legality=Legality(profile, ops) if profile.limits else None)
+    try:
+        graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
+                             dump_after=options.dump_after, until=until)
+    finally:
+        if ops is not None:
+            ops.close()
+    return graph, ctx
+
+
 def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob]) -> None:
     """Read the shard build logs' layer tables: did the attention tiles stay apart?"""
     from shard.passes.tile_attention import confirm_tiles
@@ -172,10 +179,6 @@ def check_options(options: CompileOptions) -> None:
             raise ShardError(f"{flag} {value!r}: expected one of {', '.join(modes)}")
     if options.fusion_barrier == "rules" and not options.disable_rules:
         raise ShardError("--fusion-barrier rules needs the rule names: --disable-rule NAME (repeatable)")
-
-
-def tensor_spec(tensor: gs.Variable) -> TensorSpec:
-    return TensorSpec(name=tensor.name, shape=[int(d) for d in tensor.shape], dtype=dtype_name(tensor.dtype))
 
 
 def save_onnx(model, path: Path) -> None:

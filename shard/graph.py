@@ -7,9 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
+from shard.bundle import TensorSpec
 from shard.errors import ModelError
 
 # rknn-toolkit2 2.5.0 loads opset <= 19 and the IR versions its onnx 1.18 reads.
@@ -58,6 +60,31 @@ def is_static(shape) -> bool:
 def nbytes(tensor: gs.Variable) -> int:
     """Size of a tensor with a static shape, in bytes."""
     return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(tensor.dtype).itemsize
+
+
+def tensor_spec(tensor: gs.Variable) -> TensorSpec:
+    """A graph tensor as the bundle records it."""
+    return TensorSpec(name=tensor.name, shape=[int(d) for d in tensor.shape], dtype=dtype_name(tensor.dtype))
+
+
+def small_model(nodes: list, inputs: list[tuple[str, list[int]]], outputs: list[tuple[str, list[int]]],
+                inits: list[tuple[str, np.ndarray]] = ()) -> onnx.ModelProto:
+    """A model of a few onnx.helper nodes, float32 inputs and outputs, at opset 17 and an IR version
+    the toolkit's onnx reads: probe graphs and single ops built alone."""
+    vi = lambda name, shape: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)  # noqa: E731
+    graph = onnx.helper.make_graph(nodes, "small", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
+                                   initializer=[onnx.numpy_helper.from_array(np.asarray(a), n) for n, a in inits])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def replace_uses(old: gs.Tensor, new: gs.Tensor) -> None:
+    """Every node that reads `old` reads `new` instead."""
+    for consumer in list(old.outputs):
+        for k, tensor in enumerate(consumer.inputs):
+            if tensor is old:
+                consumer.inputs[k] = new
 
 
 LIGHT_CONSTANT = 4096  # elements; larger constants enter shape inference as typed inputs, not values

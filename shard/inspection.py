@@ -12,8 +12,6 @@ from pathlib import Path
 import onnx_graphsurgeon as gs
 
 from shard.graph import load_model, quiet_graphsurgeon
-from shard.passes import PassContext, run_pipeline
-from shard.passes.fit import Legality
 from shard.profile import load_profile
 from shard.targets import get_target
 
@@ -37,20 +35,12 @@ class Inspection:
 
 
 def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> Inspection:
-    from shard.compiler import CompileOptions, cycle_note
+    from shard.compiler import CompileOptions, cycle_note, run_passes
 
     options = options or CompileOptions()
-    tgt = get_target(target)
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()
-    graph = gs.import_onnx(load_model(model))
-    ops = tgt.pass_toolkit(profile, options)
-    ctx = PassContext(profile=profile, options=options, ops=ops, legality=Legality(profile, ops) if profile.limits else None)
-    try:
-        run_pipeline(graph, ctx, options.disable, until="partition")
-    finally:
-        if ops is not None:
-            ops.close()
+    _, ctx = run_passes(gs.import_onnx(load_model(model)), get_target(target), profile, options, until="partition")
     result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post)
     for name in ("slow_paths", "legalize"):
         report = ctx.reports.get(name, {})

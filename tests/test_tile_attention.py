@@ -51,7 +51,7 @@ def tiled(model: onnx.ModelProto, rows: int, cols: int | None = None) -> tuple[o
     graph = infer_shapes(gs.import_onnx(model))
     found = find_attention(graph)
     assert len(found) == 1
-    tile(graph, found[0], rows, cols, 17, "att")
+    tile(graph, found[0], rows, cols, "att")
     graph.cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = 8

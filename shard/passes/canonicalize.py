@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
-from shard.graph import infer_shapes, is_static
+from shard.graph import infer_shapes, is_static, replace_uses
 from shard.passes import PassContext, register
 
 
@@ -44,8 +45,6 @@ def is_noop(node: gs.Node) -> bool:
     if node.op == "Identity":
         return True
     if node.op == "Cast" and node.inputs and node.inputs[0].dtype is not None:
-        import onnx
-
         to = onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])
         return np.dtype(node.inputs[0].dtype) == to
     return False
@@ -59,10 +58,7 @@ def remove_identities(graph: gs.Graph) -> int:
         src, dst = node.inputs[0], node.outputs[0]
         if id(dst) in outputs:
             continue
-        for consumer in list(dst.outputs):
-            for k, tensor in enumerate(consumer.inputs):
-                if tensor is dst:
-                    consumer.inputs[k] = src
+        replace_uses(dst, src)
         node.outputs.clear()
         removed += 1
     return removed

@@ -14,8 +14,9 @@ from typing import Protocol
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper, numpy_helper
+from onnx import helper
 
+from shard.graph import small_model
 from shard.profile import Profile
 
 HARD_FAILURES = ("regtask", "error", "build-error", "crash")
@@ -56,20 +57,16 @@ class OpSpec:
         """This op alone; large float constants become seeded noise of their shape (values do not
         change legality, and zeros would let the compiler fold the op away)."""
         names = [f"in{k}" for k in range(len(self.inputs))]
-        graph_inputs, inits = [], []
+        inputs, inits = [], []
         for name, (shape, value) in zip(names, self.inputs):
             if value is None:
-                graph_inputs.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape))
+                inputs.append((name, shape))
             else:
-                keep = value if value.size <= 1024 or value.dtype.kind != "f" else \
-                    np.random.default_rng(0).standard_normal(value.shape).astype(value.dtype)
-                inits.append(numpy_helper.from_array(np.asarray(keep), name))
-        outs = [helper.make_tensor_value_info(f"out{k}", onnx.TensorProto.FLOAT, s) for k, s in enumerate(self.outputs)]
-        node = helper.make_node(self.op, names, [f"out{k}" for k in range(len(self.outputs))], **self.attrs)
-        m = helper.make_model(helper.make_graph([node], "op", graph_inputs, outs, initializer=inits),
-                              opset_imports=[helper.make_opsetid("", 17)])
-        m.ir_version = 8
-        return m
+                inits.append((name, value if value.size <= 1024 or value.dtype.kind != "f" else
+                              np.random.default_rng(0).standard_normal(value.shape).astype(value.dtype)))
+        outputs = [(f"out{k}", s) for k, s in enumerate(self.outputs)]
+        node = helper.make_node(self.op, names, [name for name, _ in outputs], **self.attrs)
+        return small_model([node], inputs, outputs, inits)
 
 
 class OpBuilder(Protocol):

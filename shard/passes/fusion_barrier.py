@@ -25,14 +25,13 @@ PILL_EPS = 2.0 ** -14   # the smallest fp16 normal: below the NPU's own rounding
 
 def tile_outputs(graph: gs.Graph) -> list[tuple[gs.Node, gs.Node]]:
     """(tile output node, the Slice of Q feeding the tile) for every attention tile in the graph."""
-    pairs = []
+    pairs, by_name = [], {n.name: n for n in graph.nodes}
     for node in graph.nodes:
         query_tile_out = node.name.endswith("/pv") and "/key" not in node.name
         if TILE_MARK not in node.name or not (query_tile_out or node.name.endswith("/lse/out")):
             continue
         tile = node.name.rsplit("/", 2 if node.name.endswith("/lse/out") else 1)[0]
-        q = next((n for n in graph.nodes if n.name == f"{tile}/q"), None)
-        pairs.append((node, q))
+        pairs.append((node, by_name.get(f"{tile}/q")))
     return pairs
 
 

@@ -12,16 +12,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.bundle import TensorSpec
-from shard.graph import dtype_name
+from shard.graph import tensor_spec
 from shard.passes import PassContext, register
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
 POST_OPS = ("Concat", "Reshape", "Transpose")
-
-
-def spec(t: gs.Variable) -> TensorSpec:
-    return TensorSpec(t.name, [int(d) for d in t.shape], dtype_name(t.dtype))
 
 
 def const(node: gs.Node, k: int) -> np.ndarray | None:
@@ -52,8 +47,8 @@ def host_step(node: gs.Node) -> dict | None:
 
 @register("host_edges")
 def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    ctx.model_inputs = [spec(t) for t in graph.inputs]
-    ctx.model_outputs = [spec(t) for t in graph.outputs]
+    ctx.model_inputs = [tensor_spec(t) for t in graph.inputs]
+    ctx.model_outputs = [tensor_spec(t) for t in graph.outputs]
     pre, post = [], []
     on_host = {t.name for t in graph.inputs}
     moved = True

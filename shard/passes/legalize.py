@@ -24,8 +24,10 @@ import math
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from shard.graph import replace_uses
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec, Verdict
+from shard.passes.rewrite import Rewriter
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or",
                "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sqrt", "Reciprocal", "Neg", "Abs", "Clip",
@@ -121,40 +123,8 @@ def choose_split(node: gs.Node, check) -> tuple[int, int, Verdict] | None:
     return None
 
 
-def take(graph: gs.Graph, tensor: gs.Tensor, axis: int, lo: int, hi: int, name: str, host: set[str],
-         slices: dict) -> gs.Tensor:
-    """Rows [lo, hi) of `tensor` along `axis`: a sliced constant, or a Slice node made once per range."""
-    if isinstance(tensor, gs.Constant):
-        return gs.Constant(f"{tensor.name}__{axis}_{lo}_{hi}", np.take(tensor.values, range(lo, hi), axis=axis))
-    key = (id(tensor), axis, lo, hi)
-    if key not in slices:
-        shape = [int(d) for d in tensor.shape]
-        shape[axis] = hi - lo
-        piece = gs.Variable(f"{tensor.name}__{axis}_{lo}_{hi}", dtype=tensor.dtype, shape=shape)
-        params = [gs.Constant(f"{piece.name}/{p}", np.array([v], np.int64))
-                  for p, v in (("starts", lo), ("ends", hi), ("axes", axis))]
-        graph.nodes.append(gs.Node("Slice", name, inputs=[tensor, *params], outputs=[piece]))
-        host.add(name)
-        slices[key] = piece
-    return slices[key]
-
-
-def add_node(graph: gs.Graph, op: str, name: str, inputs: list, like: gs.Tensor, shape: list[int], **attrs) -> gs.Variable:
-    out = gs.Variable(f"{name}_out", dtype=like.dtype, shape=[int(d) for d in shape])
-    graph.nodes.append(gs.Node(op, name, attrs, inputs, [out]))
-    return out
-
-
-def join(graph: gs.Graph, parts: list[gs.Tensor], out: gs.Variable, axis: int, name: str, host: set[str]) -> None:
-    graph.nodes.append(gs.Node("Concat", name, {"axis": axis}, parts, [out]))
-    host.add(name)
-
-
-def split_node(graph: gs.Graph, node: gs.Node, axis: int, pieces: int, host: set[str],
-               slices: dict | None = None) -> None:
-    """Replace `node` by `pieces` copies on slices of its inputs, joined by a Concat into its output.
-    `slices` remembers the slices made so far, so a tensor is sliced once per range."""
-    slices = {} if slices is None else slices
+def split_node(rw: Rewriter, node: gs.Node, axis: int, pieces: int) -> None:
+    """Replace `node` by `pieces` copies on slices of its inputs, joined by a Concat into its output."""
     out = node.outputs[0]
     base = node_label(node)
     parts = []
@@ -162,15 +132,14 @@ def split_node(graph: gs.Graph, node: gs.Node, axis: int, pieces: int, host: set
         ins = []
         for k, tensor in enumerate(node.inputs):
             in_axis = input_axis(node, k, axis)
-            ins.append(tensor if in_axis is None else
-                       take(graph, tensor, in_axis, lo, hi, f"{base}/legalize/slice{k}_{i}", host, slices))
+            ins.append(tensor if in_axis is None else rw.take(tensor, in_axis, lo, hi, f"{base}/legalize/slice{k}_{i}"))
         shape = [int(d) for d in out.shape]
         shape[axis] = hi - lo
         if node.op == "Reshape":
             ins[1] = gs.Constant(f"{base}/shape{i}", np.array(shape, np.int64))
-        parts.append(add_node(graph, node.op, f"{base}/part{i}", ins, out, shape, **node.attrs))
+        parts.append(rw.node(node.op, f"{base}/part{i}", ins, shape, out, **node.attrs))
     node.outputs.clear()
-    join(graph, parts, out, axis, f"{base}/legalize/concat", host)
+    rw.join(parts, out, axis, f"{base}/legalize/concat")
 
 
 def reduction_piece(node: gs.Node, width: int) -> OpSpec | None:
@@ -207,7 +176,7 @@ def choose_reduction_split(node: gs.Node, check) -> tuple[int, Verdict] | None:
     return None
 
 
-def split_reduction(graph: gs.Graph, node: gs.Node, pieces: int, host: set[str], slices: dict) -> None:
+def split_reduction(rw: Rewriter, node: gs.Node, pieces: int) -> None:
     """MatMul: sum of A[..., K_j] @ B[K_j, :]. Softmax: max and sum over the pieces, then each piece
     exp(x_j - max) / sum, joined. Both exact up to fp32 rounding of the summation order."""
     out, base = node.outputs[0], node_label(node)
@@ -216,41 +185,33 @@ def split_reduction(graph: gs.Graph, node: gs.Node, pieces: int, host: set[str],
         a, b = node.inputs
         parts = []
         for i, (lo, hi) in enumerate(bounds(int(a.shape[-1]), pieces)):
-            ai = take(graph, a, len(a.shape) - 1, lo, hi, f"{base}/legalize/sliceA{i}", host, slices)
-            bi = take(graph, b, len(b.shape) - 2, lo, hi, f"{base}/legalize/sliceB{i}", host, slices)
-            parts.append(add_node(graph, "MatMul", f"{base}/k{i}", [ai, bi], out, shape))
+            ai = rw.take(a, len(a.shape) - 1, lo, hi, f"{base}/legalize/sliceA{i}")
+            bi = rw.take(b, len(b.shape) - 2, lo, hi, f"{base}/legalize/sliceB{i}")
+            parts.append(rw.node("MatMul", f"{base}/k{i}", [ai, bi], shape, out))
         node.outputs.clear()
         total = parts[0]
         for i, part in enumerate(parts[1:], 1):
             if i == len(parts) - 1:
-                graph.nodes.append(gs.Node("Add", f"{base}/k{i}/sum", inputs=[total, part], outputs=[out]))
+                rw.graph.nodes.append(gs.Node("Add", f"{base}/k{i}/sum", inputs=[total, part], outputs=[out]))
             else:
-                total = add_node(graph, "Add", f"{base}/k{i}/sum", [total, part], out, shape)
+                total = rw.node("Add", f"{base}/k{i}/sum", [total, part], shape, out)
         return
-    x, rank = node.inputs[0], len(shape)
-    axis = node.attrs.get("axis", -1) % rank
+    x = node.inputs[0]
+    axis = node.attrs.get("axis", -1) % len(shape)
     ranges = bounds(shape[axis], pieces)
-    reduce_axes = gs.Constant(f"{base}/axes", np.array([axis], np.int64))
-    kept = shape[:axis] + [1] + shape[axis + 1:]
-    xs = [take(graph, x, axis, lo, hi, f"{base}/legalize/slice{i}", host, slices) for i, (lo, hi) in enumerate(ranges)]
-    if (graph.opset or 17) >= 18:  # ReduceMax took its axes as an attribute before opset 18
-        maxes = [add_node(graph, "ReduceMax", f"{base}/max{i}", [xi, reduce_axes], out, kept, keepdims=1)
-                 for i, xi in enumerate(xs)]
-    else:
-        maxes = [add_node(graph, "ReduceMax", f"{base}/max{i}", [xi], out, kept, axes=[axis], keepdims=1)
-                 for i, xi in enumerate(xs)]
-    m = add_node(graph, "Max", f"{base}/max", maxes, out, kept)
+    xs = [rw.take(x, axis, lo, hi, f"{base}/legalize/slice{i}") for i, (lo, hi) in enumerate(ranges)]
+    maxes = [rw.reduce("ReduceMax", xi, axis, f"{base}/max{i}") for i, xi in enumerate(xs)]
+    m = rw.node("Max", f"{base}/max", maxes, list(maxes[0].shape), out)
     exps, total = [], None
-    for i, (xi, (lo, hi)) in enumerate(zip(xs, ranges)):
-        piece = shape[:axis] + [hi - lo] + shape[axis + 1:]
-        ei = add_node(graph, "Exp", f"{base}/exp{i}", [add_node(graph, "Sub", f"{base}/sub{i}", [xi, m], out, piece)],
-                      out, piece)
-        si = add_node(graph, "ReduceSum", f"{base}/sum{i}", [ei, reduce_axes], out, kept, keepdims=1)
-        total = si if total is None else add_node(graph, "Add", f"{base}/sum{i}/acc", [total, si], out, kept)
-        exps.append((ei, piece))
-    parts = [add_node(graph, "Div", f"{base}/part{i}", [ei, total], out, piece) for i, (ei, piece) in enumerate(exps)]
+    for i, xi in enumerate(xs):
+        piece = list(xi.shape)
+        ei = rw.node("Exp", f"{base}/exp{i}", [rw.node("Sub", f"{base}/sub{i}", [xi, m], piece, out)], piece, out)
+        si = rw.reduce("ReduceSum", ei, axis, f"{base}/sum{i}")
+        total = si if total is None else rw.node("Add", f"{base}/sum{i}/acc", [total, si], list(si.shape), out)
+        exps.append(ei)
+    parts = [rw.node("Div", f"{base}/part{i}", [ei, total], list(ei.shape), out) for i, ei in enumerate(exps)]
     node.outputs.clear()
-    join(graph, parts, out, axis, f"{base}/legalize/concat", host)
+    rw.join(parts, out, axis, f"{base}/legalize/concat")
 
 
 def node_label(node: gs.Node) -> str:
@@ -277,11 +238,7 @@ def fold_slices_of_concats(graph: gs.Graph, joins: set[str]) -> int:
         for part in producer.inputs:
             width = int(part.shape[axis % rank])
             if (offset, offset + width) == (start, end):
-                out = node.outputs[0]
-                for consumer in list(out.outputs):
-                    for k, t in enumerate(consumer.inputs):
-                        if t is out:
-                            consumer.inputs[k] = part
+                replace_uses(node.outputs[0], part)
                 node.outputs.clear()
                 folded += 1
                 break
@@ -292,7 +249,8 @@ def fold_slices_of_concats(graph: gs.Graph, joins: set[str]) -> int:
 @register("legalize")
 def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     legality = ctx.legality
-    changes, stuck, noted, slices = [], [], [], {}
+    changes, stuck, noted = [], [], []
+    rw = Rewriter(graph, ctx.host_candidates)
     if legality is None:
         return graph, {"changes": changes, "note": "the target has no limits"}
     for node in list(graph.nodes):
@@ -308,11 +266,11 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         choice = choose_split(node, legality.check)
         if choice is not None:
             axis, pieces, piece = choice
-            split_node(graph, node, axis, pieces, ctx.host_candidates, slices)
+            split_node(rw, node, axis, pieces)
             action = f"split into {pieces} along axis {axis} ({piece.reason})"
         elif (reduction := choose_reduction_split(node, legality.check)) is not None:
             pieces, piece = reduction
-            split_reduction(graph, node, pieces, ctx.host_candidates, slices)
+            split_reduction(rw, node, pieces)
             how = "partial products summed" if node.op == "MatMul" else "two-pass max and sum"
             action = f"split into {pieces} along the reduced axis, {how} ({piece.reason})"
         else:

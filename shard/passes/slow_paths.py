@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx import helper, numpy_helper
 
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
@@ -80,18 +79,11 @@ def host_part(node: gs.Node, k: int, patches: gs.Variable) -> list[gs.Node]:
 
 
 def region_model(node: gs.Node, k: int):
-    """The NPU part alone, as a model the toolkit can build: patches -> MatMul -> Add -> [N, O, H/k, W/k]."""
-    weight = node.inputs[1].values
-    bias = node.inputs[2].values if len(node.inputs) > 2 else np.zeros(weight.shape[0], weight.dtype)
-    n, c, h, w = (int(d) for d in node.inputs[0].shape)
-    o, hp, wp = weight.shape[0], h // k, w // k
-    inits = [numpy_helper.from_array(weight.reshape(o, -1).T.copy(), "W"), numpy_helper.from_array(bias, "b"),
-             numpy_helper.from_array(np.array([n, o, hp, wp], np.int64), "shape")]
-    nodes = [helper.make_node("MatMul", ["p", "W"], ["m"]), helper.make_node("Add", ["m", "b"], ["mb"]),
-             helper.make_node("Transpose", ["mb"], ["t"], perm=[0, 2, 1]), helper.make_node("Reshape", ["t", "shape"], ["y"])]
-    graph = helper.make_graph(nodes, "patches", [helper.make_tensor_value_info("p", 1, [n, hp * wp, c * k * k])],
-                              [helper.make_tensor_value_info("y", 1, [n, o, hp, wp])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    """The NPU part alone, on tensors of its own, as a model the toolkit can build."""
+    out = node.outputs[0]
+    alone = gs.Variable("out", dtype=out.dtype, shape=list(out.shape))
+    nodes, patches = npu_part(node, k, alone)
+    model = gs.export_onnx(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17))
     model.ir_version = 8
     return model
 

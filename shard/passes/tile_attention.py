@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 
 from shard.passes import PassContext, register
 from shard.passes.legalize import bounds
+from shard.passes.rewrite import Rewriter
 
 MODES = ("auto", "off", "force")
 TILE_MARK = "/tile"
@@ -51,10 +52,6 @@ class Attention:
     @property
     def out(self) -> gs.Variable:
         return self.pv.outputs[0]
-
-    @property
-    def mask(self) -> gs.Node | None:
-        return next((n for n in self.pre if n.op == "Add"), None)
 
 
 def only_consumer(t: gs.Tensor) -> gs.Node | None:
@@ -106,44 +103,7 @@ def mask_input(node: gs.Node, scores: gs.Tensor) -> tuple[int, gs.Tensor]:
     return k, node.inputs[k]
 
 
-class Builder:
-    """Adds nodes to the graph with unique names; slices each (tensor, axis, range) once."""
-
-    def __init__(self, graph: gs.Graph, opset: int):
-        self.graph, self.opset, self.slices, self.count = graph, opset, {}, 0
-
-    def var(self, like: gs.Tensor, shape: list[int], name: str) -> gs.Variable:
-        return gs.Variable(name, dtype=like.dtype if like.dtype is not None else np.float32, shape=shape)
-
-    def node(self, op: str, name: str, inputs: list, shape: list[int], like: gs.Tensor, **attrs) -> gs.Variable:
-        self.count += 1
-        out = self.var(like, shape, f"{name}_out")
-        self.graph.nodes.append(gs.Node(op, name, attrs, inputs, [out]))
-        return out
-
-    def slice(self, t: gs.Tensor, axis: int, lo: int, hi: int, name: str) -> gs.Tensor:
-        if hi - lo == int(t.shape[axis]):
-            return t
-        if isinstance(t, gs.Constant):
-            return gs.Constant(f"{t.name}__{axis}_{lo}_{hi}", np.take(t.values, range(lo, hi), axis=axis))
-        key = (id(t), axis, lo, hi)
-        if key not in self.slices:
-            shape = list(t.shape)
-            shape[axis] = hi - lo
-            params = [gs.Constant(f"{name}/{p}", np.array([v], np.int64)) for p, v in
-                      (("starts", lo), ("ends", hi), ("axes", axis))]
-            self.slices[key] = self.node("Slice", name, [t, *params], shape, t)
-        return self.slices[key]
-
-    def reduce(self, op: str, t: gs.Tensor, name: str) -> gs.Variable:
-        shape = list(t.shape[:-1]) + [1]
-        axes = gs.Constant(f"{name}/axes", np.array([-1], np.int64))
-        if op == "ReduceSum" or self.opset >= 18:
-            return self.node(op, name, [t, axes], shape, t, keepdims=1)
-        return self.node(op, name, [t], shape, t, axes=[-1], keepdims=1)
-
-
-def sliced_mask(b: Builder, att: Attention, node: gs.Node, scores: gs.Tensor, rows: tuple[int, int],
+def sliced_mask(b: Rewriter, att: Attention, node: gs.Node, scores: gs.Tensor, rows: tuple[int, int],
                 cols: tuple[int, int], name: str) -> list:
     """The Add's inputs for one tile: the mask cut to the tile's rows and columns where it has them."""
     k, mask = mask_input(node, scores)
@@ -151,14 +111,14 @@ def sliced_mask(b: Builder, att: Attention, node: gs.Node, scores: gs.Tensor, ro
     for axis, (lo, hi) in ((rank - 2, rows), (rank - 1, cols)):
         m_axis = axis - (rank - mrank)
         if m_axis >= 0 and int(mask.shape[m_axis]) != 1:
-            mask = b.slice(mask, m_axis, lo, hi, f"{name}/mask_{axis}")
+            mask = b.take(mask, m_axis, lo, hi, f"{name}/mask_{axis}")
     return [None, mask] if k == 1 else [mask, None]
 
 
-def scores_tile(b: Builder, att: Attention, q: gs.Tensor, rows: tuple[int, int], cols: tuple[int, int],
+def scores_tile(b: Rewriter, att: Attention, q: gs.Tensor, rows: tuple[int, int], cols: tuple[int, int],
                 name: str) -> gs.Tensor:
     """MatMul(Q rows, K^T cols) and the scale/mask nodes, for one tile."""
-    kt = b.slice(att.kt, len(att.kt.shape) - 1, *cols, f"{name}/kt")
+    kt = b.take(att.kt, len(att.kt.shape) - 1, *cols, f"{name}/kt")
     shape = list(att.qk.outputs[0].shape[:-2]) + [rows[1] - rows[0], cols[1] - cols[0]]
     s = b.node("MatMul", f"{name}/qk", [q, kt], shape, att.qk.outputs[0])
     prev = att.qk.outputs[0]
@@ -173,9 +133,9 @@ def scores_tile(b: Builder, att: Attention, q: gs.Tensor, rows: tuple[int, int],
     return s
 
 
-def tile(graph: gs.Graph, att: Attention, query_tile: int, key_tile: int | None, opset: int, label: str) -> dict:
+def tile(graph: gs.Graph, att: Attention, query_tile: int, key_tile: int | None, label: str) -> dict:
     """Replace one attention by its tiles; returns what was done."""
-    b = Builder(graph, opset)
+    b = Rewriter(graph)
     out = att.out
     rank = len(out.shape)
     t_len, s_len = int(att.qk.outputs[0].shape[-2]), int(att.qk.outputs[0].shape[-1])
@@ -184,7 +144,7 @@ def tile(graph: gs.Graph, att: Attention, query_tile: int, key_tile: int | None,
     pieces = []
     for i, rows in enumerate(q_rows):
         name = f"{label}{TILE_MARK}{i}"
-        q = b.slice(att.q, len(att.q.shape) - 2, *rows, f"{name}/q")
+        q = b.take(att.q, len(att.q.shape) - 2, *rows, f"{name}/q")
         o_shape = list(out.shape[:-2]) + [rows[1] - rows[0], int(out.shape[-1])]
         if len(k_cols) == 1:
             s = scores_tile(b, att, q, rows, k_cols[0], name)
@@ -197,10 +157,10 @@ def tile(graph: gs.Graph, att: Attention, query_tile: int, key_tile: int | None,
         for j, cols in enumerate(k_cols):
             kname = f"{name}/key{j}"
             s = scores_tile(b, att, q, rows, cols, kname)
-            m = b.reduce("ReduceMax", s, f"{kname}/max")
+            m = b.reduce("ReduceMax", s, len(s.shape) - 1, f"{kname}/max")
             e = b.node("Exp", f"{kname}/exp", [b.node("Sub", f"{kname}/sub", [s, m], list(s.shape), s)], list(s.shape), s)
-            sums.append(b.reduce("ReduceSum", e, f"{kname}/sum"))
-            v = b.slice(att.v, len(att.v.shape) - 2, *cols, f"{kname}/v")
+            sums.append(b.reduce("ReduceSum", e, len(e.shape) - 1, f"{kname}/sum"))
+            v = b.take(att.v, len(att.v.shape) - 2, *cols, f"{kname}/v")
             outs.append(b.node("MatMul", f"{kname}/pv", [e, v], o_shape, out))
             maxes.append(m)
         m_all = b.node("Max", f"{name}/lse/max", maxes, list(maxes[0].shape), maxes[0])
@@ -214,7 +174,7 @@ def tile(graph: gs.Graph, att: Attention, query_tile: int, key_tile: int | None,
             den = wl if den is None else b.node("Add", f"{name}/lse/den{j}", [den, wl], list(l.shape), l)
         pieces.append(b.node("Div", f"{name}/lse/out", [num, den], o_shape, out))
     att.pv.outputs.clear()
-    graph.nodes.append(gs.Node("Concat", f"{label}/join_tiles", {"axis": rank - 2}, pieces, [out]))
+    b.join(pieces, out, rank - 2, f"{label}/join_tiles")
     return {"query_tiles": len(q_rows), "key_tiles": len(k_cols), "query_tile": query_tile,
             "key_tile": key_tile if len(k_cols) > 1 else None, "nodes_added": b.count + 1}
 
@@ -301,7 +261,6 @@ def tile_attention(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     report = {"mode": mode, "found": len(found), "changes": [], "not_fixed": []}
     if mode == "off":
         return graph, report
-    opset = graph.opset or 17
     for k, att in enumerate(found):
         t_len, s_len = int(att.qk.outputs[0].shape[-2]), int(att.qk.outputs[0].shape[-1])
         label = att.qk.name or f"attention{k}"
@@ -315,7 +274,7 @@ def tile_attention(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             if choice is None:
                 continue
             rows, cols, reason = choice
-        done = tile(graph, att, rows, cols, opset, label)
+        done = tile(graph, att, rows, cols, label)
         report["changes"].append({"node": label, "op": "attention", "shape": [t_len, s_len], "reason": reason,
                                   "action": f"{done['query_tiles']} query tiles x {done['key_tiles']} key tiles",
                                   **done})

@@ -16,10 +16,9 @@ from typing import Callable
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
-OPSET = 17
-
+from shard.graph import small_model
 
 @dataclass(frozen=True)
 class Family:
@@ -35,15 +34,6 @@ class Family:
     version: int = 1                            # bump when the builder changes: old cached points are ignored
 
 
-def model(nodes, inputs, outputs, inits=()) -> onnx.ModelProto:
-    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
-    graph = helper.make_graph(nodes, "probe", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
-                              initializer=[numpy_helper.from_array(a, n) for n, a in inits])
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-    m.ir_version = 8
-    return m
-
-
 def weights(*shape: int, seed: int = 0) -> np.ndarray:
     fan_in = shape[-2] if len(shape) > 1 else 1
     return (np.random.default_rng(seed).standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
@@ -52,14 +42,14 @@ def weights(*shape: int, seed: int = 0) -> np.ndarray:
 def elementwise(op: str):
     def build(n: int, s: dict) -> onnx.ModelProto:
         shape = [1, 1, s["h"], n]
-        return model([helper.make_node(op, ["x", "x"], ["y"])], [("x", shape)], [("y", shape)])
+        return small_model([helper.make_node(op, ["x", "x"], ["y"])], [("x", shape)], [("y", shape)])
     return build
 
 
 def unary(op: str):
     def build(n: int, s: dict) -> onnx.ModelProto:
         shape = [1, 1, s["h"], n]
-        return model([helper.make_node(op, ["x"], ["y"])], [("x", shape)], [("y", shape)])
+        return small_model([helper.make_node(op, ["x"], ["y"])], [("x", shape)], [("y", shape)])
     return build
 
 
@@ -71,30 +61,30 @@ def gelu(n: int, s: dict) -> onnx.ModelProto:
     nodes = [helper.make_node("Div", ["x", "sqrt2"], ["d"]), helper.make_node("Erf", ["d"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["a"]), helper.make_node("Mul", ["x", "a"], ["m"]),
              helper.make_node("Mul", ["m", "half"], ["y"])]
-    return model(nodes, [("x", shape)], [("y", shape)], consts)
+    return small_model(nodes, [("x", shape)], [("y", shape)], consts)
 
 
 def softmax(shape: list[int]) -> onnx.ModelProto:
-    return model([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [("x", shape)], [("y", shape)])
+    return small_model([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], [("x", shape)], [("y", shape)])
 
 
 def transpose(n: int, s: dict) -> onnx.ModelProto:
     shape = [n if d == "N" else d for d in s["shape"]]
     out = [shape[p] for p in s["perm"]]
-    return model([helper.make_node("Transpose", ["x"], ["y"], perm=s["perm"])], [("x", shape)], [("y", out)])
+    return small_model([helper.make_node("Transpose", ["x"], ["y"], perm=s["perm"])], [("x", shape)], [("y", out)])
 
 
 def matmul(m: int, k: int, n: int, constant_b: bool) -> onnx.ModelProto:
     node = helper.make_node("MatMul", ["a", "b"], ["y"])
     if constant_b:
-        return model([node], [("a", [1, m, k])], [("y", [1, m, n])], [("b", weights(k, n))])
-    return model([node], [("a", [1, m, k]), ("b", [1, k, n])], [("y", [1, m, n])])
+        return small_model([node], [("a", [1, m, k])], [("y", [1, m, n])], [("b", weights(k, n))])
+    return small_model([node], [("a", [1, m, k]), ("b", [1, k, n])], [("y", [1, m, n])])
 
 
 def layernorm(rows: int, width: int) -> onnx.ModelProto:
     node = helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], axis=-1, epsilon=1e-5)
     inits = [("g", np.ones(width, np.float32)), ("b", np.zeros(width, np.float32))]
-    return model([node], [("x", [1, rows, width])], [("y", [1, rows, width])], inits)
+    return small_model([node], [("x", [1, rows, width])], [("y", [1, rows, width])], inits)
 
 
 def conv(cin: int, cout: int, h: int, w: int, k: int, stride: int, pad: int) -> onnx.ModelProto:
@@ -102,7 +92,7 @@ def conv(cin: int, cout: int, h: int, w: int, k: int, stride: int, pad: int) -> 
     node = helper.make_node("Conv", ["x", "w", "bias"], ["y"], kernel_shape=[k, k], strides=[stride, stride],
                             pads=[pad] * 4)
     inits = [("w", weights(cout, cin, k, k)), ("bias", np.zeros(cout, np.float32))]
-    return model([node], [("x", [1, cin, h, w])], [("y", [1, cout, oh, ow])], inits)
+    return small_model([node], [("x", [1, cin, h, w])], [("y", [1, cout, oh, ow])], inits)
 
 
 def conv_macs(cin: int, cout: int, h: int, w: int, k: int, stride: int, pad: int) -> int:
@@ -112,7 +102,7 @@ def conv_macs(cin: int, cout: int, h: int, w: int, k: int, stride: int, pad: int
 
 def concat(n: int, s: dict) -> onnx.ModelProto:
     shape = [1, 1, s["h"], n]
-    return model([helper.make_node("Concat", ["a", "b"], ["y"], axis=-1)], [("a", shape), ("b", shape)],
+    return small_model([helper.make_node("Concat", ["a", "b"], ["y"], axis=-1)], [("a", shape), ("b", shape)],
                  [("y", [1, 1, s["h"], 2 * n])])
 
 
@@ -120,7 +110,7 @@ def reshape(n: int, s: dict) -> onnx.ModelProto:
     """[1, N, C] -> [1, N, heads, C / heads]: the head split every transformer does."""
     c, heads = s["c"], s["heads"]
     out = [1, n, heads, c // heads]
-    return model([helper.make_node("Reshape", ["x", "shape"], ["y"])], [("x", [1, n, c])], [("y", out)],
+    return small_model([helper.make_node("Reshape", ["x", "shape"], ["y"])], [("x", [1, n, c])], [("y", out)],
                  [("shape", np.array(out, np.int64))])
 
 

@@ -17,7 +17,7 @@ from shard.passes.fit import HARD_FAILURES, OpSpec, Verdict
 from shard.probes.cache import PointCache, default_cache_dir
 from shard.probes.search import Point
 from shard.profile import Profile
-from shard.toolkit.env import find_python, read_marker
+from shard.toolkit.env import find_python, installed_label
 from shard.toolkit.worker import WorkerPool
 
 MODELS = "by-model"
@@ -25,18 +25,20 @@ MODELS_VERSION = 2  # points carry each layer's DDR cycles and bytes
 
 
 class ToolkitOps:
+    """Toolkit workers (`jobs` of them), a scratch directory, the point cache and a prober over them:
+    what both the passes and `shard probe` build with."""
+
     def __init__(self, target: str, profile: Profile, build: dict, jobs: int = 1, timeout: float = 300.0,
-                 cache_dir: Path | None = None):
+                 cache_dir: Path | None = None, read_cache: bool = True, slow_factor: float | None = None,
+                 board=None):
         from shard.probes.runner import RknnProber
 
-        marker = read_marker(target) or {}
-        toolkit = f"rknn-toolkit2 {marker.get('packages', {}).get('rknn-toolkit2') or marker.get('version', '?')}"
-        self.cache = PointCache(cache_dir or default_cache_dir(), toolkit, target)
+        self.toolkit = installed_label(target)
+        self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
         self.scratch = Path(tempfile.mkdtemp(prefix="shard-ops-"))
         self.pool = WorkerPool(find_python(target), self.scratch, jobs)
-        slow = float(profile.facts.get("slow_factor", 4.0))
-        self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout)
-        self.builds = 0
+        slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
+        self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)
 
     def build(self, model: onnx.ModelProto, macs: int | None = None) -> Point:
         """What the compiler says of this model (cycles in figures); from the cache when seen before."""
@@ -45,7 +47,6 @@ class ToolkitOps:
         if point is None:
             point = self.prober.run_model(model, digest, macs=macs)
             self.cache.put(MODELS, MODELS_VERSION, point, size=digest)
-            self.builds += 1
         return point
 
     def check(self, spec: OpSpec) -> Verdict:
@@ -57,6 +58,9 @@ class ToolkitOps:
             return Verdict(True, None, f"{where}: {point.failure or 'clean'}")
         return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers (at once, if kill) and remove the scratch directory."""
+        if kill:
+            self.pool.kill_all()
         self.pool.close()
         shutil.rmtree(self.scratch, ignore_errors=True)

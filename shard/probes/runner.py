@@ -12,21 +12,22 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnx
 
-from shard.errors import TargetError
-from shard.probes.cache import PointCache
+from shard.errors import RunError, TargetError
 from shard.probes.classify import classify_build, classify_numeric
 from shard.probes.families import Family, limit_name, select
 from shard.probes.search import Boundary, Point, find_boundary
 from shard.profile import Limit, Profile, load_profile
-from shard.targets.rknn_log import parse_build_log
-from shard.toolkit.env import find_python, read_marker
+from shard.runtime.executors.rknn_sim import infer
+from shard.targets.rknn_log import HOST_OPS, parse_build_log
 from shard.toolkit.worker import WorkerFailed, WorkerPool
+from shard.verifier import compare
 
 DEFAULT_SLOW_FACTOR = 4.0
 BUILD_TIMEOUT_S = 300.0
@@ -41,12 +42,6 @@ class Search:
     @property
     def name(self) -> str:
         return limit_name(self.family, self.setting)
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    denom = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(a @ b / denom) if denom else float(np.array_equal(a, b))
 
 
 def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[str, np.ndarray]:
@@ -97,7 +92,7 @@ class RknnProber:
                 diag = parse_build_log(log.read_text(errors="replace"))
                 point = classify_build(size, answer, diag, macs, self.macs_per_cycle, self.slow_factor)
                 point.figures["layers"] = [[layer.op, layer.target, layer.cycles, layer.ddr_cycles, layer.rw_kb]
-                                           for layer in diag.layers if layer.op not in ("InputOperator", "OutputOperator")]
+                                           for layer in diag.layers if layer.op not in HOST_OPS]
                 if point.ok and key is not None:
                     point = self._simulate(worker, key, model, simulate_range, point)
             if point.ok and self.board:
@@ -112,20 +107,15 @@ class RknnProber:
         inputs = probe_inputs(model, scale)
         work = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=self.scratch))
         try:
-            paths = []
-            for name, array in inputs.items():
-                paths.append(str(work / f"{name}.npy"))
-                np.save(paths[-1], array)
-            answer = worker.request(op="infer", key=key, inputs=paths, data_format=["nchw"] * len(paths),
-                                    outdir=str(work), log=str(work / "infer.log"), timeout=self.timeout)
+            got = infer(partial(worker.request, timeout=self.timeout), key, list(inputs.values()), work,
+                        work / "infer.log")[0]
             worker.request(op="release", key=key, timeout=self.timeout)
-            if not answer["ok"]:
-                return Point(point.size, False, "crash", f"simulator inference failed: {answer['error']}", point.figures)
-            got = np.load(answer["outputs"][0])
+        except (RunError, WorkerFailed) as exc:
+            return Point(point.size, False, "crash", f"simulator: {exc}", point.figures)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         want = reference_outputs(model, inputs)[0]
-        return classify_numeric(point, cosine(want, got.reshape(want.shape)))
+        return classify_numeric(point, compare("out", want, got.reshape(want.shape)).cosine)
 
     def _on_board(self, artifact: Path, model: onnx.ModelProto, scale: float, point: Point) -> Point:
         rt = self.board()
@@ -141,7 +131,7 @@ class RknnProber:
         finally:
             rt.release()
         want = reference_outputs(model, inputs)[0]
-        checked = classify_numeric(point, cosine(want, np.asarray(outs[0]).reshape(want.shape)))
+        checked = classify_numeric(point, compare("out", want, np.asarray(outs[0]).reshape(want.shape)).cosine)
         if not checked.ok:
             checked.failure = "board"
         return checked
@@ -156,24 +146,18 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     if target != "rk3588":
         raise TargetError(f"`shard probe` knows how to probe rk3588; {target!r} has no probe families")
     chosen = select(families)
-    python = find_python(target)
     board = None
     if on_board:
         from shard.runtime.executors.rknn_board import import_rknnlite
 
         board = import_rknnlite()
-    marker = read_marker(target) or {}
-    version = marker.get("packages", {}).get("rknn-toolkit2") or marker.get("version", "unknown")
-    toolkit = f"rknn-toolkit2 {version}"
     base = base or load_profile(target)
-    cache = PointCache(cache_dir, toolkit, target, read=read_cache)
+    from shard.probes.oneop import ToolkitOps
     from shard.targets.rk3588 import Rk3588Target
 
-    build = Rk3588Target().build_options(None)
+    ops = ToolkitOps(target, base, Rk3588Target().build_options(None), jobs, timeout, cache_dir, read_cache,
+                     slow_factor, board)
     searches = [Search(f, s) for f in chosen for s in f.settings]
-    scratch = Path(tempfile.mkdtemp(prefix="shard-probe-"))
-    pool = WorkerPool(python, scratch, jobs)
-    prober = RknnProber(pool, scratch, build, base, slow_factor, timeout, board)
     finished: list[str] = []
     lock = threading.Lock()
     progress("probe", 0, len(searches), note="")
@@ -183,10 +167,10 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
         start = min(search.family.start, top)
 
         def test(size: int) -> Point:
-            point = cache.get(search.name, search.family.version, size)
+            point = ops.cache.get(search.name, search.family.version, size)
             if point is None:
-                point = prober.test(search.family, search.setting, size)
-                cache.put(search.name, search.family.version, point)
+                point = ops.prober.test(search.family, search.setting, size)
+                ops.cache.put(search.name, search.family.version, point)
             return point
 
         def bracket(lo, hi) -> None:
@@ -197,16 +181,15 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
             finished.append(search.name)
             progress("probe", len(finished), len(searches), note=f"{search.name} done")
 
+    failed = True
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as executor:
             for future in [executor.submit(run, s) for s in searches]:
                 future.result()
-    except BaseException:
-        pool.kill_all()
-        raise
+        failed = False
     finally:
-        pool.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        ops.close(kill=failed)
+    toolkit = ops.toolkit
     today = datetime.date.today().isoformat()
     limits = {search.name: to_limit(search, toolkit, today, slow_factor) for search in searches}
     facts = {**base.facts, "slow_factor": slow_factor}

@@ -46,11 +46,9 @@ class Execution:
 
 @dataclass
 class _Frame:
-    id: int
     tensors: dict[str, np.ndarray]
     waiting_on: list[int]         # per shard: producers not yet done
     left: int                     # shards not yet done
-    done: bool = False
 
 
 @dataclass(order=True)
@@ -137,15 +135,12 @@ class Scheduler:
         for t in self._threads:
             t.start()
 
-    def core_for(self, frame: int, k: int) -> int | None:
-        return core_for(self.schedule, self.shards, self.cores, frame, k)
-
     # -- frames --------------------------------------------------------------------------------
 
     def submit(self, frame: int, inputs: dict[str, np.ndarray]) -> None:
         with self._cond:
             self._raise_if_failed()
-            state = _Frame(frame, dict(inputs), [len(d) for d in self.deps], len(self.shards))
+            state = _Frame(dict(inputs), [len(d) for d in self.deps], len(self.shards))
             self._frames[frame] = state
             for k, waiting in enumerate(state.waiting_on):
                 if waiting == 0:
@@ -158,7 +153,7 @@ class Scheduler:
             while True:
                 self._raise_if_failed()
                 state = self._frames[frame]
-                if state.done:
+                if state.left == 0:
                     del self._frames[frame]
                     return state.tensors
                 self._check_timeouts()
@@ -184,7 +179,8 @@ class Scheduler:
     # -- internals (called with the lock held unless noted) ------------------------------------
 
     def _make_ready(self, frame: int, k: int) -> None:
-        heapq.heappush(self._ready[self.core_for(frame, k)], _Task(frame, -self.rank[k], k))
+        heapq.heappush(self._ready[core_for(self.schedule, self.shards, self.cores, frame, k)],
+                       _Task(frame, -self.rank[k], k))
 
     def _pick(self, core: int) -> _Task | None:
         own, shared = self._ready[core], self._ready[None]
@@ -258,6 +254,4 @@ class Scheduler:
                     frame.waiting_on[j] -= 1
                     if frame.waiting_on[j] == 0:
                         self._make_ready(task.frame, j)
-                if frame.left == 0:
-                    frame.done = True
                 self._cond.notify_all()

@@ -86,6 +86,12 @@ def read_marker(target: str) -> dict | None:
     return json.loads(path.read_text())
 
 
+def installed_label(target: str) -> str:
+    """The installed toolkit as profiles and caches name it, e.g. "rknn-toolkit2 2.5.0"."""
+    spec, marker = get_spec(target), read_marker(target) or {}
+    return f"{spec.package} {marker.get('packages', {}).get(spec.package) or marker.get('version', 'unknown')}"
+
+
 def find_python(target: str) -> Path:
     """The toolkit environment's interpreter; ToolkitMissing with the install command if absent."""
     if read_marker(target) is None:

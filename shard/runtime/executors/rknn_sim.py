@@ -55,23 +55,32 @@ class RknnSimExecutor:
 
     def _run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=self.scratch))
+        arrays = [np.ascontiguousarray(inputs[spec.name], dtype=spec.dtype) for spec in shard.inputs]
         try:
-            paths = []
-            for k, spec in enumerate(shard.inputs):
-                paths.append(str(work / f"in{k}.npy"))
-                np.save(paths[-1], np.ascontiguousarray(inputs[spec.name], dtype=spec.dtype))
-            # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
-            # (the toolkit ignores the format of other ranks but refuses None).
-            formats = ["nchw"] * len(shard.inputs)
-            log = self.scratch / f"{shard.name}.run.log"
-            answer = self._ask(shard, op="infer", key=shard.name, inputs=paths, data_format=formats,
-                               outdir=str(work), log=str(log))
-            if not answer["ok"]:
-                raise RunError(f"{shard.name}: simulator inference failed ({answer['error']}); log: {log}")
-            return outputs_by_name(shard, [np.load(p) for p in answer["outputs"]])
+            outs = infer(lambda **req: self._ask(shard, **req), shard.name, arrays, work,
+                         self.scratch / f"{shard.name}.run.log")
+        except RunError as exc:
+            raise RunError(f"{shard.name}: {exc}") from None
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        return outputs_by_name(shard, outs)
 
     def close(self) -> None:
         self.worker.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path) -> list[np.ndarray]:
+    """Run the model a toolkit worker keeps under `key` on `arrays`, handed over as .npy files in
+    `workdir`; RunError if the simulator fails."""
+    paths = []
+    for k, array in enumerate(arrays):
+        paths.append(str(workdir / f"in{k}.npy"))
+        np.save(paths[-1], array)
+    # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
+    # (the toolkit ignores the format of other ranks but refuses None).
+    answer = request(op="infer", key=key, inputs=paths, data_format=["nchw"] * len(paths), outdir=str(workdir),
+                     log=str(log))
+    if not answer["ok"]:
+        raise RunError(f"simulator inference failed ({answer['error']}); log: {log}")
+    return [np.load(p) for p in answer["outputs"]]
