@@ -67,11 +67,14 @@ def tensor_spec(tensor: gs.Variable) -> TensorSpec:
     return TensorSpec(name=tensor.name, shape=[int(d) for d in tensor.shape], dtype=dtype_name(tensor.dtype))
 
 
-def small_model(nodes: list, inputs: list[tuple[str, list[int]]], outputs: list[tuple[str, list[int]]],
+def small_model(nodes: list, inputs: list[tuple], outputs: list[tuple],
                 inits: list[tuple[str, np.ndarray]] = ()) -> onnx.ModelProto:
-    """A model of a few onnx.helper nodes, float32 inputs and outputs, at opset 17 and an IR version
-    the toolkit's onnx reads: probe graphs and single ops built alone."""
-    vi = lambda name, shape: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, shape)  # noqa: E731
+    """A model of a few onnx.helper nodes at opset 17 and an IR version the toolkit's onnx reads:
+    probe graphs and single ops built alone. Inputs and outputs are (name, shape) for float32, or
+    (name, shape, numpy dtype name) for any other element type (bool masks, int64 indices, fp16)."""
+    def vi(name, shape, dtype="float32"):
+        return onnx.helper.make_tensor_value_info(name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), shape)
+
     graph = onnx.helper.make_graph(nodes, "small", [vi(*i) for i in inputs], [vi(*o) for o in outputs],
                                    initializer=[onnx.numpy_helper.from_array(np.asarray(a), n) for n, a in inits])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])

@@ -12,6 +12,7 @@ from pathlib import Path
 import onnx_graphsurgeon as gs
 
 from shard.graph import load_model, quiet_graphsurgeon
+from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
 from shard.targets import get_target
 
@@ -40,7 +41,8 @@ def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> In
     options = options or CompileOptions()
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()
-    _, ctx = run_passes(gs.import_onnx(load_model(model)), get_target(target), profile, options, until="partition")
+    proto, _ = prepare_model(load_model(model))
+    _, ctx = run_passes(gs.import_onnx(proto), get_target(target), profile, options, until="partition")
     result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post)
     for name in ("slow_paths", "legalize"):
         report = ctx.reports.get(name, {})

@@ -11,6 +11,7 @@ import onnx
 
 from shard.bundle import read_manifest
 from shard.graph import load_model, sha256_file
+from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
 from shard.runtime.host import run_host
 
@@ -74,7 +75,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
                   progress: Callable[[str, int, int], None] = lambda *a: None) -> VerifyReport:
     """Run seeded inputs through the reference (onnxruntime) and the bundle; compare every output."""
     manifest = read_manifest(bundle)
-    model = load_model(reference)
+    model, _ = prepare_model(load_model(reference))  # as compile read it: an old opset upgraded
     known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
         {n_out for node in model.graph.node for n_out in node.output}
     graph_inputs = {t.name for t in manifest.inputs}

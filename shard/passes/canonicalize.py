@@ -1,4 +1,11 @@
-"""canonicalize: fixed input shapes, folded constants, no Identity or no-op Cast, every tensor's shape known."""
+"""canonicalize: fixed input shapes, folded constants, no Identity, Dropout or no-op Cast, every
+tensor's shape known.
+
+Models exported years ago by other tools come first through `prepare_model`: an old opset is
+upgraded (opset 6-12 models crash inside the vendor's loader, and the rewrites emit Slice and
+ReduceSum in their opset-13 form), initializers listed as graph inputs stop being inputs. Where
+onnx's shape inference gives up, one onnxruntime run at the fixed input shapes reads every shape.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,33 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
-from shard.graph import infer_shapes, is_static, replace_uses
+from shard.graph import default_opset, infer_shapes, is_static, replace_uses
 from shard.passes import PassContext, register
+
+MIN_OPSET = 13   # Slice takes its bounds as inputs from 10, ReduceSum and Split their axes from 13
+
+
+def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
+    """The model in the form the passes and the toolkit take: opset >= MIN_OPSET where the onnx
+    version converter can lift it, no initializer listed as a graph input. Returns what changed."""
+    notes = {}
+    opset = default_opset(model)
+    if 0 < opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+            notes["opset"] = f"{opset} -> {MIN_OPSET}"
+        except Exception as exc:  # noqa: BLE001 - the converter raises bare RuntimeErrors of many kinds
+            notes["opset"] = f"{opset} kept: the onnx version converter failed ({str(exc).splitlines()[0][:160]})"
+    inits = {i.name for i in model.graph.initializer}
+    listed = [i for i in model.graph.input if i.name in inits]
+    if listed:
+        kept = [i for i in model.graph.input if i.name not in inits]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        notes["initializer_inputs_removed"] = len(listed)
+    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import),
+                                                                                 ignore_unknown=True))
+    return model, notes
 
 
 def format_shape(shape) -> str:
@@ -41,9 +73,12 @@ def fix_input_shapes(graph: gs.Graph, overrides: dict[str, tuple[int, ...]]) -> 
 
 
 def is_noop(node: gs.Node) -> bool:
-    """Identity, or a Cast to the dtype its input already has (exporters leave these in)."""
+    """Identity, Dropout (inference) whose mask nobody reads, or a Cast to the dtype its input
+    already has (exporters leave these in)."""
     if node.op == "Identity":
         return True
+    if node.op == "Dropout":
+        return all(not t.outputs for t in node.outputs[1:])
     if node.op == "Cast" and node.inputs and node.inputs[0].dtype is not None:
         to = onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"])
         return np.dtype(node.inputs[0].dtype) == to
@@ -51,12 +86,12 @@ def is_noop(node: gs.Node) -> bool:
 
 
 def remove_identities(graph: gs.Graph) -> int:
-    """Bypass Identity nodes and no-op Casts, keeping the output's name where it is a graph output."""
+    """Bypass Identity, Dropout and no-op Casts, keeping the output's name where it is a graph output."""
     outputs = set(id(t) for t in graph.outputs)
     removed = 0
     for node in [n for n in graph.nodes if is_noop(n)]:
         src, dst = node.inputs[0], node.outputs[0]
-        if id(dst) in outputs:
+        if any(id(t) in outputs for t in node.outputs):
             continue
         replace_uses(dst, src)
         node.outputs.clear()
@@ -79,8 +114,56 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # Bypassing an Identity changes no shape: the shapes inferred above still hold.
     identities = remove_identities(graph)
     graph.cleanup().toposort()
+    report = {"fixed_inputs": fixed, "nodes_before": nodes_before, "nodes_after": len(graph.nodes),
+              "identities_removed": identities}
+    if unknown_shapes(graph):
+        report["shapes_from_onnxruntime"] = infer_shapes_by_running(graph)
     unknown = [t.name for t in graph.outputs if not is_static(t.shape)]
     if unknown:
-        raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}")
-    return graph, {"fixed_inputs": fixed, "nodes_before": nodes_before, "nodes_after": len(graph.nodes),
-                   "identities_removed": identities}
+        raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}, "
+                         f"not even by running the model once in onnxruntime")
+    return graph, report
+
+
+def unknown_shapes(graph: gs.Graph) -> list[gs.Variable]:
+    return [t for t in graph.tensors().values()
+            if isinstance(t, gs.Variable) and t.name and (not is_static(t.shape) or t.dtype is None)]
+
+
+def infer_shapes_by_running(graph: gs.Graph) -> int:
+    """Where onnx's inference gives up (custom domains, ops it cannot propagate through): run the
+    model once in onnxruntime on inputs of the fixed shapes and read every tensor's shape and dtype.
+    Returns how many tensors got theirs this way."""
+    import onnxruntime as ort
+
+    missing = {t.name: t for t in unknown_shapes(graph)}
+    model = gs.export_onnx(graph.copy(), do_type_check=False)
+    present = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in missing if n not in present)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        feeds = {t.name: example_input(t) for t in graph.inputs}
+        names = [o.name for o in session.get_outputs()]
+        values = dict(zip(names, session.run(names, feeds)))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        if all(is_static(t.shape) for t in graph.outputs):
+            return 0  # the outputs are known; the passes leave tensors of unknown shape alone
+        raise ModelError(f"cannot infer static shapes for {len(missing)} tensors (first: {next(iter(missing))}); "
+                         f"onnx's inference gave up and onnxruntime could not run the model: "
+                         f"{str(exc).splitlines()[0][:200]}") from None
+    found = 0
+    for name, tensor in missing.items():
+        if name in values:
+            tensor.shape, tensor.dtype = list(values[name].shape), values[name].dtype
+            found += 1
+    return found
+
+
+def example_input(tensor: gs.Variable) -> np.ndarray:
+    """Values of the input's shape and dtype: small random floats, zeros for integers (valid indices)."""
+    dtype = np.dtype(tensor.dtype)
+    if dtype.kind == "f":
+        return np.random.default_rng(0).uniform(-1, 1, tensor.shape).astype(dtype)
+    return np.zeros(tensor.shape, dtype)

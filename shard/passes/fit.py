@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from shard.graph import small_model
+from shard.graph import dtype_name, small_model
 from shard.profile import Profile
 
 HARD_FAILURES = ("regtask", "error", "build-error", "crash")
@@ -42,30 +42,39 @@ class OpSpec:
     attrs: dict
     inputs: list[tuple[list[int], np.ndarray | None]]   # (shape, value if constant)
     outputs: list[list[int]]
+    dtypes: list[str] | None = None       # numpy names of the inputs' then the outputs' dtypes; None: float32
 
     @classmethod
     def of(cls, node: gs.Node) -> OpSpec:
         ins = [(list(t.shape), t.values if isinstance(t, gs.Constant) else None) for t in node.inputs]
-        return cls(node.op, dict(node.attrs), ins, [list(t.shape) for t in node.outputs])
+        dtypes = [dtype_name(t.dtype) if t.dtype is not None else "float32" for t in (*node.inputs, *node.outputs)]
+        return cls(node.op, dict(node.attrs), ins, [list(t.shape) for t in node.outputs],
+                   None if set(dtypes) == {"float32"} else dtypes)
+
+    def with_shapes(self, inputs: list, outputs: list[list[int]]) -> OpSpec:
+        """The same op (attributes, dtypes) at other shapes: one piece of a split."""
+        return OpSpec(self.op, self.attrs, inputs, outputs, self.dtypes)
 
     def key(self) -> str:
         consts = [None if v is None else (v.tolist() if v.size <= 16 else f"{v.dtype}{list(v.shape)}")
                   for _, v in self.inputs]
-        return repr((self.op, sorted(self.attrs.items()), [s for s, _ in self.inputs], consts, self.outputs))
+        return repr((self.op, sorted(self.attrs.items()), [s for s, _ in self.inputs], consts, self.outputs,
+                     self.dtypes))
 
     def model(self) -> onnx.ModelProto:
         """This op alone; large float constants become seeded noise of their shape (values do not
         change legality, and zeros would let the compiler fold the op away)."""
         names = [f"in{k}" for k in range(len(self.inputs))]
+        dtypes = self.dtypes or ["float32"] * (len(self.inputs) + len(self.outputs))
         inputs, inits = [], []
-        for name, (shape, value) in zip(names, self.inputs):
+        for name, (shape, value), dtype in zip(names, self.inputs, dtypes):
             if value is None:
-                inputs.append((name, shape))
+                inputs.append((name, shape, dtype))
             else:
                 inits.append((name, value if value.size <= 1024 or value.dtype.kind != "f" else
                               np.random.default_rng(0).standard_normal(value.shape).astype(value.dtype)))
-        outputs = [(f"out{k}", s) for k, s in enumerate(self.outputs)]
-        node = helper.make_node(self.op, names, [name for name, _ in outputs], **self.attrs)
+        outputs = [(f"out{k}", s, d) for k, (s, d) in enumerate(zip(self.outputs, dtypes[len(self.inputs):]))]
+        node = helper.make_node(self.op, names, [output[0] for output in outputs], **self.attrs)
         return small_model([node], inputs, outputs, inits)
 
 

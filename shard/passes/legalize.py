@@ -101,7 +101,13 @@ def piece_spec(node: gs.Node, out_axis: int, start: int, stop: int) -> OpSpec:
     outputs = [s[:out_axis] + [stop - start] + s[out_axis + 1:] for s in spec.outputs]
     if node.op == "Reshape":
         inputs[1] = ([len(outputs[0])], np.array(outputs[0], np.int64))
-    return OpSpec(spec.op, spec.attrs, inputs, outputs)
+    return spec.with_shapes(inputs, outputs)
+
+
+def fits(piece: Verdict) -> bool:
+    """A piece fits if it builds, and not on the CPU: a split whose pieces run on the CPU anyway only
+    adds joins there."""
+    return piece.ok and piece.failure != "cpu-fallback"
 
 
 def bounds(dim: int, pieces: int) -> list[tuple[int, int]]:
@@ -118,7 +124,7 @@ def choose_split(node: gs.Node, check) -> tuple[int, int, Verdict] | None:
             if len(bounds(shape[axis], pieces)) < pieces:
                 continue  # same piece size as a smaller count
             verdict = check(piece_spec(node, axis, lo, hi))
-            if verdict.ok:
+            if fits(verdict):
                 return axis, pieces, verdict
     return None
 
@@ -149,8 +155,8 @@ def reduction_piece(node: gs.Node, width: int) -> OpSpec | None:
         (a, av), (b, bv) = spec.inputs
         a = a[:-1] + [width]
         b = b[:-2] + [width, b[-1]]
-        return OpSpec("MatMul", {}, [(a, None if av is None else av[..., :width]),
-                                     (b, None if bv is None else bv[..., :width, :])], spec.outputs)
+        return spec.with_shapes([(a, None if av is None else av[..., :width]),
+                                 (b, None if bv is None else bv[..., :width, :])], spec.outputs)
     if node.op == "Softmax":
         shape = [int(d) for d in node.outputs[0].shape]
         shape[node.attrs.get("axis", -1) % len(shape)] = width
@@ -171,7 +177,7 @@ def choose_reduction_split(node: gs.Node, check) -> tuple[int, Verdict] | None:
             continue
         spec = reduction_piece(node, bounds(total, pieces)[0][1])
         verdict = check(spec)
-        if verdict.ok:
+        if fits(verdict):
             return pieces, verdict
     return None
 

@@ -55,7 +55,7 @@ class ToolkitOps:
         if point.ok or point.failure not in HARD_FAILURES:
             # A CPU placement or a slow estimate in isolation often differs inside the real graph
             # (the compiler fuses Softmax into its attention kernel): the shard build reports those.
-            return Verdict(True, None, f"{where}: {point.failure or 'clean'}")
+            return Verdict(True, point.failure, f"{where}: {point.failure or 'clean'}")
         return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")
 
     def close(self, kill: bool = False) -> None:

@@ -1,0 +1,136 @@
+"""What models exported by other tools did to shard, each as a small model that reproduces it."""
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from conftest import make_model, run_ort
+from onnx import TensorProto, helper, numpy_helper
+
+from shard.compiler import CompileOptions
+from shard.errors import ModelError
+from shard.graph import small_model
+from shard.passes import PassContext, run_pipeline
+from shard.passes.canonicalize import canonicalize, prepare_model
+from shard.passes.fit import Legality, OpSpec, Verdict, WidthLimit
+from shard.passes.legalize import legalize
+from shard.profile import load_profile
+
+
+def old_model(opset: int = 7) -> onnx.ModelProto:
+    """As exporters wrote them years ago: IR 3, initializers listed as graph inputs, Dropout left in."""
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Dropout", ["h"], ["d"], ratio=0.5),
+         helper.make_node("Relu", ["d"], ["y"])], "old",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 3
+    return model
+
+
+def test_old_opset_is_upgraded_and_initializer_inputs_dropped():
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    want = run_ort(old_model(), {"x": x})[0]
+    model, notes = prepare_model(old_model())
+    assert notes == {"opset": "7 -> 13", "initializer_inputs_removed": 1}
+    assert [i.name for i in model.graph.input] == ["x"] and model.ir_version >= 7
+    onnx.checker.check_model(model, full_check=True)
+    graph, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), CompileOptions()))
+    assert "Dropout" not in [n.op for n in graph.nodes] and report["identities_removed"] == 1
+    np.testing.assert_allclose(run_ort(gs.export_onnx(graph), {"x": x})[0], want, rtol=1e-6)
+
+
+def test_dropout_whose_mask_is_read_stays():
+    model = make_model([helper.make_node("Dropout", ["x"], ["y", "mask"]),
+                        helper.make_node("Cast", ["mask"], ["m"], to=TensorProto.FLOAT),
+                        helper.make_node("Add", ["y", "m"], ["z"])], [("x", [2, 3])], [("z", [2, 3])])
+    graph, _ = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), CompileOptions()))
+    assert "Dropout" in [n.op for n in graph.nodes]
+
+
+def test_legalize_in_an_opset_9_model_emits_valid_slices():
+    # legalize's Slice takes its bounds as inputs (opset >= 10); an opset-9 model is upgraded first.
+    nodes = [helper.make_node("Add", ["x", "x"], ["y"], name="add0")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, 64])])
+    old = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    old.ir_version = 4
+    model, _ = prepare_model(old)
+    ctx = PassContext(load_profile("rk3588"), CompileOptions(), legality=Legality(load_profile("cpu"), WidthLimit(16)))
+    out = run_pipeline(gs.import_onnx(model), ctx, disable=("slow_paths", "tile_attention", "host_edges"),
+                       until="host_edges")
+    assert ctx.reports["legalize"]["changes"], "the Add is over the limit and must be split"
+    result = gs.export_onnx(out)
+    onnx.checker.check_model(result, full_check=True)
+    x = np.random.default_rng(1).standard_normal((1, 1, 4, 64)).astype(np.float32)
+    np.testing.assert_array_equal(run_ort(result, {"x": x})[0], x + x)
+
+
+def test_shapes_onnx_cannot_infer_come_from_one_onnxruntime_run():
+    # A com.microsoft op (onnxruntime's own, found in models it optimised): onnx knows no shape for it.
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Gelu", ["r"], ["g"], domain="com.microsoft"),
+             helper.make_node("Add", ["g", "g"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    out, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), CompileOptions(input_shapes={"x": (3, 8)})))
+    assert report["shapes_from_onnxruntime"] >= 2
+    assert out.outputs[0].shape == [3, 8] and np.dtype(out.outputs[0].dtype) == np.float32
+
+
+def test_unrunnable_model_with_unknown_output_is_one_clear_error():
+    nodes = [helper.make_node("Frobnicate", ["x"], ["y"], domain="example.unknown")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.unknown", 1)])
+    with pytest.raises(ModelError, match="onnxruntime could not run the model"):
+        canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), CompileOptions()))
+
+
+@pytest.mark.parametrize("op,attrs,ins,out", [
+    ("Cast", {"to": TensorProto.BOOL}, ["int64"], "bool"),
+    ("And", {}, ["bool", "bool"], "bool"),
+    ("Where", {}, ["bool", "float32", "float32"], "float32"),
+    ("Equal", {}, ["int64", "int64"], "bool"),
+])
+def test_one_op_models_keep_the_ops_dtypes(op, attrs, ins, out):
+    # The one-op harness built every input as float32: onnxruntime (and the toolkit) refused the model.
+    shape = [1, 1, 8]
+    tensors = [gs.Variable(f"i{k}", dtype=np.dtype(d), shape=shape) for k, d in enumerate(ins)]
+    node = gs.Node(op, "n", attrs, tensors, [gs.Variable("o", dtype=np.dtype(out), shape=shape)])
+    model = OpSpec.of(node).model()
+    onnx.checker.check_model(model, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {f"in{k}": (rng.integers(0, 2, shape).astype(d)) for k, d in enumerate(ins)}
+    (result,) = run_ort(model, feeds)
+    assert result.dtype == np.dtype(out)
+
+
+def test_float_one_op_models_are_unchanged():
+    node = gs.Node("Relu", "r", {}, [gs.Variable("x", np.float32, [1, 4])], [gs.Variable("y", np.float32, [1, 4])])
+    spec = OpSpec.of(node)
+    assert spec.dtypes is None
+    assert spec.model().SerializeToString() == small_model(
+        [helper.make_node("Relu", ["in0"], ["out0"])], [("in0", [1, 4])], [("out0", [1, 4])]).SerializeToString()
+
+
+class CpuPieces:
+    """The whole op breaks a build; every piece builds, but on the CPU (a one-op build's verdict)."""
+
+    def check(self, spec: OpSpec) -> Verdict:
+        if spec.outputs[0][-1] > 32:
+            return Verdict(False, "error", "E RKNN alone")
+        return Verdict(True, "cpu-fallback", "piece on the CPU")
+
+
+def test_split_whose_pieces_land_on_the_cpu_is_not_made():
+    model = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")], [("x", [1, 8, 64])],
+                       [("y", [1, 8, 64])])
+    ctx = PassContext(load_profile("rk3588"), CompileOptions(), legality=Legality(load_profile("cpu"), CpuPieces()))
+    graph, report = legalize(gs.import_onnx(model), ctx)
+    assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Softmax"]
+    assert report["not_fixed"][0]["node"] == "sm"
