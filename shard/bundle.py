@@ -34,6 +34,7 @@ class ShardSpec:
     precision: str
     macs: int = 0
     source_nodes: list[str] = field(default_factory=list)
+    build: str = ""                # which build compile kept: the rewritten shard, its unrewritten twin, the vendor alone
 
 
 @dataclass

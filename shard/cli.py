@@ -95,6 +95,10 @@ def compile_command(
                                                                       "(with --fusion-barrier rules; repeatable)."),
     dump_after: Optional[tuple[str, Path]] = typer.Option(None, "--dump-after", help="PASS DIR: write the graph "
                                                                                      "after PASS as DIR/after-PASS.onnx."),
+    vendor_baseline: bool = typer.Option(True, help="Also build the model as it came with the vendor toolkit alone, "
+                                                    "print both side by side, and never be worse than it."),
+    vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
+                                                 "build, no rewrites): a baseline to run and verify beside shard's."),
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET."""
     from shard.compiler import CompileOptions, compile_model
@@ -103,7 +107,8 @@ def compile_command(
                              max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
-                             disable_rules=tuple(disable_rule))
+                             disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline,
+                             vendor_only=vendor_only)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -129,15 +134,28 @@ def print_compile_report(report: dict) -> None:
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")
+    dropped = {}
+    for choice in report.get("choices", []):
+        console.print(f"{choice['shard']}: kept the {choice['kept']} build; {choice['line']}")
+        dropped.update(dict.fromkeys(choice["dropped_nodes"], choice["shard"]))
     for name, passed in report["passes"].items():
         for c in passed.get("changes", []):
-            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}")
+            undone = f" [yellow](undone: {dropped[c['node']]} built better without it)[/]" if c["node"] in dropped else ""
+            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}{undone}")
             if "tiles_survived" in c:
                 verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
                 console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
                               f"layers of their own: {verdict}")
         for c in passed.get("not_fixed", []):
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
+    versus = report.get("versus_vendor")
+    if versus:
+        console.print(versus["line"])
+        if versus["bundle"] == "vendor alone" and not report.get("vendor_only"):
+            console.print("[yellow]warning[/]: the vendor toolkit alone built this model better; the bundle holds "
+                          "its build of the model as it came (shard / vendor alone: equal)")
+    elif report.get("vendor_alone") is None:
+        console.print("shard / vendor alone: not compared (--no-vendor-baseline, or a target without a vendor compiler)")
     for s in report["shards"]:
         for op in s["diagnostics"].get("cpu_ops", []):
             console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -15,10 +15,14 @@ import onnx_graphsurgeon as gs
 
 from shard import __version__
 from shard.bundle import MANIFEST, Manifest, ShardSpec
-from shard.errors import ShardError
+from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
+from shard.never_worse import (AXES, HARD_AXES, Figures, comparison_line, original_plans, per_axis,
+                               prune_host_steps, vendor_model, verdict)
 from shard.passes import PassContext, run_pipeline
+from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality
+from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.targets import ShardBuild, ShardJob, get_target
 
@@ -40,6 +44,8 @@ class CompileOptions:
     fusion_barrier: str = "check"   # check, rules (with disable_rules), pill
     disable_rules: tuple[str, ...] = ()   # toolkit fusion rules to switch off (--fusion-barrier rules)
     dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
+    vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
+    vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
 
 
 @dataclass
@@ -69,14 +75,24 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
     progress("load", 0, 1)
     proto = load_model(model)
-    opset = default_opset(proto)
     source = {"name": model.name, "sha256": sha256_file(model)}
+    if options.vendor_only and not tgt.vendor:
+        raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
+    against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
+    as_it_came = vendor_model(proto, options.input_shapes) if against_vendor else None
+    proto, prepared = prepare_model(proto)
+    opset = default_opset(proto)
     graph = gs.import_onnx(proto)
     del proto
 
-    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE).
-    graph, ctx = run_passes(graph, tgt, profile, options, progress)
-    plans = ctx.plan
+    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph is
+    #    kept so each rewritten shard can also be built as the vendor would take it.
+    graph, ctx = run_passes(graph, tgt, profile, options, progress, snapshot=("canonicalize",) if tgt.vendor else (),
+                            until="slow_paths" if options.vendor_only else None)
+    ctx.reports["canonicalize"]["prepared"] = prepared
+    plans = ctx.plan or []
+    canonical = ctx.snapshots.pop("canonicalize", None)
+    originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
     t_passes = time.monotonic() - t0
 
     # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
@@ -88,14 +104,16 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     try:
         (staging / "shards").mkdir()
         jobs = []
-        for k, plan in enumerate(plans):
+        if as_it_came is not None:  # the longest build first
+            jobs.append(write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came))
+            del as_it_came
+        for k, (plan, original) in enumerate(zip(plans, originals)):
             progress("write shards", k, len(plans))
-            sub = gs.Graph(nodes=plan.nodes, inputs=plan.inputs, outputs=plan.outputs, opset=opset,
-                           name=plan.name)
-            onnx_path = staging / "shards" / f"{plan.name}.onnx"
-            save_onnx(to_toolkit_model(sub, opset), onnx_path)
-            artifact = staging / "shards" / f"{plan.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
-            jobs.append(ShardJob(name=plan.name, onnx=onnx_path, artifact=artifact, log=logs / f"{plan.name}.log"))
+            for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
+                if version is not None:
+                    sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
+                                   name=plan.name)
+                    jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset)))
         build = tgt.build_options(options)
         if ctx.build_config and "config" in build:
             build["config"] = {**build["config"], **ctx.build_config}
@@ -106,28 +124,53 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             progress("compile shards", len(done), len(jobs))
 
         progress("compile shards", 0, len(jobs))
-        builds = tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done)
+        builds = {b.name: b for b in tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done)}
         t_build = time.monotonic() - t0 - t_passes
 
-        confirm_tiles_in_logs(ctx.reports, jobs)
+        # 3. Keep the better build of each shard, then stand the whole beside the vendor alone.
+        axes = HARD_AXES if options.tile_attention == "force" else AXES
+        chosen, choices = choose_versions(plans, originals, builds, axes)
+        vendor = builds.get(VENDOR_ALONE)
+        versus = None
+        if vendor is not None:
+            ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
+            fall_back = options.vendor_only or verdict(ours, theirs, axes) == "worse"
+            bundle = theirs if fall_back else ours
+            versus = {"shard": asdict(bundle), "vendor": asdict(theirs), "axes": per_axis(bundle, theirs),
+                      "verdict": verdict(bundle, theirs), "line": comparison_line(ours, theirs),
+                      "bundle": "vendor alone" if fall_back else "shard",
+                      "rewritten": asdict(ours) if fall_back else None}
+        if options.vendor_only and vendor.error:
+            raise CompileError(vendor.error)
+        if versus and versus["bundle"] == "vendor alone":
+            chosen = [(VENDOR_ALONE, vendor_plan(canonical or graph))]
+            host_pre, host_post = [], []
+        else:
+            failed = next((builds[name].error for name, _ in chosen if builds[name].error), None)
+            if failed:
+                raise CompileError(failed)
+            host_pre, host_post = prune_host_steps(
+                ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
+                produced={t.name for _, p in chosen for t in p.outputs}, outputs={t.name for t in ctx.model_outputs})
+        specs = keep_files(staging, logs, tgt, chosen, builds, profile.cores, build.get("precision", "fp32"))
+
+        kept = {name for name, _ in chosen}
+        undone = {node for choice in choices for node in choice["dropped_nodes"]}
+        confirm_tiles_in_logs(ctx.reports, [job for job in jobs if job.name in kept], undone)
         shutil.copytree(logs, staging / "logs")
         profile.save(staging / "profile.json")
+        model_inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
+        model_outputs = ctx.model_outputs or [tensor_spec(t) for t in graph.outputs]
         manifest = Manifest(
             target=target, source=source, shard_version=__version__,
             profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
-            build=build,
-            inputs=ctx.model_inputs or [tensor_spec(t) for t in graph.inputs],
-            outputs=ctx.model_outputs or [tensor_spec(t) for t in graph.outputs],
-            host_pre=ctx.host_pre, host_post=ctx.host_post,
-            shards=[ShardSpec(name=p.name, onnx=f"shards/{p.name}.onnx",
-                              artifact=f"shards/{p.name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None,
-                              log=f"logs/{p.name}.log", inputs=[tensor_spec(t) for t in p.inputs],
-                              outputs=[tensor_spec(t) for t in p.outputs], core=k % profile.cores,
-                              precision=build.get("precision", "fp32"), macs=p.macs, source_nodes=p.source_nodes)
-                    for k, p in enumerate(plans)],
-        )
+            build=build, inputs=model_inputs, outputs=model_outputs, host_pre=host_pre, host_post=host_post,
+            shards=specs)
         report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
                                                              "total": time.monotonic() - t0})
+        report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only,
+                      vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
+                                               "diagnostics": vendor.diagnostics})
         (staging / MANIFEST).write_text(manifest.to_json())
         (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
@@ -140,8 +183,78 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     return CompileResult(bundle=output, manifest=manifest, report=report)
 
 
+VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
+UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+
+
+def write_job(staging: Path, logs: Path, tgt, name: str, model) -> ShardJob:
+    onnx_path = staging / "shards" / f"{name}.onnx"
+    save_onnx(model, onnx_path)
+    artifact = staging / "shards" / f"{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
+    return ShardJob(name=name, onnx=onnx_path, artifact=artifact, log=logs / f"{name}.log")
+
+
+def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
+                    axes: tuple[str, ...] = AXES) -> tuple[list, list[dict]]:
+    """[(build name, plan)] with each shard's better build, and why: a rewritten shard is kept unless
+    its build is worse than its unrewritten twin's on the measured `axes`."""
+    chosen, choices = [], []
+    for plan, original in zip(plans, originals):
+        if original is None:
+            chosen.append((plan.name, plan))
+            continue
+        twin = f"{plan.name}{UNREWRITTEN}"
+        rewritten, unrewritten = Figures.of([builds[plan.name]]), Figures.of([builds[twin]])
+        keep = verdict(rewritten, unrewritten, axes) != "worse"
+        chosen.append((plan.name, plan) if keep else (twin, original))
+        choices.append({"shard": plan.name, "kept": "rewritten" if keep else "unrewritten",
+                        "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
+                        "dropped_nodes": [] if keep else sorted(set(original.source_nodes)),
+                        "line": comparison_line(rewritten, unrewritten).replace("shard / vendor alone",
+                                                                                "rewritten / unrewritten")})
+    return chosen, choices
+
+
+def vendor_plan(graph: gs.Graph) -> ShardPlan:
+    """The whole model as one shard: the bundle of the vendor alone (its build is VENDOR_ALONE's)."""
+    return ShardPlan(name=VENDOR_ALONE, nodes=list(graph.nodes), inputs=list(graph.inputs),
+                     outputs=list(graph.outputs), macs=sum(estimate_macs(n) for n in graph.nodes),
+                     source_nodes=[n.name for n in graph.nodes])
+
+
+def keep_files(staging: Path, logs: Path, tgt, chosen: list, builds: dict[str, ShardBuild], cores: int,
+               precision: str) -> list[ShardSpec]:
+    """Give the chosen builds the shard names (shard_000, ...) and drop the others' files; the
+    logs of every build stay."""
+    folder = staging / "shards"
+    keep = {}
+    specs = []
+    for k, (built, plan) in enumerate(chosen):
+        name = f"shard_{k:03d}"
+        for suffix in (".onnx", tgt.artifact_suffix):
+            if suffix and (folder / f"{built}{suffix}").exists():
+                keep[folder / f"{name}{suffix}"] = folder / f"{built}{suffix}"
+        specs.append(ShardSpec(name=name, onnx=f"shards/{name}.onnx",
+                               artifact=f"shards/{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None,
+                               log=f"logs/{built}.log", inputs=[tensor_spec(t) for t in plan.inputs],
+                               outputs=[tensor_spec(t) for t in plan.outputs], core=k % cores,
+                               precision=precision, macs=plan.macs, source_nodes=plan.source_nodes,
+                               build=built))
+    moved = {}
+    for dst, src in keep.items():  # through temporary names: shard_001 may be another file's old name
+        tmp = src.with_name(f"{src.name}.keep")
+        src.rename(tmp)
+        moved[dst] = tmp
+    for path in folder.iterdir():
+        if not path.name.endswith(".keep"):
+            path.unlink()
+    for dst, tmp in moved.items():
+        tmp.rename(dst)
+    return specs
+
+
 def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress: Progress = lambda *a: None,
-               until: str | None = None) -> tuple[gs.Graph, PassContext]:
+               until: str | None = None, snapshot: tuple[str, ...] = ()) -> tuple[gs.Graph, PassContext]:
     """The pass pipeline (up to `until`); where the target has a toolkit, the passes ask it about
     single ops and small regions (cached builds), and its workers stop when the passes end."""
     ops = tgt.pass_toolkit(profile, options)
@@ -149,19 +262,20 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
                       legality=Legality(profile, ops) if profile.limits else None)
     try:
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
-                             dump_after=options.dump_after, until=until)
+                             dump_after=options.dump_after, until=until, snapshot=snapshot)
     finally:
         if ops is not None:
             ops.close()
     return graph, ctx
 
 
-def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob]) -> None:
-    """Read the shard build logs' layer tables: did the attention tiles stay apart?"""
+def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob], undone: set[str]) -> None:
+    """Read the kept shard builds' layer tables: did the attention tiles stay apart? (Tilings undone
+    in favour of an unrewritten shard have nothing to confirm.)"""
     from shard.passes.tile_attention import confirm_tiles
     from shard.targets.rknn_log import parse_build_log
 
-    changes = reports.get("tile_attention", {}).get("changes", [])
+    changes = [c for c in reports.get("tile_attention", {}).get("changes", []) if c["node"] not in undone]
     if not changes:
         return
     names = [layer.name for job in jobs if job.log.exists()
@@ -208,12 +322,12 @@ def replace_dir(staging: Path, output: Path) -> None:
         staging.rename(output)
 
 
-def make_report(passes: dict, manifest: Manifest, builds: list[ShardBuild], seconds: dict) -> dict:
-    by_name = {b.name: b for b in builds}
+def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild], seconds: dict) -> dict:
     shards = []
     for spec in manifest.shards:
-        b = by_name[spec.name]
-        shards.append({"name": spec.name, "core": spec.core, "nodes": len(spec.source_nodes), "macs": spec.macs,
+        b = builds[spec.build]
+        shards.append({"name": spec.name, "build": spec.build, "core": spec.core, "nodes": len(spec.source_nodes),
+                       "macs": spec.macs,
                        "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
                        "build_seconds": b.seconds, "diagnostics": b.diagnostics})
     def total(key: str) -> int:  # counts are ints, findings are lists of names
@@ -221,11 +335,14 @@ def make_report(passes: dict, manifest: Manifest, builds: list[ShardBuild], seco
         return sum(len(v) if isinstance(v, list) else v for v in values)
 
     after = total("estimated_cycles")
+    vendor = builds.get(VENDOR_ALONE)
+    before = vendor.diagnostics.get("estimated_cycles", 0) if vendor and vendor.error is None \
+        else after + rewrite_delta(passes)
     return {"passes": passes, "shards": shards,
             "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
                        "single_core_fallbacks": total("single_core_fallbacks"),
-                       "estimated_cycles": after, "estimated_cycles_before_passes": after + rewrite_delta(passes)},
+                       "estimated_cycles": after, "estimated_cycles_before_passes": before},
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}
 
 

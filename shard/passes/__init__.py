@@ -37,6 +37,7 @@ class PassContext:
     model_inputs: list = field(default_factory=list)         # the model's own inputs and outputs
     model_outputs: list = field(default_factory=list)
     build_config: dict = field(default_factory=dict)          # extra toolkit config(...) for every shard
+    snapshots: dict[str, gs.Graph] = field(default_factory=dict)   # {pass: a copy of the graph after it}
     plan: object = None  # set by partition
 
 
@@ -47,10 +48,12 @@ REQUIRED = ("canonicalize", "partition")   # the compile cannot go on without th
 
 def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (),
                  on_pass: Callable[[str], None] = lambda name: None,
-                 dump_after: dict[str, str] | None = None, until: str | None = None) -> gs.Graph:
+                 dump_after: dict[str, str] | None = None, until: str | None = None,
+                 snapshot: tuple[str, ...] = ()) -> gs.Graph:
     """Run each enabled pass in order; each must leave a valid, toposorted graph.
     dump_after: {pass name: directory} to write the graph after that pass as ONNX.
-    until: stop before this pass (inspect runs the rewrites without partitioning)."""
+    until: stop before this pass (inspect runs the rewrites without partitioning).
+    snapshot: passes after which a copy of the graph goes into ctx.snapshots (weights shared)."""
     from shard.passes import (canonicalize, fusion_barrier, host_edges, legalize, partition,  # noqa: F401
                               slow_paths, tile_attention)
 
@@ -71,6 +74,8 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
         on_pass(name)
         graph, ctx.reports[name] = PASSES[name](graph, ctx)
         graph.cleanup().toposort()
+        if name in snapshot:
+            ctx.snapshots[name] = graph.copy()
         if dump_after and name in dump_after:
             dump_graph(graph, Path(dump_after[name]) / f"after-{name}.onnx")
     return graph

@@ -51,8 +51,9 @@ def build_dataflow(graph: gs.Graph) -> nx.DiGraph:
     return dag
 
 
-def live_bytes_after(graph: gs.Graph, dag: nx.DiGraph) -> list[float]:
-    """For each position i, bytes of activations that cross a cut after node i (inf if a size is unknown)."""
+def live_bytes_after(graph: gs.Graph, dag: nx.DiGraph, cut_names: set[str] | None = None) -> list[float]:
+    """For each position i, bytes of activations that cross a cut after node i (inf if a size is
+    unknown, or if a tensor made inside the graph and not in `cut_names`, where given, crosses)."""
     n = len(graph.nodes)
     spans: dict[int, tuple[int, int, gs.Variable]] = {}  # tensor -> (producer, last consumer, tensor)
     for u, v, data in dag.edges(data=True):
@@ -64,8 +65,10 @@ def live_bytes_after(graph: gs.Graph, dag: nx.DiGraph) -> list[float]:
             spans[id(tensor)] = (0, max(consumers), tensor)
     delta = np.zeros(n + 1)
     unknown = np.zeros(n + 1)
+    inputs = {id(t) for t in graph.inputs}
     for start, end, tensor in spans.values():  # crosses every cut i with start <= i < end
-        if is_static(tensor.shape) and tensor.dtype is not None:
+        allowed = cut_names is None or id(tensor) in inputs or tensor.name in cut_names
+        if allowed and is_static(tensor.shape) and tensor.dtype is not None:
             delta[start] += nbytes(tensor)
             delta[end] -= nbytes(tensor)
         else:
@@ -133,7 +136,10 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     dag = build_dataflow(graph)
     if not nx.is_directed_acyclic_graph(dag):
         raise ModelError("the graph has a cycle")
-    live = live_bytes_after(graph, dag)
+    # Cut only where the canonical graph has the same tensors, so every shard has an unrewritten twin
+    # that the compile can build beside it (shard.never_worse).
+    canonical = ctx.snapshots.get("canonicalize")
+    live = live_bytes_after(graph, dag, set(canonical.tensors()) if canonical is not None else None)
     cuts = choose_cuts([estimate_macs(node) for node in graph.nodes], live, min(shards, n))
     ctx.plan = shard_boundaries(graph, cuts)
     return graph, {"requested": shards, "shards": len(ctx.plan),

@@ -26,19 +26,23 @@ class ShardBuild:
     name: str
     seconds: float
     diagnostics: dict = field(default_factory=dict)
+    error: str | None = None      # why the build is unusable (failed, crashed, REGTASK), with its log
 
 
 class Target(Protocol):
     name: str
     executors: tuple[str, ...]       # the runtime backends that can run its artifacts, default first
     artifact_suffix: str | None
+    vendor: bool                     # a vendor compiler builds the shards: compile compares with it alone
 
     def build_options(self, options) -> dict: ...
 
     def check_environment(self) -> None: ...
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]: ...
+                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+        """Build every job; a build that fails comes back with its error, the others still build."""
+        ...
 
     def pass_toolkit(self, profile, options):
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""

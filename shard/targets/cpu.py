@@ -11,6 +11,7 @@ class CpuTarget:
     name = "cpu"
     executors = ("cpu",)
     artifact_suffix = None
+    vendor = False
 
     def build_options(self, options) -> dict:
         return {}

@@ -6,9 +6,8 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
 
-from shard.errors import CompileError
 from shard.targets import ShardBuild, ShardJob
-from shard.targets.rknn_log import parse_build_log
+from shard.targets.rknn_log import parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
@@ -17,6 +16,7 @@ class Rk3588Target:
     name = "rk3588"
     executors = ("sim", "cpu", "board")
     artifact_suffix = ".rknn"
+    vendor = True
 
     def build_options(self, options) -> dict:
         """The toolkit calls every shard is built with; the simulator replays them."""
@@ -35,7 +35,8 @@ class Rk3588Target:
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
-        """Build every shard, `workers` at a time, each worker process reused for many builds."""
+        """Build every shard, `workers` at a time, each worker process reused for many builds; jobs
+        start in the order given (put the longest first)."""
         workers = max(1, min(workers, len(jobs)))
         pool = WorkerPool(find_python(self.name), jobs[0].log.parent, workers)
 
@@ -50,8 +51,8 @@ class Rk3588Target:
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and f.exception()), None)
-            if failed is not None:
-                pool.kill_all()  # stop builds still running; their errors are not the first
+            if failed is not None:  # a bug or an interrupt, not a failed build: stop the others
+                pool.kill_all()
                 raise failed.exception()
             return [f.result() for f in futures]
         finally:
@@ -63,16 +64,20 @@ BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")
 
 
 def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: float) -> ShardBuild:
-    """One vendor build; a CompileError if it failed, crashed, timed out, or logged REGTASK errors."""
+    """One vendor build and what its log says; `error` set if it failed, crashed, timed out, or logged
+    REGTASK errors (the caller decides whether that ends the compile)."""
     started = time.monotonic()
     job.log.write_text("")
+    done = lambda diag, error=None: ShardBuild(  # noqa: E731
+        name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error)
     try:
         answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
                                 log=str(job.log), config=build["config"], build=build["build"], keep=None,
                                 timeout=timeout)
     except WorkerFailed as exc:
-        raise CompileError(f"{job.name}: the vendor build {exc}; log: {job.log}") from None
-    diag = parse_build_log(job.log.read_text(errors="replace"))
+        return done({}, f"{job.name}: the vendor build {exc}; log: {job.log}")
+    parsed = parse_build_log(job.log.read_text(errors="replace"))
+    diag = {**parsed.summary(), "cost_cycles": parsed.estimated_cycles + unestimated_cost(parsed.layers)[0]}
     if not answer["ok"]:
         with open(job.log, "a") as log:
             log.write(answer.get("traceback") or "")
@@ -80,12 +85,12 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
         stage = next((s for s in BUILD_STAGES if rc.get(s, 0) != 0 or s not in rc), "build")
         if "error" in answer:  # the toolkit raised: its last line names the exception
             last = [line for line in answer["error"].splitlines() if line.strip()][-1].strip()
-            raise CompileError(f"{job.name}: the vendor build crashed in {stage}() ({last}); log: {job.log}")
-        detail = diag.first_error or "no error line in the log"
-        raise CompileError(f"{job.name}: the vendor build failed ({stage}() returned {rc[stage]}): {detail}; "
-                           f"log: {job.log}")
-    if diag.regtask_lines:
-        raise CompileError(
-            f"{job.name}: the vendor build returned 0 but logged {diag.regtask_lines} REGTASK errors "
-            f"(a register field overflows; this shard would fail on the board): {diag.first_regtask}; log: {job.log}")
-    return ShardBuild(name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag.summary())
+            return done(diag, f"{job.name}: the vendor build crashed in {stage}() ({last}); log: {job.log}")
+        detail = parsed.first_error or "no error line in the log"
+        return done(diag, f"{job.name}: the vendor build failed ({stage}() returned {rc[stage]}): {detail}; "
+                          f"log: {job.log}")
+    if parsed.regtask_lines:
+        return done(diag, f"{job.name}: the vendor build returned 0 but logged {parsed.regtask_lines} REGTASK errors "
+                          f"(a register field overflows; this shard would fail on the board): {parsed.first_regtask}; "
+                          f"log: {job.log}")
+    return done(diag)

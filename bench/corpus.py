@@ -1,0 +1,226 @@
+"""The real-model corpus: models nobody on the team wrote, shard and the vendor alone side by side.
+
+    python bench/corpus.py [--set onnx|ci|all] [--only NAME,...] [--json FILE] [--jobs 2]
+
+Models: the onnx package's own backend test data (`pytorch-converted`, `pytorch-operator`: each a
+conformance case for one PyTorch module or op, most at opset 6; `--set all` adds `simple`), plus
+small graphs that reproduce what real exported models did to shard (bench/corpus.py:REPRODUCERS).
+For each model:
+  shard:  `shard compile` (which builds the model as it came with the vendor alone beside it) and
+          `shard verify` on the simulator;
+  vendor: the vendor alone's own bundle (`--vendor-only`: the model as it came, one build) and
+          `shard verify` on the simulator, the same seeded inputs.
+Clean: it builds, 0 REGTASK lines, 0 ops on the CPU inside the rknn graphs, simulator cosine
+>= 0.9999. Worse: shard's build figures are worse than the vendor's (shard.never_worse.AXES, in
+order), or shard's cosine is under 0.9999 and more than 1e-4 under the vendor's. A model shard
+cannot take must end in one ShardError line; a Python traceback is counted apart (`tracebacks`).
+
+Ends with: RESULT models=N shard_clean=A vendor_clean=B better=C worse=D cpu_ops_shard=E cpu_ops_vendor=F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+MIN_COSINE = 0.9999
+ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
+# A fast subset over different families, for CI: old opset, pooling, embedding (int64 input), split,
+# transpose, reduction, pixel shuffle, a linear, and the reproducers.
+CI = ["test_Conv2d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
+      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask"]
+
+
+@dataclass
+class Side:
+    """One way of compiling a model: what its builds said and how it matched onnxruntime."""
+
+    error: str | None = None          # a ShardError's line
+    traceback: str | None = None      # anything else: a bug
+    builds: bool = False
+    regtask: int = 0
+    cpu_ops: int = 0
+    single_core: int = 0
+    mcycles: float = 0.0
+    cosine: float | None = None
+    seconds: float = 0.0
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def clean(self) -> bool:
+        return self.builds and self.regtask == 0 and self.cpu_ops == 0 and (self.cosine or 0) >= MIN_COSINE
+
+
+@dataclass
+class Row:
+    name: str
+    family: str
+    shard: Side
+    vendor: Side
+    verdict: str = "equal"
+
+
+def onnx_models(folders: list[str]) -> list[tuple[str, str, Path]]:
+    return [(d.name, folder, d / "model.onnx") for folder in folders
+            for d in sorted((ONNX_DATA / folder).iterdir()) if (d / "model.onnx").exists()]
+
+
+def head40(path: Path) -> Path:
+    """A detection-head shape from a real model: Add and Softmax on [1,40,6625] log `E RKNN` when
+    built alone, and build clean inside the model; split, they put Reshape joins on the CPU."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((64, 6625)) / 8).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.standard_normal(6625).astype(np.float32), "b"),
+             numpy_helper.from_array((rng.standard_normal((6625, 64)) / 80).astype(np.float32), "W2")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
+             helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
+             helper.make_node("Softmax", ["hb"], ["p"], axis=-1, name="softmax"),
+             helper.make_node("MatMul", ["p", "W2"], ["y"], name="fc2")]
+    return save(path, nodes, [("x", [1, 40, 64])], [("y", [1, 40, 64])], inits)
+
+
+def bool_mask(path: Path) -> Path:
+    """A BERT-style additive mask from integer ids: Cast to bool, Not, Where; then a float op."""
+    nodes = [helper.make_node("Cast", ["ids"], ["m"], to=onnx.TensorProto.BOOL, name="to_bool"),
+             helper.make_node("Not", ["m"], ["pad"], name="not"),
+             helper.make_node("Where", ["pad", "neg", "zero"], ["bias"], name="where"),
+             helper.make_node("Add", ["x", "bias"], ["y"], name="add_mask")]
+    inits = [numpy_helper.from_array(np.array(-30.0, np.float32), "neg"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    graph = helper.make_graph(nodes, "mask", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 1, 64]),
+                                              helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 1, 64])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 1, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def save(path: Path, nodes, inputs, outputs, inits) -> Path:
+    vi = lambda n, s: helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s)  # noqa: E731
+    model = helper.make_model(helper.make_graph(nodes, path.stem, [vi(*i) for i in inputs],
+                                                [vi(*o) for o in outputs], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+REPRODUCERS = {"head40": head40, "bool_mask": bool_mask}
+
+
+def side(work: Path, model: Path, options) -> Side:
+    """Compile `model` with `options` and verify it on the simulator."""
+    import shard
+    from shard.errors import ShardError
+
+    result, started = Side(), time.monotonic()
+    try:
+        compiled = shard.compile(model, "rk3588", work / "bundle.shard", options)
+        totals = compiled.report["totals"]
+        result.builds, result.regtask = True, totals["regtask_lines"]
+        result.cpu_ops, result.single_core = totals["cpu_ops"], totals["single_core_fallbacks"]
+        result.mcycles = totals["estimated_cycles"] / 1e6
+        result.figures = compiled.report.get("versus_vendor") or {}
+        report = shard.verify(compiled.bundle, model, backend="sim", min_cosine=MIN_COSINE)
+        result.cosine = min(c.cosine for c in report.outputs)
+    except ShardError as exc:
+        result.error = str(exc).splitlines()[0]
+    except Exception:  # noqa: BLE001 - a bug: kept, counted, and the corpus goes on
+        result.traceback = traceback.format_exc()
+    result.seconds = round(time.monotonic() - started, 1)
+    return result
+
+
+def judge(ours: Side, theirs: Side) -> str:
+    from shard.never_worse import Figures, verdict
+
+    if ours.figures.get("shard") and ours.figures.get("vendor"):
+        by_build = verdict(Figures(**ours.figures["shard"]), Figures(**ours.figures["vendor"]))
+    else:
+        by_build = "equal" if ours.builds == theirs.builds else "better" if ours.builds else "worse"
+    if by_build != "equal":
+        return by_build
+    if ours.cosine is not None and theirs.cosine is not None:
+        if ours.cosine < MIN_COSINE and ours.cosine < theirs.cosine - 1e-4:
+            return "worse"
+        if ours.cosine >= MIN_COSINE > theirs.cosine:
+            return "better"
+    return "equal"
+
+
+def evaluate(name: str, family: str, model: Path, jobs: int = 2) -> Row:
+    from shard.compiler import CompileOptions
+
+    with tempfile.TemporaryDirectory(prefix=f"corpus-{name}-") as work:
+        work = Path(work)
+        (work / "shard").mkdir()
+        (work / "vendor").mkdir()
+        ours = side(work / "shard", model, CompileOptions(jobs=jobs))
+        theirs = side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True))
+    return Row(name, family, ours, theirs, judge(ours, theirs))
+
+
+def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Path]]:
+    folders = {"onnx": ["pytorch-converted", "pytorch-operator"], "ci": ["pytorch-converted", "pytorch-operator"],
+               "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
+    models = onnx_models(folders) + [(n, "reproducer", make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
+    wanted = set(only or (CI if which == "ci" else []))
+    return [m for m in models if not wanted or m[0] in wanted]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="onnx", choices=["onnx", "ci", "all"])
+    parser.add_argument("--only", help="comma-separated model names")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    from shard.graph import quiet_graphsurgeon
+
+    quiet_graphsurgeon()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
+        models = corpus(args.set, args.only.split(",") if args.only else None, Path(folder))
+        print(f"{'model':44} {'family':18} {'shard':>24} {'vendor alone':>24} verdict")
+        for k, (name, family, path) in enumerate(models):
+            row = evaluate(name, family, path, args.jobs)
+            rows.append(row)
+            print(f"{name:44} {family:18} {describe(row.shard):>24} {describe(row.vendor):>24} {row.verdict}", flush=True)
+    for row in rows:
+        for label, s in (("shard", row.shard), ("vendor", row.vendor)):
+            if s.traceback:
+                print(f"TRACEBACK {row.name} ({label}):\n{s.traceback}")
+            elif s.error and label == "shard" and not s.clean:
+                print(f"not clean {row.name} ({label}): {s.error}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    count = lambda pred: sum(1 for r in rows if pred(r))  # noqa: E731
+    print(f"tracebacks={count(lambda r: r.shard.traceback or r.vendor.traceback)}")
+    print(f"RESULT models={len(rows)} shard_clean={count(lambda r: r.shard.clean)} "
+          f"vendor_clean={count(lambda r: r.vendor.clean)} better={count(lambda r: r.verdict == 'better')} "
+          f"worse={count(lambda r: r.verdict == 'worse')} cpu_ops_shard={sum(r.shard.cpu_ops for r in rows)} "
+          f"cpu_ops_vendor={sum(r.vendor.cpu_ops for r in rows)}")
+
+
+def describe(s: Side) -> str:
+    if s.traceback:
+        return "TRACEBACK"
+    if s.error and not s.builds:
+        return "fails"
+    cos = f"{s.cosine:.6f}" if s.cosine is not None else "no run"
+    return f"cpu={s.cpu_ops} cos={cos}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Never worse than the vendor alone, by construction.
+
+A rewrite the passes make is a nomination, not a decision: a one-op build or a profile limit can
+be wrong about the op inside its real graph (an Add [1,40,6625] logs `E RKNN` alone and builds
+clean inside the model). So where the passes changed a shard, compile builds it twice: as
+rewritten, and as the vendor would take the same region (the canonical graph's own nodes between
+the same boundary tensors), and keeps the better build by AXES, in order of weight. Then the whole
+result stands beside the vendor toolkit alone on the whole model as it came; if shard is worse
+there, the bundle holds the vendor's own build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from shard.passes.partition import ShardPlan, estimate_macs
+
+# The measured axes, most important first; "worse" compares them in this order.
+AXES = ("builds", "regtask_lines", "error_lines", "cpu_ops", "single_core_fallbacks", "cost_cycles")
+# What a rewrite the user forced (--tile-attention force) must not make worse: tiles cost cycles on
+# one core and are there to run on several, which the compiler's estimate cannot see.
+HARD_AXES = AXES[:4]
+LABELS = {"builds": "builds", "regtask_lines": "REGTASK", "error_lines": "E lines", "cpu_ops": "CPU ops",
+          "single_core_fallbacks": "single-core fallbacks", "cost_cycles": "est. Mcycles"}
+
+
+@dataclass
+class Figures:
+    """What one build (or the sum of a bundle's builds) measured on each axis."""
+
+    builds: bool
+    regtask_lines: int = 0
+    error_lines: int = 0
+    cpu_ops: int = 0
+    single_core_fallbacks: int = 0
+    cost_cycles: int = 0          # the compiler's estimate, plus the ops it leaves at 0 costed by bytes
+    estimated_cycles: int = 0     # the compiler's estimate alone
+
+    @classmethod
+    def of(cls, builds: list) -> Figures:
+        """The sum over builds (shard.targets.ShardBuild); builds is True only if every one built."""
+        d = [b.diagnostics for b in builds]
+        count = lambda key: sum(len(x.get(key, [])) for x in d)  # noqa: E731 - lists of findings
+        return cls(builds=all(b.error is None for b in builds),
+                   regtask_lines=sum(x.get("regtask_lines", 0) for x in d),
+                   error_lines=sum(max(0, x.get("error_lines", 0) - x.get("regtask_lines", 0)) for x in d),
+                   cpu_ops=count("cpu_ops"), single_core_fallbacks=count("single_core_fallbacks"),
+                   cost_cycles=sum(x.get("cost_cycles", 0) for x in d),
+                   estimated_cycles=sum(x.get("estimated_cycles", 0) for x in d))
+
+    def key(self, axes: tuple[str, ...] = AXES) -> tuple:
+        return tuple(not v if axis == "builds" else v for axis, v in ((a, getattr(self, a)) for a in axes))
+
+    def show(self, axis: str) -> str:
+        value = getattr(self, axis)
+        return ("yes" if value else "no") if axis == "builds" else \
+            f"{value / 1e6:.1f}" if axis == "cost_cycles" else str(value)
+
+
+def verdict(ours: Figures, theirs: Figures, axes: tuple[str, ...] = AXES) -> str:
+    """better, equal or worse, by `axes` in order (the first axis that differs decides)."""
+    a, b = ours.key(axes), theirs.key(axes)
+    return "better" if a < b else "worse" if a > b else "equal"
+
+
+def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
+    return {axis: verdict(Figures(**{**asdict(theirs), axis: getattr(ours, axis)}), theirs) for axis in AXES}
+
+
+def comparison_line(ours: Figures, theirs: Figures) -> str:
+    """One line: each axis as shard / vendor alone, and the verdict."""
+    cells = ", ".join(f"{LABELS[a]} {ours.show(a)} / {theirs.show(a)}" for a in AXES)
+    axes = per_axis(ours, theirs)
+    why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal"]
+    return f"shard / vendor alone: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
+
+
+def vendor_model(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
+    """The model as a user hands it to the vendor toolkit: as it came, with the given input shapes."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for value in model.graph.input:
+        if value.name in input_shapes:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            dims.extend(onnx.TensorShapeProto.Dimension(dim_value=int(d)) for d in input_shapes[value.name])
+    return model
+
+
+def host_sources(host_post: list[dict]) -> dict[str, str]:
+    """For every tensor the runtime turns into a graph output on the host: that graph output."""
+    step_of = {}
+    for step in host_post:
+        for name in step.get("inputs") or [step["input"]]:
+            step_of[name] = step["output"]
+    final = {}
+    for name in step_of:
+        out = name
+        while out in step_of:
+            out = step_of[out]
+        final[name] = out
+    return final
+
+
+def original_plans(canonical: gs.Graph, plans: list[ShardPlan], host_post: list[dict]) -> list[ShardPlan | None]:
+    """For each rewritten shard, the same region of the canonical graph (what the vendor would build
+    there), or None where the passes left the shard as it was or the region is not its own."""
+    tensors = canonical.tensors()
+    to_output = host_sources(host_post)
+    order = {id(n): i for i, n in enumerate(canonical.nodes)}
+    graph_inputs = {t.name for t in canonical.inputs}
+    regions: list[ShardPlan | None] = []
+    for plan in plans:
+        names = list(dict.fromkeys(to_output.get(t.name, t.name) for t in plan.outputs))
+        if any(n not in tensors for n in names):
+            regions.append(None)
+            continue
+        stop = {t.name for t in plan.inputs if t.name in tensors} | graph_inputs
+        nodes, inputs, stack, seen = {}, {}, [tensors[n] for n in names], set()
+        while stack:
+            tensor = stack.pop()
+            if tensor.name in seen or isinstance(tensor, gs.Constant) or not tensor.name:
+                continue
+            seen.add(tensor.name)
+            if tensor.name in stop or not tensor.inputs:
+                inputs[tensor.name] = tensor
+                continue
+            producer = tensor.inputs[0]
+            nodes[id(producer)] = producer
+            stack.extend(producer.inputs)
+        ordered = sorted(nodes.values(), key=lambda n: order[id(n)])
+        region = ShardPlan(name=plan.name, nodes=ordered, inputs=list(inputs.values()),
+                           outputs=[tensors[n] for n in names], macs=sum(estimate_macs(n) for n in ordered),
+                           source_nodes=[n.name for n in ordered])
+        same = [n.name for n in plan.nodes] == region.source_nodes and \
+            sorted(t.name for t in plan.inputs) == sorted(inputs)
+        regions.append(None if same else region)
+    # A region must be the shard's own: a canonical node in two regions means the cut runs through a
+    # rewrite, and neither shard has an unrewritten twin.
+    owner: dict[int, int] = {}
+    for k, region in enumerate(regions):
+        for node in region.nodes if region else ():
+            if owner.setdefault(id(node), k) != k:
+                regions[k] = regions[owner[id(node)]] = None
+    return regions
+
+
+def prune_host_steps(pre: list[dict], post: list[dict], consumed: set[str], produced: set[str],
+                     outputs: set[str]) -> tuple[list[dict], list[dict]]:
+    """The host steps the chosen shards still need: a step before the shards is kept if a shard (or
+    a kept step) reads its output; a step after them if every input is made by a shard or a kept step
+    and no shard already makes its output."""
+    kept_pre, need = [], set(consumed)
+    for step in reversed(pre):
+        if step["output"] in need:
+            kept_pre.insert(0, step)
+            need.add(step["input"])
+    kept_post, have = [], set(produced)
+    for step in post:
+        ins = step.get("inputs") or [step["input"]]
+        if all(n in have for n in ins) and step["output"] not in produced:
+            kept_post.append(step)
+            have.add(step["output"])
+    assert outputs <= have, f"graph outputs {sorted(outputs - have)} made by no shard or host step"
+    return kept_pre, kept_post
