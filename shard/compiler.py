@@ -130,20 +130,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         # 3. Keep the better build of each shard, then stand the whole beside the vendor alone.
         axes = HARD_AXES if options.tile_attention == "force" else AXES
         chosen, choices = choose_versions(plans, originals, builds, axes)
-        vendor = builds.get(VENDOR_ALONE)
-        versus = None
-        if vendor is not None:
-            ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
-            fall_back = options.vendor_only or verdict(ours, theirs, axes) == "worse"
-            bundle = theirs if fall_back else ours
-            versus = {"shard": asdict(bundle), "vendor": asdict(theirs), "axes": per_axis(bundle, theirs),
-                      "verdict": verdict(bundle, theirs), "line": comparison_line(ours, theirs),
-                      "bundle": "vendor alone" if fall_back else "shard",
-                      "rewritten": asdict(ours) if fall_back else None}
-        if options.vendor_only and vendor.error:
-            raise CompileError(vendor.error)
+        chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
         if versus and versus["bundle"] == "vendor alone":
-            chosen = [(VENDOR_ALONE, vendor_plan(canonical or graph))]
             host_pre, host_post = [], []
         else:
             failed = next((builds[name].error for name, _ in chosen if builds[name].error), None)
@@ -169,8 +157,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
                                                              "total": time.monotonic() - t0})
         report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only,
-                      vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
-                                               "diagnostics": vendor.diagnostics})
+                      vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
+                          "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
         (staging / MANIFEST).write_text(manifest.to_json())
         (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
@@ -213,6 +201,25 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
                         "line": comparison_line(rewritten, unrewritten).replace("shard / vendor alone",
                                                                                 "rewritten / unrewritten")})
     return chosen, choices
+
+
+def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
+                         canonical: gs.Graph) -> tuple[list, dict | None]:
+    """The kept shards beside the vendor alone's build of the model as it came: where shard is
+    worse (or --vendor-only), the bundle becomes the vendor's build. Returns the shards to bundle and
+    the comparison for the report (None without a vendor build)."""
+    vendor = builds.get(VENDOR_ALONE)
+    if vendor is None:
+        return chosen, None
+    if vendor_only and vendor.error:
+        raise CompileError(vendor.error)
+    ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
+    fall_back = vendor_only or verdict(ours, theirs, axes) == "worse"
+    bundled = theirs if fall_back else ours
+    versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs),
+              "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs),
+              "bundle": "vendor alone" if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
+    return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
 
 
 def vendor_plan(graph: gs.Graph) -> ShardPlan:
