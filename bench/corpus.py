@@ -35,9 +35,9 @@ from onnx import helper, numpy_helper
 
 MIN_COSINE = 0.9999
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
-# A fast subset over different families, for CI: old opset, pooling, embedding (int64 input), split,
+# A fast subset over different families, for CI: old opset, Conv1d, pooling, embedding (int64 input), split,
 # transpose, reduction, pixel shuffle, a linear, and the reproducers.
-CI = ["test_Conv2d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
+CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask"]
 
 

@@ -134,3 +134,18 @@ def test_split_whose_pieces_land_on_the_cpu_is_not_made():
     graph, report = legalize(gs.import_onnx(model), ctx)
     assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Softmax"]
     assert report["not_fixed"][0]["node"] == "sm"
+
+
+@pytest.mark.parametrize("rank", [3, 5])
+def test_conv1d_and_conv3d_patch_shapes_are_left_alone(rank):
+    # slow_paths unpacked every patch Conv's input as 4-D: Conv1d and Conv3d ended in a traceback.
+    from shard.passes.slow_paths import slow_paths
+
+    k = [4] * (rank - 2)
+    shape = [1, 2] + [16] * (rank - 2)
+    w = numpy_helper.from_array(np.ones([3, 2] + k, np.float32), "w")
+    model = make_model([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=k, strides=k, name="conv")],
+                       [("x", shape)], [("y", [1, 3] + [4] * (rank - 2))], [w])
+    ctx = PassContext(load_profile("rk3588"), CompileOptions())
+    graph, report = slow_paths(gs.import_onnx(model), ctx)
+    assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Conv"]

@@ -29,7 +29,8 @@ def fastest_stride(profile) -> int | None:
 
 def patch_conv(node: gs.Node, graph_inputs: set[str]) -> tuple[int, int] | None:
     """(kernel, stride) if node is a patch Conv on a graph input this pass can rewrite."""
-    if node.op != "Conv" or node.inputs[0].name not in graph_inputs or not isinstance(node.inputs[1], gs.Constant):
+    if node.op != "Conv" or node.inputs[0].name not in graph_inputs or not isinstance(node.inputs[1], gs.Constant) \
+            or len(node.inputs[0].shape) != 4:  # Conv1d and Conv3d are not patch embeddings of images
         return None
     k, s = list(node.attrs.get("kernel_shape", [])), list(node.attrs.get("strides", [1, 1]))
     n, c, h, w = (int(d) for d in node.inputs[0].shape)
