@@ -1,10 +1,11 @@
 """The real-model corpus: models nobody on the team wrote, shard and the vendor alone side by side.
 
-    python bench/corpus.py [--set onnx|ci|all] [--only NAME,...] [--json FILE] [--jobs 2]
+    python bench/corpus.py [--set all|onnx|transformers|ci] [--only NAME,...] [--json FILE] [--jobs 2]
 
 Models: the onnx package's own backend test data (`pytorch-converted`, `pytorch-operator`: each a
-conformance case for one PyTorch module or op, most at opset 6; `--set all` adds `simple`), plus
-small graphs that reproduce what real exported models did to shard (bench/corpus.py:REPRODUCERS).
+conformance case for one PyTorch module or op, most at opset 6; and `simple`), small graphs that
+reproduce what real exported models did to shard (REPRODUCERS below), and transformer architectures
+built offline by `transformers` from their configs (bench/architectures.py).
 For each model:
   shard:  `shard compile` (which builds the model as it came with the vendor alone beside it) and
           `shard verify` on the simulator;
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,9 +39,9 @@ from onnx import helper, numpy_helper
 MIN_COSINE = 0.9999
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # A fast subset over different families, for CI: old opset, Conv1d, pooling, embedding (int64 input), split,
-# transpose, reduction, pixel shuffle, a linear, and the reproducers.
+# transpose, reduction, pixel shuffle, a linear on a 2-D input, and the reproducers.
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
-      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask"]
+      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask", "embed_linear"]
 
 
 @dataclass
@@ -116,7 +119,22 @@ def save(path: Path, nodes, inputs, outputs, inits) -> Path:
     return path
 
 
-REPRODUCERS = {"head40": head40, "bool_mask": bool_mask}
+def embed_linear(path: Path) -> Path:
+    """Token ids into an embedding table, then a linear: the vendor runs the Gather on the CPU."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((1000, 64)).astype(np.float32), "table"),
+             numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), "w")]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+             helper.make_node("MatMul", ["e", "w"], ["y"], name="fc")]
+    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, 16])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 16, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear}
 
 
 def side(work: Path, model: Path, options) -> Side:
@@ -171,17 +189,24 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2) -> Row:
     return Row(name, family, ours, theirs, judge(ours, theirs))
 
 
-def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Path]]:
+def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Callable[[], Path]]]:
+    """(name, family, a function that writes the model and returns its path) for each model of the set."""
+    import architectures
+
     folders = {"onnx": ["pytorch-converted", "pytorch-operator"], "ci": ["pytorch-converted", "pytorch-operator"],
-               "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
-    models = onnx_models(folders) + [(n, "reproducer", make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
+               "transformers": [], "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
+    models = [(name, family, lambda path=path: path) for name, family, path in onnx_models(folders)]
+    models += [(n, "reproducer", lambda make=make, n=n: make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
+    if which in ("transformers", "all"):
+        models += [(n, "transformers", lambda n=n: architectures.export(n, folder / f"{n}.onnx"))
+                   for n in architectures.configs()]
     wanted = set(only or (CI if which == "ci" else []))
     return [m for m in models if not wanted or m[0] in wanted]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="onnx", choices=["onnx", "ci", "all"])
+    parser.add_argument("--set", default="all", choices=["all", "onnx", "transformers", "ci"])
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
@@ -193,9 +218,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
         models = corpus(args.set, args.only.split(",") if args.only else None, Path(folder))
         print(f"{'model':44} {'family':18} {'shard':>24} {'vendor alone':>24} verdict")
-        for k, (name, family, path) in enumerate(models):
+        for name, family, make in models:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    path = make()
+            except Exception as exc:  # noqa: BLE001 - an exporter's failure is not shard's
+                print(f"{name:44} {family:18} export failed: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
             row = evaluate(name, family, path, args.jobs)
             rows.append(row)
+            if path.is_relative_to(Path(folder)):
+                path.unlink()  # exported models are large; each is written when its turn comes
             print(f"{name:44} {family:18} {describe(row.shard):>24} {describe(row.vendor):>24} {row.verdict}", flush=True)
     for row in rows:
         for label, s in (("shard", row.shard), ("vendor", row.vendor)):

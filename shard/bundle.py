@@ -35,6 +35,7 @@ class ShardSpec:
     macs: int = 0
     source_nodes: list[str] = field(default_factory=list)
     build: str = ""                # which build compile kept: the rewritten shard, its unrewritten twin, the vendor alone
+    edge_shapes: dict[str, list[int]] = field(default_factory=dict)  # inputs the graph takes in another (4-D) shape
 
 
 @dataclass
@@ -83,13 +84,14 @@ def read_manifest(bundle: str | Path) -> Manifest:
     except (KeyError, TypeError) as exc:
         raise BundleError(f"{path}: malformed manifest ({exc})") from None
     base = root.resolve()
-    for shard in manifest.shards:
-        for rel in (shard.onnx, shard.artifact, shard.log):
-            if rel is None:
-                continue
-            full = (root / rel).resolve()
-            if not full.is_relative_to(base):
-                raise BundleError(f"{path}: shard {shard.name} points outside the bundle ({rel})")
-            if not full.is_file():
-                raise BundleError(f"{path}: shard {shard.name} file missing: {rel}")
+    files = [(f"shard {shard.name}", rel) for shard in manifest.shards for rel in (shard.onnx, shard.artifact, shard.log)]
+    files += [(f"host step {step['output']}", step["table"]) for step in manifest.host_pre if "table" in step]
+    for owner, rel in files:
+        if rel is None:
+            continue
+        full = (root / rel).resolve()
+        if not full.is_relative_to(base):
+            raise BundleError(f"{path}: {owner} points outside the bundle ({rel})")
+        if not full.is_file():
+            raise BundleError(f"{path}: {owner} file missing: {rel}")
     return manifest

@@ -136,7 +136,7 @@ def print_compile_report(report: dict) -> None:
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")
     dropped = {}
     for choice in report.get("choices", []):
-        console.print(f"{choice['shard']}: kept the {choice['kept']} build; {choice['line']}")
+        console.print(f"{choice['shard']}: {choice['what']}; {choice['line']}")
         dropped.update(dict.fromkeys(choice["dropped_nodes"], choice["shard"]))
     for name, passed in report["passes"].items():
         for c in passed.get("changes", []):
@@ -148,6 +148,11 @@ def print_compile_report(report: dict) -> None:
                               f"layers of their own: {verdict}")
         for c in passed.get("not_fixed", []):
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
+    for when, key in (("before", "host_pre"), ("after", "host_post")):
+        for step in report.get(key, []):
+            source = step.get("input") or ", ".join(step["inputs"])
+            console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {step['op']} {source} -> "
+                          f"{step['output']}")
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])
@@ -208,6 +213,10 @@ def run_command(
     for t in session.timings.values():
         table.add_row(t.name, ",".join(map(str, sorted(t.cores))), f"{1000 * sum(t.seconds) / len(t.seconds):.1f}")
     console.print(table)
+    steps = session.manifest.host_pre + session.manifest.host_post
+    if steps:
+        console.print(f"host steps ({', '.join(s['op'] for s in steps)}): "
+                      f"{1000 * sum(session.host_seconds) / len(session.host_seconds):.2f} ms per frame")
     for use in session.core_use():
         console.print(f"core {use.core}: {100 * use.utilisation:.1f}% busy ({use.runs} shard runs, "
                       f"{use.busy:.3f} s of {use.span:.3f} s)")
@@ -244,7 +253,8 @@ def verify_command(
     seed: int = typer.Option(0, help="Seed of the random inputs."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
 ) -> None:
-    """Check a bundle against the original model: end to end, and each shard fed the reference's tensors."""
+    """Check a bundle against the original model: end to end, and each shard fed the reference's tensors
+    (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops)."""
     from dataclasses import asdict
 
     from shard.verifier import verify_bundle
@@ -252,13 +262,14 @@ def verify_command(
     with progress_bar() as progress:
         report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress)
     table = Table(title=f"verify ({report.backend}) vs onnxruntime fp32")
-    for col in ("where", "tensor", "cosine", "max abs diff"):
-        table.add_column(col, justify="right" if col in ("cosine", "max abs diff") else "left")
+    for col in ("where", "tensor", "cosine", "max abs diff", "end to end so far"):
+        table.add_column(col, justify="left" if col in ("where", "tensor") else "right")
     for c in report.outputs:
-        table.add_row("end to end", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}")
-    for shard, comps in report.shards.items():
-        for c in comps:
-            table.add_row(shard, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}")
+        table.add_row("end to end", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}", "")
+    for shard, comps in report.shards.items():  # fed the reference's tensors; then as chained end to end
+        for c, chained in zip(comps, report.chained.get(shard, [None] * len(comps))):
+            table.add_row(shard, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}",
+                          f"{chained.cosine:.7f}" if chained else "")
     console.print(table)
     for shard, why in report.skipped_shards.items():
         console.print(f"[yellow]warning[/]: {shard} not checked alone: {why}")

@@ -11,10 +11,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from shard import __version__
 from shard.bundle import MANIFEST, Manifest, ShardSpec
+from shard.edges import SUFFIX as EDGES
+from shard.edges import relayout
 from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
 from shard.never_worse import (AXES, HARD_AXES, Figures, comparison_line, original_plans, per_axis,
@@ -130,6 +134,15 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         # 3. Keep the better build of each shard, then stand the whole beside the vendor alone.
         axes = HARD_AXES if options.tile_attention == "force" else AXES
         chosen, choices = choose_versions(plans, originals, builds, axes)
+        # 4. Where the vendor reshaped a shard's edge on the CPU, the edge in its own layout, built again.
+        relaid = relayout_jobs(staging, logs, tgt, chosen)
+        if relaid:
+            progress("compile shards (edges in the vendor's layout)", 0, len(relaid))
+            builds.update({b.name: b for b in tgt.compile_shards([job for job, _ in relaid], build, options.jobs,
+                                                                   options.timeout, on_done)})
+            jobs += [job for job, _ in relaid]
+            chosen, edge_choices = keep_better_edges(chosen, relaid, builds, axes)
+            choices += edge_choices
         chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
         if versus and versus["bundle"] == "vendor alone":
             host_pre, host_post = [], []
@@ -140,7 +153,12 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             host_pre, host_post = prune_host_steps(
                 ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
                 produced={t.name for _, p in chosen for t in p.outputs}, outputs={t.name for t in ctx.model_outputs})
-        specs = keep_files(staging, logs, tgt, chosen, builds, profile.cores, build.get("precision", "fp32"))
+        specs = keep_files(staging, tgt, chosen, profile.cores, build.get("precision", "fp32"),
+                           {job.name: shapes for job, shapes in relaid})
+        for step in host_pre:
+            if "table" in step:
+                (staging / step["table"]).parent.mkdir(exist_ok=True)
+                np.save(staging / step["table"], ctx.host_tables[step["table"]], allow_pickle=False)
 
         kept = {name for name, _ in chosen}
         undone = {node for choice in choices for node in choice["dropped_nodes"]}
@@ -156,7 +174,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             shards=specs)
         report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
                                                              "total": time.monotonic() - t0})
-        report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only,
+        report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only, host_pre=host_pre,
+                      host_post=host_post,
                       vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
                           "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
         (staging / MANIFEST).write_text(manifest.to_json())
@@ -196,6 +215,7 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
         keep = verdict(rewritten, unrewritten, axes) != "worse"
         chosen.append((plan.name, plan) if keep else (twin, original))
         choices.append({"shard": plan.name, "kept": "rewritten" if keep else "unrewritten",
+                        "what": f"kept the {'rewritten' if keep else 'unrewritten'} build",
                         "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
                         "dropped_nodes": [] if keep else sorted(set(original.source_nodes)),
                         "line": comparison_line(rewritten, unrewritten).replace("shard / vendor alone",
@@ -206,7 +226,7 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
 def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
                          canonical: gs.Graph) -> tuple[list, dict | None]:
     """The kept shards beside the vendor alone's build of the model as it came: where shard is
-    worse (or --vendor-only), the bundle becomes the vendor's build. Returns the shards to bundle and
+    worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build. Returns the shards to bundle and
     the comparison for the report (None without a vendor build)."""
     vendor = builds.get(VENDOR_ALONE)
     if vendor is None:
@@ -214,7 +234,7 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
     if vendor_only and vendor.error:
         raise CompileError(vendor.error)
     ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
-    fall_back = vendor_only or verdict(ours, theirs, axes) == "worse"
+    fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     bundled = theirs if fall_back else ours
     versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs),
               "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs),
@@ -229,8 +249,39 @@ def vendor_plan(graph: gs.Graph) -> ShardPlan:
                      source_nodes=[n.name for n in graph.nodes])
 
 
-def keep_files(staging: Path, logs: Path, tgt, chosen: list, builds: dict[str, ShardBuild], cores: int,
-               precision: str) -> list[ShardSpec]:
+def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list) -> list[tuple[ShardJob, dict]]:
+    """For each kept build whose log shows the vendor reshaping an edge on the CPU: a job building the
+    shard with that edge in the vendor's 4-D layout, and the input shapes the runtime then feeds."""
+    relaid = []
+    for built, plan in chosen:
+        inputs, outputs = tgt.edge_layouts(logs / f"{built}.log", {t.name: [int(d) for d in t.shape] for t in plan.inputs},
+                                           {t.name: [int(d) for d in t.shape] for t in plan.outputs})
+        if inputs or outputs:
+            model = relayout(onnx.load(str(staging / "shards" / f"{built}.onnx")), inputs, outputs)
+            relaid.append((write_job(staging, logs, tgt, f"{built}{EDGES}", model), inputs))
+    return relaid
+
+
+def keep_better_edges(chosen: list, relaid: list, builds: dict[str, ShardBuild],
+                      axes: tuple[str, ...]) -> tuple[list, list[dict]]:
+    """Each relaid build replaces its first build where it is better on the measured axes."""
+    better = {}
+    choices = []
+    for job, _ in relaid:
+        first = job.name[: -len(EDGES)]
+        ours, theirs = Figures.of([builds[job.name]]), Figures.of([builds[first]])
+        keep = verdict(ours, theirs, axes) == "better"
+        if keep:
+            better[first] = job.name
+        choices.append({"shard": first.removesuffix(UNREWRITTEN), "kept": "relaid edges" if keep else "edges as they were",
+                        "what": "kept the build with its edges in the vendor's 4-D layout" if keep
+                        else "kept its edges as they were", "dropped_nodes": [],
+                        "line": comparison_line(ours, theirs).replace("shard / vendor alone", "edges relaid / as they were")})
+    return [(better.get(name, name), plan) for name, plan in chosen], choices
+
+
+def keep_files(staging: Path, tgt, chosen: list, cores: int, precision: str,
+               edge_shapes: dict[str, dict]) -> list[ShardSpec]:
     """Give the chosen builds the shard names (shard_000, ...) and drop the others' files; the
     logs of every build stay."""
     folder = staging / "shards"
@@ -246,7 +297,7 @@ def keep_files(staging: Path, logs: Path, tgt, chosen: list, builds: dict[str, S
                                log=f"logs/{built}.log", inputs=[tensor_spec(t) for t in plan.inputs],
                                outputs=[tensor_spec(t) for t in plan.outputs], core=k % cores,
                                precision=precision, macs=plan.macs, source_nodes=plan.source_nodes,
-                               build=built))
+                               build=built, edge_shapes=edge_shapes.get(built, {})))
     moved = {}
     for dst, src in keep.items():  # through temporary names: shard_001 may be another file's old name
         tmp = src.with_name(f"{src.name}.keep")
@@ -303,8 +354,6 @@ def check_options(options: CompileOptions) -> None:
 
 
 def save_onnx(model, path: Path) -> None:
-    import onnx
-
     # Protobuf caps one message at 2 GiB; larger shards keep their weights beside them.
     large = model.ByteSize() > 1_800_000_000
     onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)

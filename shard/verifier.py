@@ -13,7 +13,7 @@ from shard.bundle import read_manifest
 from shard.graph import load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
-from shard.runtime.host import run_host
+from shard.runtime.host import load_tables, run_host
 
 
 @dataclass
@@ -28,7 +28,8 @@ class VerifyReport:
     backend: str
     min_cosine: float
     outputs: list[Comparison]
-    shards: dict[str, list[Comparison]] = field(default_factory=dict)
+    shards: dict[str, list[Comparison]] = field(default_factory=dict)    # each fed the reference's tensors
+    chained: dict[str, list[Comparison]] = field(default_factory=dict)   # the same outputs, end to end
     reference_is_source: bool = True
     skipped_shards: dict[str, str] = field(default_factory=dict)
 
@@ -88,14 +89,15 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
     names = [o.name for o in ref.get_outputs()]
     expected = dict(zip(names, ref.run(names, inputs)))
     expected.update(inputs)
-    run_host(manifest.host_pre, expected)  # the tensors the first shards take, as the runtime makes them
+    # the tensors the first shards take, as the runtime makes them
+    run_host(manifest.host_pre, expected, load_tables(Path(bundle), manifest.host_pre))
     expected.update(unjoin(manifest, expected))
 
     own_session = session is None
     session = session or Session(bundle, backend)
     try:
         progress("bundle end to end", 0, 1)
-        actual = session.run(inputs)
+        actual = session.run_all(inputs)
         report = VerifyReport(backend=session.backend, min_cosine=min_cosine,
                               outputs=[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs],
                               reference_is_source=sha256_file(reference) == manifest.source["sha256"])
@@ -107,6 +109,9 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
                 continue
             got = session.run_shard(shard, {t.name: expected[t.name] for t in shard.inputs})
             report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
+            # The same outputs in the end-to-end run, where each shard took the bundle's own upstream
+            # values: where this falls below the line above, error arrives from the shards before.
+            report.chained[shard.name] = [compare(t.name, expected[t.name], actual[t.name]) for t in shard.outputs]
     finally:
         if own_session:
             session.close()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.toolkit
 def rows(tmp_path_factory):
     models = corpus.corpus("ci", None, tmp_path_factory.mktemp("models"))
     assert len(models) >= 8 and len({family for _, family, _ in models}) >= 3
-    return [corpus.evaluate(name, family, path) for name, family, path in models]
+    return [corpus.evaluate(name, family, make()) for name, family, make in models]
 
 
 def test_no_model_ends_in_a_traceback(rows):

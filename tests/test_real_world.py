@@ -149,3 +149,29 @@ def test_conv1d_and_conv3d_patch_shapes_are_left_alone(rank):
     ctx = PassContext(load_profile("rk3588"), CompileOptions())
     graph, report = slow_paths(gs.import_onnx(model), ctx)
     assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Conv"]
+
+
+def embedding_model() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    table = numpy_helper.from_array(rng.standard_normal((100, 16)).astype(np.float32), "table")
+    w = numpy_helper.from_array((rng.standard_normal((16, 16)) / 4).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+                               helper.make_node("MatMul", ["e", "w"], ["y"], name="fc")], "emb",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16])], [table, w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_embedding_lookup_is_a_host_step_with_its_table_in_the_bundle(save, tmp_path):
+    import shard
+
+    path = save(embedding_model())
+    result = shard.compile(path, "cpu", tmp_path / "e.shard")
+    (step,) = result.manifest.host_pre
+    assert step["op"] == "gather" and step["input"] == "ids" and (tmp_path / "e.shard" / step["table"]).is_file()
+    assert all(n != "embed" for s in result.manifest.shards for n in s.source_nodes)
+    ids = np.array([[3, 99, 0, 7, 7, 42, 1, 5]], np.int64)
+    got = shard.load(result.bundle, backend="cpu").run({"ids": ids})["y"]
+    np.testing.assert_allclose(got, run_ort(embedding_model(), {"ids": ids})[0], rtol=1e-6)

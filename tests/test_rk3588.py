@@ -40,7 +40,9 @@ def test_oversize_add_is_legalized_and_verifies_on_sim(save, tmp_path):
                     "--min-cosine", "0.99999", "--json", tmp_path / "v.json")
     assert res.returncode == 0, res.stdout + res.stderr
     verdict = json.loads((tmp_path / "v.json").read_text())
-    assert verdict["outputs"][0]["cosine"] >= 0.99999 and len(verdict["shards"]) == 2  # pieces checked alone too
+    assert verdict["outputs"][0]["cosine"] >= 0.99999
+    # One shard (the model is small) whose two outputs are the pieces, each checked too.
+    assert sorted(c["name"] for comps in verdict["shards"].values() for c in comps) == ["add0/part0_out", "add0/part1_out"]
 
 
 def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):

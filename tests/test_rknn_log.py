@@ -2,7 +2,7 @@
 
 from conftest import DATA
 
-from shard.targets.rknn_log import parse_build_log
+from shard.targets.rknn_log import edge_reshapes, parse_build_log
 
 
 def test_regtask_lines_are_counted_and_quoted():
@@ -48,3 +48,13 @@ def test_ops_the_estimate_leaves_at_zero_are_costed_by_the_bytes_they_move():
     zero_kb = sum(layer.rw_kb for layer in diag.layers if layer.cycles == 0 and "Operator" not in layer.op)
     assert used == rate and cycles == round(zero_kb * rate) > 0
     assert unestimated_cost(diag.layers, 10.0) == (zero_kb * 10, 10.0)
+
+
+def test_edge_reshapes_the_vendor_runs_on_the_cpu():
+    # MatMul on a [4,10] graph input: the vendor reshapes it to (1,4,1,10) on the CPU before its Conv.
+    layers = parse_build_log((DATA / "linear-2d-input-reshape.txt").read_text()).layers
+    assert edge_reshapes(layers, {"x": [4, 10]}, {"y": [4, 8]}) == ({"x": [1, 4, 1, 10]}, {})
+    # The output side's Reshape runs on the NPU there, and a shape no edge has matches nothing.
+    assert edge_reshapes(layers, {"x": [40]}, {"y": [4, 8]}) == ({}, {})
+    # Two edges of one shape: the table cannot say which the row belongs to.
+    assert edge_reshapes(layers, {"x": [4, 10], "z": [4, 10]}, {}) == ({}, {})

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
@@ -33,6 +34,7 @@ class PassContext:
     reports: dict[str, dict] = field(default_factory=dict)
     host_candidates: set[str] = field(default_factory=set)   # layout nodes that may run on the host
     host_pre: list[dict] = field(default_factory=list)       # set by host_edges
+    host_tables: dict[str, np.ndarray] = field(default_factory=dict)   # {bundle path: array} host steps read
     host_post: list[dict] = field(default_factory=list)
     model_inputs: list = field(default_factory=list)         # the model's own inputs and outputs
     model_outputs: list = field(default_factory=list)

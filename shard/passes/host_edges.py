@@ -1,4 +1,6 @@
-"""host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime.
+"""host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime;
+so do embedding lookups (Gather on a constant table by indices from the model's inputs), which the
+vendor runs on the CPU inside its graph (seen: every Gather of the onnx conformance models).
 
 A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
 already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output
@@ -8,6 +10,8 @@ on the NPU overflows just the same). The bundle keeps the model's own inputs and
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -45,6 +49,14 @@ def host_step(node: gs.Node) -> dict | None:
     return None
 
 
+def is_lookup(node: gs.Node, on_host: set[str]) -> bool:
+    """An embedding lookup the host can do: Gather of a constant float table by indices it has, whose
+    result goes on to NPU work (a model that is only a lookup keeps it, or no shard would be left)."""
+    return node.op == "Gather" and len(node.inputs) == 2 and bool(node.outputs) and bool(node.outputs[0].outputs) \
+        and isinstance(node.inputs[0], gs.Constant) and node.inputs[0].values.dtype.kind == "f" \
+        and node.inputs[1].name in on_host
+
+
 @register("host_edges")
 def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     ctx.model_inputs = [tensor_spec(t) for t in graph.inputs]
@@ -55,7 +67,18 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
-            if node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs \
+            if is_lookup(node, on_host):
+                out = node.outputs[0]
+                table = f"host/{len(ctx.host_tables)}_{re.sub(r'[^A-Za-z0-9_.-]', '_', node.name or out.name)}.npy"
+                ctx.host_tables[table] = node.inputs[0].values
+                pre.append({"op": "gather", "input": node.inputs[1].name, "output": out.name, "table": table,
+                            "axis": node.attrs.get("axis", 0) % node.inputs[0].values.ndim})
+                on_host.add(out.name)
+                node.outputs.clear()
+                node.inputs.clear()
+                graph.inputs.append(out)
+                moved = True
+            elif node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs \
                     and node.inputs[0].name in on_host and (step := host_step(node)):
                 out = node.outputs[0]
                 pre.append(step)

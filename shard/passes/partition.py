@@ -14,6 +14,9 @@ from shard.graph import is_static, nbytes
 from shard.passes import PassContext, register
 
 
+MIN_SHARD_MACS = 100_000_000  # about 0.2 ms of one core at its fp16 peak (512 MACs a cycle, 1 GHz)
+
+
 @dataclass
 class ShardPlan:
     name: str
@@ -129,7 +132,10 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     n = len(graph.nodes)
     if n == 0:
         raise ModelError("the model has no operators left after constant folding")
-    shards = max(1, getattr(opts, "shards", None) or ctx.profile.cores)
+    costs = [estimate_macs(node) for node in graph.nodes]
+    # By default one shard per core, but none under MIN_SHARD_MACS: every cut adds a dispatch and
+    # edges the vendor may reshape on the CPU, which a small model never wins back.
+    shards = max(1, getattr(opts, "shards", None) or min(ctx.profile.cores, sum(costs) // MIN_SHARD_MACS))
     max_ops = getattr(opts, "max_ops", None)
     if max_ops:
         shards = max(shards, math.ceil(n / max_ops))
@@ -140,7 +146,7 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # that the compile can build beside it (shard.never_worse).
     canonical = ctx.snapshots.get("canonicalize")
     live = live_bytes_after(graph, dag, set(canonical.tensors()) if canonical is not None else None)
-    cuts = choose_cuts([estimate_macs(node) for node in graph.nodes], live, min(shards, n))
+    cuts = choose_cuts(costs, live, min(shards, n))
     ctx.plan = shard_boundaries(graph, cuts)
     return graph, {"requested": shards, "shards": len(ctx.plan),
                    "cut_bytes": [live[c] for c in cuts], "macs": [p.macs for p in ctx.plan]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.errors import RunError
 from shard.runtime.executors import make_executors
-from shard.runtime.host import run_host
+from shard.runtime.host import load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
 
@@ -44,6 +45,8 @@ class Session:
                  schedule: str = DEFAULT_SCHEDULE, timeout: float | None = None):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
+        self.tables = load_tables(self.bundle, self.manifest.host_pre)
+        self.host_seconds: list[float] = []   # per frame: the host steps before and after the shards
         self.backend = backend or default_backend(self.manifest)
         self.cores = check_cores(cores if cores is not None else default_cores(self.manifest, self.backend))
         self.schedule = schedule
@@ -75,6 +78,12 @@ class Session:
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one frame: every shard in dependency order, independent shards on different cores at once."""
         return self._outputs(self.scheduler.wait(self._submit(inputs)))
+
+    def run_all(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one frame as `run` does; return every tensor the frame made, shard edges included."""
+        tensors = self.scheduler.wait(self._submit(inputs))
+        self._outputs(tensors)
+        return tensors
 
     def run_stream(self, frames: Iterable[dict[str, np.ndarray]], depth: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Pipeline frames through the cores; yield each frame's outputs in input order.
@@ -130,11 +139,16 @@ class Session:
 
     def _submit(self, inputs: dict[str, np.ndarray]) -> int:
         frame = next(self._frames)
-        self.scheduler.submit(frame, run_host(self.manifest.host_pre, self.check_inputs(inputs)))
+        started = time.perf_counter()
+        tensors = run_host(self.manifest.host_pre, self.check_inputs(inputs), self.tables)
+        self.host_seconds.append(time.perf_counter() - started)
+        self.scheduler.submit(frame, tensors)
         return frame
 
     def _outputs(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        started = time.perf_counter()
         run_host(self.manifest.host_post, tensors)
+        self.host_seconds[-1] += time.perf_counter() - started
         return {t.name: tensors[t.name] for t in self.manifest.outputs}
 
     def _close_executors(self) -> None:

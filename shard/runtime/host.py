@@ -7,21 +7,33 @@ there overflows just the same), so the compiler moves the pure layout ops at the
     {"op": "concat", "inputs": [X, ...], "output": Y, "axis": A}
     {"op": "reshape", "input": X, "output": Y, "shape": [...]}
     {"op": "transpose", "input": X, "output": Y, "perm": [...]}
+    {"op": "gather", "input": INDICES, "output": Y, "table": "host/NAME.npy", "axis": A}
 
-Slices and reshapes are views; a transpose or concat makes one contiguous copy.
+Slices and reshapes are views; a transpose or concat makes one contiguous copy. A gather is an
+embedding lookup: the vendor runs Gather on the CPU inside its graph anyway, and its table is a
+plain array in the bundle.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
 from shard.errors import BundleError
 
-HOST_OPS = ("slice", "concat", "reshape", "transpose")
+HOST_OPS = ("slice", "concat", "reshape", "transpose", "gather")
 
 
-def run_host(steps: list[dict], tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run the steps in order on `tensors` (updated in place and returned)."""
+def load_tables(bundle: Path, steps: list[dict]) -> dict[str, np.ndarray]:
+    """The arrays the steps read (gather tables), memory-mapped from the bundle."""
+    return {step["table"]: np.load(bundle / step["table"], mmap_mode="r", allow_pickle=False)
+            for step in steps if "table" in step}
+
+
+def run_host(steps: list[dict], tensors: dict[str, np.ndarray],
+             tables: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Run the steps in order on `tensors` (updated in place and returned); `tables` from load_tables."""
     for step in steps:
         op = step["op"]
         if op == "slice":
@@ -34,6 +46,8 @@ def run_host(steps: list[dict], tensors: dict[str, np.ndarray]) -> dict[str, np.
             tensors[step["output"]] = tensors[step["input"]].reshape(step["shape"])
         elif op == "transpose":
             tensors[step["output"]] = np.ascontiguousarray(tensors[step["input"]].transpose(step["perm"]))
+        elif op == "gather":
+            tensors[step["output"]] = np.take(tables[step["table"]], tensors[step["input"]], axis=step["axis"])
         else:
             raise BundleError(f"unknown host step {op!r}; this runtime knows {', '.join(HOST_OPS)}")
     return tensors

@@ -44,6 +44,12 @@ class Target(Protocol):
         """Build every job; a build that fails comes back with its error, the others still build."""
         ...
 
+    def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
+                     ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """From a shard's build log: the inputs and outputs the compiler reshaped into its own layout
+        on the CPU, with that layout's shape (shard.edges)."""
+        ...
+
     def pass_toolkit(self, profile, options):
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""
         ...

@@ -22,6 +22,9 @@ class CpuTarget:
     def pass_toolkit(self, profile, options):
         return None
 
+    def edge_layouts(self, log, inputs, outputs) -> tuple[dict, dict]:
+        return {}, {}  # onnxruntime takes any shape as it is
+
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
         results = []

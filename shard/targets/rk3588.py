@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
 
 from shard.targets import ShardBuild, ShardJob
-from shard.targets.rknn_log import parse_build_log, unestimated_cost
+from shard.targets.rknn_log import edge_reshapes, parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
@@ -26,6 +27,11 @@ class Rk3588Target:
 
     def check_environment(self) -> None:
         find_python(self.name)
+
+    def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
+                     ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """Edges the vendor reshaped on the CPU, with the 4-D shape it wanted (shard.edges)."""
+        return edge_reshapes(parse_build_log(log.read_text(errors="replace")).layers, inputs, outputs)
 
     def pass_toolkit(self, profile, options):
         from shard.probes.oneop import ToolkitOps

@@ -28,6 +28,7 @@ class Layer:
     name: str
     ddr_cycles: int = 0
     rw_kb: int = 0
+    input_shape: str = ""
 
 
 @dataclass
@@ -67,6 +68,35 @@ def unestimated_cost(layers: list[Layer], cycles_per_kb: float | None = None) ->
     return round(sum(layer.rw_kb for layer in zero) * cycles_per_kb), cycles_per_kb
 
 
+SHAPE = re.compile(r"\(([\d,]+)\)")
+
+
+def first_shape(text: str) -> list[int] | None:
+    """The first shape in a layer table cell: '(4,10),(4)' -> [4, 10]."""
+    m = SHAPE.search(text)
+    return [int(d) for d in m.group(1).split(",") if d] if m else None
+
+
+def edge_reshapes(layers: list[Layer], inputs: dict[str, list[int]], outputs: dict[str, list[int]]
+                  ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The vendor reshapes a graph input or output that is not in its 4-D layout, and runs that Reshape
+    on the CPU. From the layer table: {input: the 4-D shape it wants}, {output: the 4-D shape it has}.
+    A shape two edges share is left alone (the table does not say which edge a row belongs to)."""
+    cpu = [layer for layer in layers if layer.op == "Reshape" and layer.target == "CPU"]
+    found_in, found_out = {}, {}
+    for edges, found, side in ((inputs, found_in, "in"), (outputs, found_out, "out")):
+        for name, shape in edges.items():
+            if list(edges.values()).count(shape) != 1:
+                continue
+            for layer in cpu:
+                src, dst = first_shape(layer.input_shape), first_shape(layer.output_shape)
+                mine, other = (src, dst) if side == "in" else (dst, src)
+                if mine == shape and other and len(other) == 4 and other != shape:
+                    found[name] = other
+                    break
+    return found_in, found_out
+
+
 def parse_build_log(text: str) -> BuildDiagnostics:
     diag = BuildDiagnostics()
     for raw in text.splitlines():
@@ -79,7 +109,8 @@ def parse_build_log(text: str) -> BuildDiagnostics:
             diag.first_error = diag.first_error or line
         if row := LAYER_ROW.match(line):
             layer = Layer(id=int(row["id"]), op=row["op"], target=row["target"], output_shape=row["outshape"],
-                          cycles=int(row["total"]), name=row["name"], ddr_cycles=int(row["ddr"]), rw_kb=int(row["rw"]))
+                          cycles=int(row["total"]), name=row["name"], ddr_cycles=int(row["ddr"]), rw_kb=int(row["rw"]),
+                          input_shape=row["inshape"])
             diag.layers.append(layer)
             diag.estimated_cycles += layer.cycles
             if layer.target == "CPU" and layer.op not in HOST_OPS:

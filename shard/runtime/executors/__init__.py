@@ -54,6 +54,19 @@ def _each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Execut
     return made
 
 
+def npu_inputs(shard: ShardSpec, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The arrays an rknn runtime takes, in the shard's input order: float64 as float32 (the NPU has no
+    fp64, and the toolkit's runtimes return nothing for it), each in the shape its graph declares."""
+    return [np.ascontiguousarray(edge_input(shard, spec, inputs[spec.name]),
+                                 dtype=np.float32 if spec.dtype == "float64" else spec.dtype) for spec in shard.inputs]
+
+
+def edge_input(shard: ShardSpec, spec, value: np.ndarray) -> np.ndarray:
+    """An input in the shape the shard's graph declares at its edge: the manifest's own, or the 4-D
+    shape compile gave the edge so the vendor needs no reshape of its own there (a free view here)."""
+    return np.reshape(value, shard.edge_shapes.get(spec.name, spec.shape))
+
+
 def outputs_by_name(shard: ShardSpec, arrays: list[np.ndarray]) -> dict[str, np.ndarray]:
     """Name an executor's positional outputs, restoring the manifest's shapes and dtypes."""
     return {spec.name: np.asarray(a).reshape(spec.shape).astype(spec.dtype, copy=False)

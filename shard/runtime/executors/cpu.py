@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from shard.bundle import ShardSpec
+from shard.runtime.executors import edge_input, outputs_by_name
 
 
 class CpuExecutor:
@@ -22,7 +23,8 @@ class CpuExecutor:
 
     def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = [t.name for t in shard.outputs]
-        return dict(zip(names, self.sessions[shard.name].run(names, {t.name: inputs[t.name] for t in shard.inputs})))
+        feeds = {t.name: edge_input(shard, t, inputs[t.name]) for t in shard.inputs}
+        return outputs_by_name(shard, self.sessions[shard.name].run(names, feeds))
 
     def close(self) -> None:
         self.sessions.clear()

@@ -8,7 +8,7 @@ import numpy as np
 
 from shard.bundle import ShardSpec
 from shard.errors import RunError, TargetError
-from shard.runtime.executors import outputs_by_name
+from shard.runtime.executors import npu_inputs, outputs_by_name
 
 
 def import_rknnlite():
@@ -44,7 +44,7 @@ class RknnBoardExecutor:
             raise
 
     def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        arrays = [np.ascontiguousarray(inputs[t.name], dtype=t.dtype) for t in shard.inputs]
+        arrays = npu_inputs(shard, inputs)
         formats = ["nchw"] * len(arrays)  # ONNX layout; the toolkit refuses None for other ranks
         outs = self.runtimes[shard.name].inference(inputs=arrays, data_format=formats)
         if outs is None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
-from shard.runtime.executors import outputs_by_name
+from shard.runtime.executors import npu_inputs, outputs_by_name
 from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed
 
@@ -55,7 +55,7 @@ class RknnSimExecutor:
 
     def _run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=self.scratch))
-        arrays = [np.ascontiguousarray(inputs[spec.name], dtype=spec.dtype) for spec in shard.inputs]
+        arrays = npu_inputs(shard, inputs)
         try:
             outs = infer(lambda **req: self._ask(shard, **req), shard.name, arrays, work,
                          self.scratch / f"{shard.name}.run.log")
