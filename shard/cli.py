@@ -99,6 +99,9 @@ def compile_command(
                                                     "print both side by side, and never be worse than it."),
     vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
                                                  "build, no rewrites): a baseline to run and verify beside shard's."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Build every shard again instead of reusing the builds "
+                                                            "of identical shards (~/.cache/shard/builds or "
+                                                            "$SHARD_BUILD_CACHE)."),
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET."""
     from shard.compiler import CompileOptions, compile_model
@@ -108,7 +111,7 @@ def compile_command(
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline,
-                             vendor_only=vendor_only)
+                             vendor_only=vendor_only, build_cache=not no_cache)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -123,14 +126,15 @@ def print_compile_report(report: dict) -> None:
         table.add_column(col, justify="right" if col != "shard" else "left")
     for s in report["shards"]:
         d = s["diagnostics"]
-        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}", f"{s['build_seconds']:.1f}",
+        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}", "cached" if s.get("cached") else f"{s['build_seconds']:.1f}",
                       str(d.get("regtask_lines", 0)), str(len(d.get("cpu_ops", []))),
                       str(len(d.get("single_core_fallbacks", []))), f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
     console.print(table)
     t = report["totals"]
     console.print(f"{t['shards']} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
                   f"{t['single_core_fallbacks']} single-core fallbacks, "
-                  f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s")
+                  f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s "
+                  f"({report['builds']['from_cache']} of {report['builds']['total']} vendor builds from the cache)")
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")

@@ -29,6 +29,7 @@ from shard.passes.fit import Legality
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.targets import ShardBuild, ShardJob, get_target
+from shard.targets.build_cache import default_cache_dir
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
@@ -50,6 +51,7 @@ class CompileOptions:
     dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
     vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
     vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
+    build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
 
 
 @dataclass
@@ -128,7 +130,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             progress("compile shards", len(done), len(jobs))
 
         progress("compile shards", 0, len(jobs))
-        builds = {b.name: b for b in tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done)}
+        cache = default_cache_dir() if options.build_cache else None
+        builds = {b.name: b for b in tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done, cache)}
         t_build = time.monotonic() - t0 - t_passes
 
         # 3. Keep the better build of each shard, then stand the whole beside the vendor alone.
@@ -139,7 +142,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         if relaid:
             progress("compile shards (edges in the vendor's layout)", 0, len(relaid))
             builds.update({b.name: b for b in tgt.compile_shards([job for job, _ in relaid], build, options.jobs,
-                                                                   options.timeout, on_done)})
+                                                                   options.timeout, on_done, cache)})
             jobs += [job for job, _ in relaid]
             chosen, edge_choices = keep_better_edges(chosen, relaid, builds, axes)
             choices += edge_choices
@@ -385,7 +388,7 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
         shards.append({"name": spec.name, "build": spec.build, "core": spec.core, "nodes": len(spec.source_nodes),
                        "macs": spec.macs,
                        "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
-                       "build_seconds": b.seconds, "diagnostics": b.diagnostics})
+                       "build_seconds": b.seconds, "cached": b.cached, "diagnostics": b.diagnostics})
     def total(key: str) -> int:  # counts are ints, findings are lists of names
         values = [s["diagnostics"].get(key, 0) for s in shards]
         return sum(len(v) if isinstance(v, list) else v for v in values)
@@ -399,7 +402,8 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
                        "single_core_fallbacks": total("single_core_fallbacks"),
                        "estimated_cycles": after, "estimated_cycles_before_passes": before},
-            "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+            "seconds": {k: round(v, 2) for k, v in seconds.items()},
+            "builds": {"total": len(builds), "from_cache": sum(b.cached for b in builds.values())}}
 
 
 def cycle_note(change: dict) -> str:

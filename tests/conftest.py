@@ -13,6 +13,20 @@ from onnx import TensorProto, helper
 DATA = Path(__file__).parent / "data"
 
 
+def pytest_configure(config):
+    # Vendor builds are cached by content; each test run starts with an empty cache of its own, so a
+    # build a test means to make (a timeout, a crash) is made, and the run leaves nothing behind.
+    import tempfile
+
+    os.environ["SHARD_BUILD_CACHE"] = tempfile.mkdtemp(prefix="shard-test-builds-")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(os.environ.pop("SHARD_BUILD_CACHE", ""), ignore_errors=True)
+
+
 def toolkit_ready() -> bool:
     from shard.toolkit.env import read_marker
 

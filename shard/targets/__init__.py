@@ -27,6 +27,7 @@ class ShardBuild:
     seconds: float
     diagnostics: dict = field(default_factory=dict)
     error: str | None = None      # why the build is unusable (failed, crashed, REGTASK), with its log
+    cached: bool = False          # taken from the build cache (shard.targets.build_cache), not built now
 
 
 class Target(Protocol):
@@ -40,8 +41,9 @@ class Target(Protocol):
     def check_environment(self) -> None: ...
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
-        """Build every job; a build that fails comes back with its error, the others still build."""
+                       on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
+        """Build every job; a build that fails comes back with its error, the others still build.
+        cache: a build cache directory (shard.targets.build_cache), or None to build everything."""
         ...
 
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]

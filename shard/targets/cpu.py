@@ -26,7 +26,7 @@ class CpuTarget:
         return {}, {}  # onnxruntime takes any shape as it is
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+                       on_done: Callable[[ShardBuild], None], cache=None) -> list[ShardBuild]:
         results = []
         for job in jobs:
             job.log.write_text("cpu target: the shard ONNX file is run as is by onnxruntime\n")

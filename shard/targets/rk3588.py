@@ -9,7 +9,8 @@ from typing import Callable
 
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.rknn_log import edge_reshapes, parse_build_log, unestimated_cost
-from shard.toolkit.env import find_python
+from shard.targets.build_cache import BuildCache
+from shard.toolkit.env import find_python, installed_label
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
 
@@ -40,15 +41,21 @@ class Rk3588Target:
                           timeout=getattr(options, "timeout", 300.0))
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+                       on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
         """Build every shard, `workers` at a time, each worker process reused for many builds; jobs
-        start in the order given (put the longest first)."""
+        start in the order given (put the longest first). Builds seen before come from `cache`."""
         workers = max(1, min(workers, len(jobs)))
         pool = WorkerPool(find_python(self.name), jobs[0].log.parent, workers)
+        store = BuildCache(cache, self.name, installed_label(self.name), build) if cache else None
 
         def build_one(job: ShardJob) -> ShardBuild:
-            with pool.worker() as worker:
-                result = build_shard(worker, job, build, timeout)
+            key = store.key(job) if store else None
+            result = store.get(job, key) if store else None
+            if result is None:
+                with pool.worker() as worker:
+                    result = build_shard(worker, job, build, timeout)
+                if store:
+                    store.put(job, key, result)
             on_done(result)
             return result
 

@@ -1,0 +1,79 @@
+"""Vendor builds kept by content: the same shard, toolkit and build configuration never build twice.
+
+The key is the hash of what decides a build: the shard's ONNX bytes (and its external weights), the
+build options, the toolkit version and the target. An entry holds the artifact, the build log and
+what shard read from it; a failed build is kept too (the compiler fails the same way again), a
+timeout or a dead worker is not. Entries are written whole or not at all. `~/.cache/shard/builds`,
+or `$SHARD_BUILD_CACHE`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from shard.targets import ShardBuild, ShardJob
+
+VERSION = 1
+NAME, LOG = "\x00name\x00", "\x00log\x00"   # stand-ins in a stored error message
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SHARD_BUILD_CACHE") or Path.home() / ".cache" / "shard" / "builds")
+
+
+class BuildCache:
+    def __init__(self, root: Path, target: str, toolkit: str, build: dict):
+        self.root = Path(root)
+        self.salt = json.dumps([VERSION, target, toolkit, build], sort_keys=True).encode()
+
+    def key(self, job: ShardJob) -> str:
+        digest = hashlib.sha256(self.salt)
+        for path in sorted([job.onnx, *job.onnx.parent.glob(f"{job.onnx.name}.data")]):
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+        return digest.hexdigest()[:32]
+
+    def get(self, job: ShardJob, key: str) -> ShardBuild | None:
+        """The cached build, its log and artifact put where the job wants them; None on a miss."""
+        entry = self.root / key
+        try:
+            data = json.loads((entry / "build.json").read_text())
+            shutil.copyfile(entry / "build.log", job.log)
+            if job.artifact is not None and data["error"] is None:
+                link_or_copy(entry / "artifact", job.artifact)
+        except (OSError, json.JSONDecodeError, KeyError):
+            return None
+        if data["error"]:  # the message names the shard and its log: this job's, not the first one's
+            data["error"] = data["error"].replace(NAME, job.name).replace(LOG, str(job.log))
+        return ShardBuild(**{**data, "name": job.name, "seconds": 0.0, "cached": True})
+
+    def put(self, job: ShardJob, key: str, build: ShardBuild) -> None:
+        if build.error and ("timed out" in build.error or "died" in build.error):
+            return  # not a property of the shard
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.root))
+        try:
+            data = {k: v for k, v in asdict(build).items() if k not in ("name", "cached")}
+            if build.error:
+                data["error"] = build.error.replace(str(job.log), LOG).replace(f"{job.name}:", f"{NAME}:")
+            (staging / "build.json").write_text(json.dumps(data))
+            shutil.copyfile(job.log, staging / "build.log")
+            if job.artifact is not None and build.error is None:
+                link_or_copy(job.artifact, staging / "artifact")
+            staging.rename(self.root / key)
+        except OSError:  # another compile stored the same build first, or the disk is full: no entry
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

@@ -1,0 +1,47 @@
+"""Vendor builds kept by content (shard.targets.build_cache), with the real toolkit."""
+
+import pytest
+from conftest import make_model, mlp_chain
+from onnx import helper, numpy_helper
+
+import shard
+from shard.compiler import CompileOptions
+from shard.errors import CompileError
+
+pytestmark = pytest.mark.toolkit
+
+
+def test_unchanged_shards_come_from_the_cache_and_changed_ones_build(save, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
+    options = CompileOptions(shards=2)
+    first = shard.compile(save(mlp_chain(4)), "rk3588", tmp_path / "a.shard", options)
+    assert first.report["builds"]["from_cache"] == 0
+    again = shard.compile(save(mlp_chain(4), "same.onnx"), "rk3588", tmp_path / "b.shard", options)
+    assert again.report["builds"] == {"total": first.report["builds"]["total"], "from_cache": first.report["builds"]["total"]}
+    for spec in first.manifest.shards:
+        assert (tmp_path / "a.shard" / spec.artifact).read_bytes() == (tmp_path / "b.shard" / spec.artifact).read_bytes()
+    # New weights in the last block: its shard and the whole model build again, the first shard does not.
+    changed = mlp_chain(4)
+    last = changed.graph.initializer[-1]
+    last.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(last), last.name))
+    third = shard.compile(save(changed, "changed.onnx"), "rk3588", tmp_path / "c.shard", options)
+    cached = {s["name"]: s["cached"] for s in third.report["shards"]}
+    assert cached == {"shard_000": True, "shard_001": False}
+    assert third.report["builds"]["from_cache"] == third.report["builds"]["total"] - 2
+    assert shard.verify(third.bundle, tmp_path / "changed.onnx", backend="sim").passed
+
+
+def test_a_cached_failure_names_this_compiles_shard_and_log(save, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    path = save(make_model(nodes, [("q", [1, 2, 16, 8]), ("k", [1, 2, 8, 16]), ("v", [1, 2, 16, 8])],
+                           [("y", [1, 2, 16, 8])]))
+    messages = []
+    for name in ("one", "two"):
+        with pytest.raises(CompileError) as err:
+            shard.compile(path, "rk3588", tmp_path / f"{name}.shard", CompileOptions(shards=1))
+        messages.append(str(err.value))
+    assert all(m.startswith("shard_000: the vendor build crashed in build()") for m in messages)
+    first_log, second_log = (m.rsplit("log: ", 1)[1] for m in messages)
+    assert first_log != second_log and "Traceback" in open(second_log).read()
