@@ -109,53 +109,37 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         folder.chmod(0o755)  # mkdtemp makes them private; a bundle is an ordinary directory
     try:
         (staging / "shards").mkdir()
-        jobs = []
-        if as_it_came is not None:  # the longest build first
-            jobs.append(write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came))
-            del as_it_came
-        for k, (plan, original) in enumerate(zip(plans, originals)):
-            progress("write shards", k, len(plans))
-            for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
-                if version is not None:
-                    sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
-                                   name=plan.name)
-                    jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset)))
+        jobs = write_jobs(staging, logs, tgt, plans, originals, as_it_came, opset, progress)
+        del as_it_came
         build = tgt.build_options(options)
         if ctx.build_config and "config" in build:
             build["config"] = {**build["config"], **ctx.build_config}
         done: list[ShardBuild] = []
 
-        def on_done(result: ShardBuild) -> None:
-            done.append(result)
-            progress("compile shards", len(done), len(jobs))
+        def compile_jobs(batch: list[ShardJob], step: str) -> dict[str, ShardBuild]:
+            def on_done(result: ShardBuild) -> None:
+                done.append(result)
+                progress(step, len(done), len(jobs))
 
-        progress("compile shards", 0, len(jobs))
-        cache = default_cache_dir() if options.build_cache else None
-        builds = {b.name: b for b in tgt.compile_shards(jobs, build, options.jobs, options.timeout, on_done, cache)}
+            progress(step, len(done), len(jobs))
+            cache = default_cache_dir() if options.build_cache else None
+            return {b.name: b for b in tgt.compile_shards(batch, build, options.jobs, options.timeout, on_done, cache)}
+
+        builds = compile_jobs(jobs, "compile shards")
         t_build = time.monotonic() - t0 - t_passes
 
-        # 3. Keep the better build of each shard, then stand the whole beside the vendor alone.
+        # 3. Keep the better build of each shard (rewritten or not; edges as they were or in the
+        #    vendor's layout), then stand the whole beside the vendor alone.
         axes = HARD_AXES if options.tile_attention == "force" else AXES
         chosen, choices = choose_versions(plans, originals, builds, axes)
-        # 4. Where the vendor reshaped a shard's edge on the CPU, the edge in its own layout, built again.
         relaid = relayout_jobs(staging, logs, tgt, chosen)
         if relaid:
-            progress("compile shards (edges in the vendor's layout)", 0, len(relaid))
-            builds.update({b.name: b for b in tgt.compile_shards([job for job, _ in relaid], build, options.jobs,
-                                                                   options.timeout, on_done, cache)})
             jobs += [job for job, _ in relaid]
+            builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
             chosen, edge_choices = keep_better_edges(chosen, relaid, builds, axes)
             choices += edge_choices
         chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
-        if versus and versus["bundle"] == "vendor alone":
-            host_pre, host_post = [], []
-        else:
-            failed = next((builds[name].error for name, _ in chosen if builds[name].error), None)
-            if failed:
-                raise CompileError(failed)
-            host_pre, host_post = prune_host_steps(
-                ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
-                produced={t.name for _, p in chosen for t in p.outputs}, outputs={t.name for t in ctx.model_outputs})
+        host_pre, host_post = host_steps(ctx, chosen, builds, versus)
         specs = keep_files(staging, tgt, chosen, profile.cores, build.get("precision", "fp32"),
                            {job.name: shapes for job, shapes in relaid})
         for step in host_pre:
@@ -195,6 +179,34 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
 UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+
+
+def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, as_it_came, opset: int,
+               progress: Progress) -> list[ShardJob]:
+    """The builds to make: the model as it came (the longest, first), then each shard and, where the
+    passes changed it, its unrewritten twin."""
+    jobs = [write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came)] if as_it_came is not None else []
+    for k, (plan, original) in enumerate(zip(plans, originals)):
+        progress("write shards", k, len(plans))
+        for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
+            if version is not None:
+                sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
+                               name=plan.name)
+                jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset)))
+    return jobs
+
+
+def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], versus: dict | None
+               ) -> tuple[list[dict], list[dict]]:
+    """The host steps the bundle keeps; a CompileError if a kept build is unusable."""
+    if versus and versus["bundle"] == "vendor alone":
+        return [], []
+    failed = next((builds[name].error for name, _ in chosen if builds[name].error), None)
+    if failed:
+        raise CompileError(failed)
+    return prune_host_steps(ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
+                            produced={t.name for _, p in chosen for t in p.outputs},
+                            outputs={t.name for t in ctx.model_outputs})
 
 
 def write_job(staging: Path, logs: Path, tgt, name: str, model) -> ShardJob:
