@@ -42,7 +42,7 @@ bench: demo
 	$(BIN)/python bench/runtime.py --bundle $(DEMO).shard --model $(DEMO).onnx
 	$(BIN)/python bench/probe.py
 
-# Models nobody on the team wrote, shard and the vendor alone side by side (about 10 s a model).
+# Models nobody on the team wrote, shard and the vendor alone side by side (about 10 s a small model).
 corpus: toolkit
 	$(BIN)/python bench/corpus.py
 

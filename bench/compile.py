@@ -2,8 +2,11 @@
 
     python bench/compile.py [--model siglip.onnx] [--jobs 2]
 
-Peak RSS is sampled over the whole process tree (shard plus its toolkit workers) every 50 ms.
-Ends with: RESULT wall_ratio=... rss_ratio=... shards=...
+shard compile runs three times: cold (an empty build cache; it also builds the model as it came
+with the vendor alone, and each rewritten shard's unrewritten twin), warm (the same model again),
+and cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
+whole process tree (shard plus its toolkit workers) every 50 ms.
+Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... shards=...
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
+def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, subprocess.CompletedProcess]:
     """Wall seconds and peak tree RSS of a command."""
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = 0
     done = threading.Event()
 
@@ -97,16 +100,23 @@ def main() -> None:
     if res.returncode:
         sys.exit(f"vendor build failed:\n{res.stderr}")
     bundle = work / "model.shard"
-    shard_wall, shard_rss, res = measure([sys.executable, "-m", "shard", "compile", str(model), "--target", "rk3588",
-                                          "-o", str(bundle), "--jobs", str(args.jobs)])
-    if res.returncode:
-        sys.exit(f"shard compile failed:\n{res.stderr}")
+    runs = {}
+    for label, cache, extra in (("cold", "cold", []), ("warm", "cold", []),
+                                ("cold, --no-vendor-baseline", "plain", ["--no-vendor-baseline"])):
+        env = {**os.environ, "SHARD_BUILD_CACHE": str(work / f"cache-{cache}")}
+        runs[label] = measure([sys.executable, "-m", "shard", "compile", str(model), "--target", "rk3588",
+                               "-o", str(bundle), "--jobs", str(args.jobs), *extra], env)
+        if runs[label][2].returncode:
+            sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
     shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
 
-    print(f"{'':28}{'wall s':>10}{'peak RSS GB':>14}")
-    print(f"{'one vendor build (whole)':28}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
-    print(f"{f'shard compile ({shards} shards, -j{args.jobs})':28}{shard_wall:>10.1f}{shard_rss / 1e9:>14.2f}")
-    print(f"RESULT wall_ratio={shard_wall / vendor_wall:.2f} rss_ratio={shard_rss / vendor_rss:.2f} shards={shards}")
+    print(f"{'':40}{'wall s':>10}{'peak RSS GB':>14}")
+    print(f"{'one vendor build (whole)':40}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
+    for label, (wall, rss, _) in runs.items():
+        print(f"{f'shard compile, {label} (-j{args.jobs})':40}{wall:>10.1f}{rss / 1e9:>14.2f}")
+    cold_wall, cold_rss, _ = runs["cold"]
+    print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
+          f"warm_s={runs['warm'][0]:.1f} shards={shards}")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,8 @@ def print_compile_report(report: dict) -> None:
             source = step.get("input") or ", ".join(step["inputs"])
             console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {step['op']} {source} -> "
                           f"{step['output']}")
+    if report.get("host_ms") is not None:
+        console.print(f"host steps before the shards: {report['host_ms']:.3f} ms per frame on this machine")
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])

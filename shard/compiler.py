@@ -162,7 +162,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
                                                              "total": time.monotonic() - t0})
         report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only, host_pre=host_pre,
-                      host_post=host_post,
+                      host_post=host_post, host_ms=time_host_steps(host_pre, model_inputs, staging),
                       vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
                           "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
         (staging / MANIFEST).write_text(manifest.to_json())
@@ -207,6 +207,22 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
     return prune_host_steps(ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
                             produced={t.name for _, p in chosen for t in p.outputs},
                             outputs={t.name for t in ctx.model_outputs})
+
+
+def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | None:
+    """Milliseconds the runtime spends on the steps before the shards, on seeded inputs (best of 3)."""
+    from shard.runtime import random_inputs
+    from shard.runtime.host import load_tables, run_host
+
+    if not steps:
+        return None
+    tables, feeds = load_tables(bundle, steps), random_inputs(inputs)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        run_host(steps, dict(feeds), tables)
+        best = min(best, time.perf_counter() - started)
+    return round(1000 * best, 3)
 
 
 def write_job(staging: Path, logs: Path, tgt, name: str, model) -> ShardJob:
