@@ -241,3 +241,46 @@ def test_profile_verdicts_read_each_family_in_its_own_terms():
     assert not legality.check(OpSpec("Concat", {"axis": -1}, [([1, 1, 1, 65], None)] * 2, [[1, 1, 1, 130]])).ok
     assert not legality.check(OpSpec("Add", {}, [([1, 1, 1, 65], None)] * 2, [[1, 1, 1, 65]])).ok
     assert legality.check(OpSpec("Add", {}, [([1, 1, 7, 65], None)] * 2, [[1, 1, 7, 65]])).ok  # no h7 setting
+
+
+class TwoAxes:
+    """A stand-in limit no one split meets: the last two axes of every tensor (weights aside) at most
+    `size` each."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def check(self, spec: OpSpec):
+        from shard.passes.fit import Verdict
+
+        for shape in [s for s, v in spec.inputs if v is None] + spec.outputs:
+            if len(shape) >= 2 and max(shape[-2:]) > self.size:
+                return Verdict(False, "regtask", f"{shape[-2:]} over {self.size}")
+        return Verdict(True)
+
+
+@pytest.mark.parametrize("op,shapes", [
+    ("Add", {"x": [1, 1, 96, 80]}),
+    ("MatMul", {"x": [1, 40, 96], "w": [96, 72]}),   # M, K and N too wide: M and N split, K summed
+])
+def test_an_op_over_a_limit_in_several_axes_is_split_along_each(op, shapes):
+    rng = np.random.default_rng(0)
+    names = list(shapes)
+    out = [1, 1, 96, 80] if op == "Add" else [1, 40, 72]
+    inputs = [(n, s) for n, s in shapes.items() if n == "x"]
+    inits = [const(n, rng.standard_normal(s)) for n, s in shapes.items() if n != "x"]
+    model = make_model([helper.make_node(op, [names[0], names[-1]] if op == "MatMul" else ["x", "x"], ["y"],
+                                         name="op")], inputs, [("y", out)], inits)
+    graph = infer_shapes(gs.import_onnx(model))
+    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, TwoAxes(32)))
+    graph, report = legalize(graph, ctx)
+    graph.cleanup().toposort()
+    assert report["not_fixed"] == [] and "each piece split again" in report["changes"][0]["action"]
+    checker = TwoAxes(32)
+    for node in graph.nodes:
+        if node.op == op:
+            assert checker.check(OpSpec.of(node)).ok, [list(t.shape) for t in node.outputs]
+    x = rng.standard_normal(shapes["x"]).astype(np.float32)
+    exported = gs.export_onnx(graph)
+    exported.ir_version = 8
+    np.testing.assert_allclose(run_ort(exported, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)

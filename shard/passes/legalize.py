@@ -11,7 +11,9 @@ Which axes are safe, per op:
   Reshape                     the leading axes it keeps as they are (the target shape is rewritten)
 Where no such split fits, the reduced axis: MatMul's K as partial products summed, Softmax's own
 axis in two passes (max and sum over the pieces, then exp(x - max) / sum per piece).
-The piece count is the smallest that makes one piece fit (checked by ctx.legality). The Slices and
+The piece count is the smallest that makes one piece fit (checked by ctx.legality). Where no one
+split fits (a MatMul too wide in M, K and N), a first split is chosen after which a piece can be made
+to fit by further splits (up to three axes), and the pieces are legalized in turn. The Slices and
 Concats are marked for the host: where they sit at the model's edges, host_edges moves them to the
 runtime, since an oversize tensor at a shard's edge cannot be split on the NPU. A Slice that takes
 back exactly one piece of a Concat is folded away, so chains of split ops stay split.
@@ -34,6 +36,7 @@ ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal"
                "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "Softplus", "Cast", "Sin", "Cos"}
 CHECKED = ELEMENTWISE | {"Softmax", "LayerNormalization", "MatMul", "Transpose", "Concat", "Slice", "Reshape"}
 MAX_PIECES = 64
+NESTED_DEPTH = 2   # splits of splits: three axes at most
 
 
 def split_axes(node: gs.Node) -> list[int]:
@@ -115,10 +118,10 @@ def bounds(dim: int, pieces: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, dim)) for lo in range(0, dim, size)]
 
 
-def choose_split(node: gs.Node, check) -> tuple[int, int, Verdict] | None:
+def choose_split(node: gs.Node, check, skip: int | None = None) -> tuple[int, int, Verdict] | None:
     """(axis, pieces, verdict of a piece) with the fewest pieces that fit, trying axes last first."""
     shape = list(node.outputs[0].shape)
-    for axis in split_axes(node):
+    for axis in [a for a in split_axes(node) if a != skip]:
         for pieces in range(2, min(shape[axis], MAX_PIECES) + 1):
             lo, hi = bounds(shape[axis], pieces)[0]
             if len(bounds(shape[axis], pieces)) < pieces:
@@ -126,6 +129,31 @@ def choose_split(node: gs.Node, check) -> tuple[int, int, Verdict] | None:
             verdict = check(piece_spec(node, axis, lo, hi))
             if fits(verdict):
                 return axis, pieces, verdict
+    return None
+
+
+def piece_node(node: gs.Node, axis: int, lo: int, hi: int) -> gs.Node:
+    """A detached copy of the node at the shapes of one piece: what a further split would start from."""
+    spec = piece_spec(node, axis, lo, hi)
+    ins = [gs.Constant(f"in{k}", value) if value is not None else gs.Variable(f"in{k}", t.dtype, shape)
+           for k, ((shape, value), t) in enumerate(zip(spec.inputs, node.inputs))]
+    outs = [gs.Variable(f"out{k}", t.dtype, shape) for k, (shape, t) in enumerate(zip(spec.outputs, node.outputs))]
+    return gs.Node(node.op, node.name, dict(node.attrs), ins, outs)
+
+
+def choose_nested_split(node: gs.Node, check, depth: int = NESTED_DEPTH) -> tuple[int, int] | None:
+    """Where no one split fits (a MatMul too wide in M, K and N): the first split, (axis, pieces),
+    after which a piece has a split of its own that fits (along another axis or the reduced one), or,
+    `depth` levels down, a nested split again. Piece counts double, to bound the builds this costs."""
+    shape = [int(d) for d in node.outputs[0].shape]
+    for axis in split_axes(node):
+        pieces = 2
+        while pieces <= min(shape[axis], MAX_PIECES):
+            piece = piece_node(node, axis, *bounds(shape[axis], pieces)[0])
+            if choose_split(piece, check, skip=axis) or choose_reduction_split(piece, check) \
+                    or (depth > 1 and choose_nested_split(piece, check, depth - 1)):
+                return axis, pieces
+            pieces *= 2
     return None
 
 
@@ -259,7 +287,9 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     rw = Rewriter(graph, ctx.host_candidates)
     if legality is None:
         return graph, {"changes": changes, "note": "the target has no limits"}
-    for node in list(graph.nodes):
+    pending = list(graph.nodes)
+    while pending:
+        node = pending.pop(0)
         if node.op not in CHECKED or not node.outputs or node.name in ctx.host_candidates \
                 or any(t.shape is None for t in (*node.inputs, *node.outputs)):
             continue
@@ -279,9 +309,15 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             split_reduction(rw, node, pieces)
             how = "partial products summed" if node.op == "MatMul" else "two-pass max and sum"
             action = f"split into {pieces} along the reduced axis, {how} ({piece.reason})"
+        elif (first := choose_nested_split(node, legality.check)) is not None:
+            axis, pieces = first
+            count = len(graph.nodes)
+            split_node(rw, node, axis, pieces)
+            pending[:0] = [n for n in graph.nodes[count:] if n.op == node.op]  # each piece is split again
+            action = f"split into {pieces} along axis {axis}, each piece split again (below)"
         else:
             stuck.append({"node": label, "op": node.op, "reason": verdict.reason,
-                          "action": "left as is: no split along a safe axis fits"})
+                          "action": "left as is: no split along up to three safe axes fits"})
             continue
         changes.append({"node": label, "op": node.op, "shape": shape, "reason": verdict.reason, "action": action})
     folded = fold_slices_of_concats(graph, ctx.host_candidates)
