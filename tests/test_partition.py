@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import shard
 from shard.compiler import CompileOptions
 from shard.passes import PassContext, run_pipeline
+from shard.passes.partition import choose_cuts
 from shard.profile import load_profile
 
 
@@ -56,3 +57,13 @@ def test_cpu_bundle_equals_model(tmp_path_factory, blocks, shards, width):
     with shard.load(tmp / "m.shard") as session:
         got = session.run({"x": x})["y"]
     np.testing.assert_array_equal(got, run_ort(model, {"x": x})[0])
+
+
+def test_a_narrow_head_does_not_take_every_cut_from_the_backbone():
+    # A detector: wide feature maps carry all the work, the head's small tensors cross cheaply.
+    costs = [100] * 12 + [1] * 4
+    live = [1000.0] * 12 + [10.0] * 3 + [0.0]
+    cuts = choose_cuts(costs, live, 3)
+    prefix = np.cumsum(costs)
+    shares = np.diff([0, *[prefix[c] for c in cuts], prefix[-1]])
+    assert len(cuts) == 2 and min(shares) >= prefix[-1] / 3 * 0.7, shares

@@ -82,23 +82,32 @@ def live_bytes_after(graph: gs.Graph, dag: nx.DiGraph, cut_names: set[str] | Non
 
 
 def choose_cuts(costs: list[int], live: list[float], shards: int) -> list[int]:
-    """Positions to cut after: among the cheapest crossings, those nearest to equal shares of work."""
+    """Positions to cut after, for each equal share of work: the nearest of the graph's cheapest
+    crossings within half a share of it; else the cheapest crossing within a quarter share (a
+    detector's narrow head must not take every cut from its backbone); else the nearest cheapest."""
     n = len(costs)
     interior = [i for i in range(n - 1) if math.isfinite(live[i]) and live[i] > 0]
     if shards <= 1 or not interior:
         return []
     floor = min(live[i] for i in interior)
-    candidates = [i for i in interior if live[i] <= 1.5 * floor]
+    cheapest = [i for i in interior if live[i] <= 1.5 * floor]
     prefix = np.cumsum(costs)
     total = float(prefix[-1]) or 1.0
     cuts: list[int] = []
     for k in range(1, shards):
         target = total * k / shards
-        options = [i for i in candidates if not cuts or i > cuts[-1]]
-        if not options:
+        share = total / shards
+        later = [i for i in interior if not cuts or i > cuts[-1]]
+        cheap = [i for i in cheapest if not cuts or i > cuts[-1]]
+        distance = lambda i: abs(prefix[i] - target)  # noqa: E731
+        if near := [i for i in cheap if distance(i) <= share / 2]:
+            cuts.append(min(near, key=distance))
+        elif near := [i for i in later if distance(i) <= share / 4]:
+            cuts.append(min(near, key=lambda i: (live[i], distance(i))))
+        elif cheap:
+            cuts.append(min(cheap, key=distance))
+        else:
             break
-        best = min(options, key=lambda i: abs(prefix[i] - target))
-        cuts.append(best)
     return sorted(set(cuts))
 
 
