@@ -284,3 +284,42 @@ def test_an_op_over_a_limit_in_several_axes_is_split_along_each(op, shapes):
     exported = gs.export_onnx(graph)
     exported.ir_version = 8
     np.testing.assert_allclose(run_ort(exported, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_patch_conv_after_in_graph_normalisation_reads_the_input_with_the_affine_folded(tmp_path, save, bias):
+    # Models that normalise inside: (x - mean) / std, then the patch Conv. Exact: no padding.
+    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7, "slow", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    inner = patch_embed_model()
+    if not bias:
+        del inner.graph.node[0].input[2]
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("Sub", ["x", "mean"], ["centred"]), helper.make_node("Div", ["centred", "std"], ["xn"]),
+             helper.make_node("Mul", ["xn", "two"], ["x2"]), *inner.graph.node]
+    nodes[-1].input[0] = "x2"
+    model = make_model(nodes, [("x", [1, 3, 32, 32])], [("y", [1, 8, 4, 4])],
+                       [*inner.graph.initializer, const("mean", rng.uniform(0, 1, (1, 3, 1, 1))),
+                        const("std", rng.uniform(0.2, 0.5, (3, 1, 1))), const("two", 2.0)])
+    result = shard.compile(save(model), "cpu", tmp_path / "n.shard", CompileOptions(profile=str(tmp_path / "p.json")))
+    change = result.report["passes"]["slow_paths"]["changes"][0]
+    assert "normalisation folded" in change["action"]
+    manifest = json.loads((result.bundle / "manifest.json").read_text())
+    assert manifest["host_pre"][0]["input"] == "x"
+    ops = [n.op_type for n in onnx.load(result.bundle / manifest["shards"][0]["onnx"]).graph.node]
+    assert "Conv" not in ops and "Sub" not in ops and "Div" not in ops
+    x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+    with shard.load(result.bundle, backend="cpu") as session:
+        np.testing.assert_allclose(session.run({"x": x})["y"], run_ort(model, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_normalisation_that_is_not_per_channel_is_not_folded(tmp_path, save):
+    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7, "slow", "synthetic", "test")})
+    profile.save(tmp_path / "p.json")
+    inner = patch_embed_model()
+    nodes = [helper.make_node("Sub", ["x", "bg"], ["xc"]), *inner.graph.node]
+    nodes[-1].input[0] = "xc"
+    model = make_model(nodes, [("x", [1, 3, 32, 32])], [("y", [1, 8, 4, 4])],
+                       [*inner.graph.initializer, const("bg", np.ones((1, 3, 32, 32)))])
+    result = shard.compile(save(model), "cpu", tmp_path / "m.shard", CompileOptions(profile=str(tmp_path / "p.json")))
+    assert result.report["passes"]["slow_paths"]["changes"] == []

@@ -5,7 +5,8 @@ embedding) with a stride past the profile's fastest (`conv-stride@...`, class sl
 it to a stride-4 Conv over the whole image plus a subsampling Conv (SigLIP-base-512: 193 M
 estimated cycles). The same function is patches @ W + b: the patches are a reshape and transpose
 of the input, which the runtime does on the host when the Conv reads a graph input (in the graph,
-that transpose is an exWindow op that overflows registers on a 512x512 image), and the MatMul costs
+that transpose is an exWindow op that overflows registers on a 512x512 image; a per-channel
+normalisation in between, (x - mean) / std, is folded into W and b first), and the MatMul costs
 about 1.2 M cycles. Both forms are built alone in the toolkit and the cheaper clean one is kept;
 the report carries their cycle estimates.
 """
@@ -28,9 +29,12 @@ def fastest_stride(profile) -> int | None:
 
 
 def patch_conv(node: gs.Node, graph_inputs: set[str]) -> tuple[int, int] | None:
-    """(kernel, stride) if node is a patch Conv on a graph input this pass can rewrite."""
-    if node.op != "Conv" or node.inputs[0].name not in graph_inputs or not isinstance(node.inputs[1], gs.Constant) \
-            or len(node.inputs[0].shape) != 4:  # Conv1d and Conv3d are not patch embeddings of images
+    """(kernel, stride) if node is a patch Conv on a graph input (or on its per-channel
+    normalisation, see input_affine) this pass can rewrite."""
+    if node.op != "Conv" or not isinstance(node.inputs[1], gs.Constant) or len(node.inputs[0].shape) != 4:
+        return None  # Conv1d and Conv3d are not patch embeddings of images
+    source = input_affine(node.inputs[0], int(node.inputs[0].shape[1]))
+    if source is None or source[0].name not in graph_inputs:
         return None
     k, s = list(node.attrs.get("kernel_shape", [])), list(node.attrs.get("strides", [1, 1]))
     n, c, h, w = (int(d) for d in node.inputs[0].shape)
@@ -39,6 +43,53 @@ def patch_conv(node: gs.Node, graph_inputs: set[str]) -> tuple[int, int] | None:
             or h % k[0] or w % k[0]:
         return None
     return k[0], s[0]
+
+
+AFFINE = ("Add", "Sub", "Mul", "Div")
+
+
+def input_affine(x: gs.Tensor, channels: int) -> tuple[gs.Tensor, np.ndarray, np.ndarray] | None:
+    """x = scale[c] * source + shift[c] through a chain of Add/Sub/Mul/Div by per-channel constants
+    (image normalisation inside the model) back to a tensor nothing produces: (source, scale, shift),
+    or None. No chain: (x, 1, 0)."""
+    scale, shift = np.ones(channels), np.zeros(channels)
+    while x.inputs:
+        op = x.inputs[0]
+        if op.op not in AFFINE or len(op.inputs) != 2:
+            return None
+        a, b = op.inputs
+        const_first = isinstance(a, gs.Constant)
+        var, k = (b, a) if const_first else (a, b)
+        if not isinstance(k, gs.Constant) or isinstance(var, gs.Constant) or len(var.outputs) != 1 \
+                or (const_first and op.op == "Div"):
+            return None
+        try:
+            kv = np.broadcast_to(k.values.astype(np.float64), [1, channels, 1, 1]).reshape(channels)
+        except ValueError:
+            return None  # not one value per channel
+        s1, c1 = {"Add": (1.0, kv), "Sub": (-1.0, kv) if const_first else (1.0, -kv),
+                  "Mul": (kv, 0.0), "Div": (1.0 / kv, 0.0)}[op.op]
+        scale, shift, x = scale * s1, shift + scale * c1, var
+    return x, scale, shift
+
+
+def fold_input_affine(node: gs.Node) -> None:
+    """Read the Conv's input before its per-channel normalisation, folded into the weights and bias:
+    exact, since a patch Conv has no padding (every tap sees a real pixel)."""
+    source, scale, shift = input_affine(node.inputs[0], int(node.inputs[0].shape[1]))
+    if source is node.inputs[0]:
+        return
+    weight = node.inputs[1].values.astype(np.float64)
+    bias = node.inputs[2].values.astype(np.float64) if len(node.inputs) > 2 else np.zeros(weight.shape[0])
+    dtype = node.inputs[1].values.dtype
+    folded_bias = bias + np.einsum("ocij,c->o", weight, shift)
+    node.inputs[0] = source
+    node.inputs[1] = gs.Constant(f"{node.name}/folded_W", (weight * scale[None, :, None, None]).astype(dtype))
+    folded = gs.Constant(f"{node.name}/folded_b", folded_bias.astype(dtype))
+    if len(node.inputs) > 2:
+        node.inputs[2] = folded
+    else:
+        node.inputs.append(folded)
 
 
 def npu_part(node: gs.Node, k: int, out: gs.Variable) -> tuple[list[gs.Node], gs.Variable]:
@@ -122,12 +173,15 @@ def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             if not after.ok or after_cost >= before_cost:
                 kept.append({**entry, "action": "left as is: the patch MatMul form is not cheaper or not clean"})
                 continue
+        folded = node.inputs[0].name not in graph_inputs
+        fold_input_affine(node)
         out = node.outputs[0]
         node.outputs.clear()
         nodes, patches = npu_part(node, k, out)
         host = host_part(node, k, patches)
         graph.nodes.extend(host + nodes)
         ctx.host_candidates.update(n.name for n in host)
-        changes.append({**entry, "action": "patches on the host (reshape, transpose) + MatMul + bias on the NPU"})
+        changes.append({**entry, "action": "patches on the host (reshape, transpose) + MatMul + bias on the NPU"
+                        + (" (the input's per-channel normalisation folded into the weights)" if folded else "")})
     return graph, {"changes": changes, "not_fixed": kept}
 
