@@ -99,6 +99,9 @@ def compile_command(
                                                     "print both side by side, and never be worse than it."),
     vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
                                                  "build, no rewrites): a baseline to run and verify beside shard's."),
+    check_fidelity: bool = typer.Option(False, help="Also run the bundle and the vendor alone's build on the "
+                                                    "simulator (seeded inputs); where shard's cosine is lower, the "
+                                                    "bundle holds the vendor's build. Costs a simulator build of both."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Build every shard again instead of reusing the builds "
                                                             "of identical shards (~/.cache/shard/builds or "
                                                             "$SHARD_BUILD_CACHE)."),
@@ -111,7 +114,7 @@ def compile_command(
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline,
-                             vendor_only=vendor_only, build_cache=not no_cache)
+                             vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -162,6 +165,9 @@ def print_compile_report(report: dict) -> None:
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])
+        if "fidelity" in versus:
+            f = versus["fidelity"]
+            console.print(f"simulator cosine, shard / vendor alone: {f['shard']:.7f} / {f['vendor']:.7f}")
         if versus["bundle"] == "vendor alone" and not report.get("vendor_only"):
             console.print("[yellow]warning[/]: the vendor toolkit alone built this model better; the bundle holds "
                           "its build of the model as it came (shard / vendor alone: equal)")

@@ -21,7 +21,7 @@ from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
-from shard.never_worse import (AXES, HARD_AXES, Figures, comparison_line, original_plans, per_axis,
+from shard.never_worse import (AXES, HARD_AXES, Figures, comparison_line, fidelity_worse, original_plans, per_axis,
                                prune_host_steps, vendor_model, verdict)
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
@@ -29,7 +29,7 @@ from shard.passes.fit import Legality
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.targets import ShardBuild, ShardJob, get_target
-from shard.targets.build_cache import default_cache_dir
+from shard.targets.build_cache import default_cache_dir, link_or_copy
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
@@ -52,6 +52,7 @@ class CompileOptions:
     vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
     vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
     build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
+    check_fidelity: bool = False    # also run shard's bundle and the vendor alone's on the simulator
 
 
 @dataclass
@@ -140,36 +141,67 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             choices += edge_choices
         chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        specs = keep_files(staging, tgt, chosen, profile.cores, build.get("precision", "fp32"),
-                           {job.name: shapes for job, shapes in relaid})
-        for step in host_pre:
-            if "table" in step:
-                (staging / step["table"]).parent.mkdir(exist_ok=True)
-                np.save(staging / step["table"], ctx.host_tables[step["table"]], allow_pickle=False)
+        check = options.check_fidelity and versus is not None and versus["bundle"] == "shard"
+        vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
+        if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
+            (vendor_dir / "shards").mkdir(parents=True)
+            for suffix in (".onnx", tgt.artifact_suffix):
+                link_or_copy(staging / "shards" / f"{VENDOR_ALONE}{suffix}", vendor_dir / "shards" / f"{VENDOR_ALONE}{suffix}")
+
+        def finish(folder: Path, chosen: list, host_pre: list[dict], host_post: list[dict]) -> tuple[Manifest, dict]:
+            """Write the bundle of the chosen builds into `folder`: shard files, tables, logs, manifest, report."""
+            specs = keep_files(folder, tgt, chosen, profile.cores, build.get("precision", "fp32"),
+                               {job.name: shapes for job, shapes in relaid})
+            for step in host_pre:
+                if "table" in step:
+                    (folder / step["table"]).parent.mkdir(exist_ok=True)
+                    np.save(folder / step["table"], ctx.host_tables[step["table"]], allow_pickle=False)
+            shutil.copytree(logs, folder / "logs")
+            profile.save(folder / "profile.json")
+            model_inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
+            manifest = Manifest(
+                target=target, source=source, shard_version=__version__,
+                profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
+                build=build, inputs=model_inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in graph.outputs],
+                host_pre=host_pre, host_post=host_post, shards=specs)
+            report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
+                                                                 "total": time.monotonic() - t0})
+            report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only, host_pre=host_pre,
+                          host_post=host_post, host_ms=time_host_steps(host_pre, model_inputs, folder),
+                          vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
+                              "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
+            (folder / MANIFEST).write_text(manifest.to_json())
+            (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            return manifest, report
 
         kept = {name for name, _ in chosen}
         undone = {node for choice in choices for node in choice["dropped_nodes"]}
         confirm_tiles_in_logs(ctx.reports, [job for job in jobs if job.name in kept], undone)
-        shutil.copytree(logs, staging / "logs")
-        profile.save(staging / "profile.json")
-        model_inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
-        model_outputs = ctx.model_outputs or [tensor_spec(t) for t in graph.outputs]
-        manifest = Manifest(
-            target=target, source=source, shard_version=__version__,
-            profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
-            build=build, inputs=model_inputs, outputs=model_outputs, host_pre=host_pre, host_post=host_post,
-            shards=specs)
-        report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
-                                                             "total": time.monotonic() - t0})
-        report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only, host_pre=host_pre,
-                      host_post=host_post, host_ms=time_host_steps(host_pre, model_inputs, staging),
-                      vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
-                          "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
-        (staging / MANIFEST).write_text(manifest.to_json())
-        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        manifest, report = finish(staging, chosen, host_pre, host_post)
+        if vendor_dir:
+            # 4. Fidelity, on the simulator: the bundle beside the vendor alone's, the same seeded inputs.
+            vendor_manifest, vendor_report = finish(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))],
+                                                    [], [])
+            progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
+            ours = simulator_cosine(staging, model)
+            progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
+            theirs = simulator_cosine(vendor_dir, model)
+            versus["fidelity"] = {"shard": ours, "vendor": theirs}
+            report["seconds"]["total"] = round(time.monotonic() - t0, 2)
+            if fidelity_worse(ours, theirs):
+                versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"],
+                              verdict="equal", axes=dict.fromkeys(versus["axes"], "equal"))
+                shutil.rmtree(staging)
+                vendor_dir.rename(staging)
+                manifest, report = vendor_manifest, {**vendor_report, "seconds": report["seconds"]}
+            else:
+                shutil.rmtree(vendor_dir)
+            report["versus_vendor"] = versus
+            (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging.with_name(f"{staging.name}-vendor"), ignore_errors=True)
         if not any(logs.iterdir()):
             logs.rmdir()
         raise
@@ -207,6 +239,13 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
     return prune_host_steps(ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
                             produced={t.name for _, p in chosen for t in p.outputs},
                             outputs={t.name for t in ctx.model_outputs})
+
+
+def simulator_cosine(bundle: Path, model: Path) -> float:
+    """The worst output cosine of a bundle against onnxruntime on the simulator (seeded inputs)."""
+    from shard.verifier import verify_bundle
+
+    return min(c.cosine for c in verify_bundle(bundle, model, backend="sim").outputs)
 
 
 def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | None:

@@ -66,6 +66,14 @@ def verdict(ours: Figures, theirs: Figures, axes: tuple[str, ...] = AXES) -> str
     return "better" if a < b else "worse" if a > b else "equal"
 
 
+FIDELITY_SLACK = 1e-4   # cosine: less than this under the vendor alone's is not worse
+
+
+def fidelity_worse(ours: float, theirs: float) -> bool:
+    """Is shard's simulator cosine worse than the vendor alone's (both against onnxruntime)?"""
+    return not ours >= theirs - FIDELITY_SLACK  # NaN is worse
+
+
 def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
     return {axis: verdict(Figures(**{**asdict(theirs), axis: getattr(ours, axis)}), theirs) for axis in AXES}
 

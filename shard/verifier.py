@@ -41,9 +41,10 @@ class VerifyReport:
 def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
     a = np.asarray(expected, dtype=np.float64).ravel()
     b = np.asarray(actual, dtype=np.float64).ravel()
-    na, nb = np.linalg.norm(a), np.linalg.norm(b)
-    cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
-    diff = float(np.max(np.abs(a - b))) if a.size else 0.0
+    with np.errstate(invalid="ignore", over="ignore"):  # inf or NaN in an output: cosine NaN, never a pass
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
+        diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     return Comparison(name, cosine, diff)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 
 import pytest
 from conftest import add_model, make_model, shard_cli
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import shard
 from shard.compiler import CompileOptions
@@ -163,3 +163,19 @@ def test_forced_attention_tiles_survive_the_vendor_compiler(tmp_path):
     assert all(c["tiles_survived"] and c["tiles_in_layer_table"] == c["query_tiles"] for c in changes)
     report = shard.verify(result.bundle, onnx_path, backend="sim")
     assert report.passed and report.outputs[0].cosine >= 0.9999
+
+
+def test_a_cut_that_loses_fidelity_falls_back_to_the_vendor_alone(save, tmp_path):
+    # x * 1e5 * 1e-5: the vendor folds the two scales; a cut between them leaves 1e5 * x at a shard's
+    # edge, past fp16's range. Only the simulator sees it: --check-fidelity keeps the vendor's build.
+    nodes = [helper.make_node("Mul", ["x", "up"], ["h"], name="up"), helper.make_node("Mul", ["h", "down"], ["y"], name="down")]
+    path = save(make_model(nodes, [("x", [1, 8, 16, 16])], [("y", [1, 8, 16, 16])],
+                           [numpy_helper.from_array(np.array(1e5, np.float32), "up"),
+                            numpy_helper.from_array(np.array(1e-5, np.float32), "down")]))
+    result = shard.compile(path, "rk3588", tmp_path / "m.shard", CompileOptions(shards=2, check_fidelity=True))
+    versus = result.report["versus_vendor"]
+    assert versus["bundle"] == "vendor alone" and versus["rewritten"] is not None
+    assert not versus["fidelity"]["shard"] >= 0.999 and versus["fidelity"]["vendor"] >= 0.9999
+    assert [s.build for s in result.manifest.shards] == ["vendor_alone"]
+    assert shard.verify(result.bundle, path, backend="sim", min_cosine=0.9999).passed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.shard")]
