@@ -141,7 +141,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             choices += edge_choices
         chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        check = options.check_fidelity and versus is not None and versus["bundle"] == "shard"
+        check = options.check_fidelity and versus is not None and versus["bundle"] == "shard" \
+            and builds[VENDOR_ALONE].error is None
         vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
         if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
             (vendor_dir / "shards").mkdir(parents=True)
