@@ -1,6 +1,6 @@
 """host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime;
 so do embedding lookups (Gather on a constant table by indices from the model's inputs), which the
-vendor runs on the CPU inside its graph (seen: every Gather of the onnx conformance models).
+vendor runs on the CPU inside its graph (seen: the onnx conformance model test_Embedding).
 
 A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
 already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output

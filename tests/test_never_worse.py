@@ -1,0 +1,74 @@
+"""shard.never_worse on small graphs: the unrewritten twins, the host steps they keep, the verdicts."""
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from conftest import mlp_chain, run_ort
+
+from shard.compiler import CompileOptions
+from shard.graph import infer_shapes
+from shard.never_worse import Figures, fidelity_worse, original_plans, per_axis, prune_host_steps, verdict
+from shard.passes import PassContext, run_pipeline
+from shard.passes.fit import Legality, WidthLimit
+from shard.profile import Profile
+
+EMPTY = Profile("cpu", 1, "none")
+
+
+def run_plans(plans, feeds: dict) -> dict:
+    """Run shard plans one after another in onnxruntime, each on the tensors the ones before made."""
+    values = dict(feeds)
+    for plan in plans:
+        graph = gs.Graph(nodes=plan.nodes, inputs=plan.inputs, outputs=plan.outputs, opset=17)
+        model = gs.export_onnx(graph, do_type_check=False)
+        model.ir_version = 8
+        names = [t.name for t in plan.outputs]
+        values.update(zip(names, run_ort(model, {t.name: values[t.name] for t in plan.inputs})))
+    return values
+
+
+def test_twins_are_the_canonical_regions_between_the_same_cuts_and_compute_the_model():
+    model = mlp_chain(4, width=16)
+    ctx = PassContext(profile=EMPTY, options=CompileOptions(shards=2),
+                      legality=Legality(EMPTY, WidthLimit(8)))
+    graph = run_pipeline(infer_shapes(gs.import_onnx(model)), ctx, disable=("slow_paths", "tile_attention"),
+                         snapshot=("canonicalize",))
+    canonical, plans = ctx.snapshots["canonicalize"], ctx.plan
+    assert ctx.reports["legalize"]["changes"] and len(plans) == 2
+    twins = original_plans(canonical, plans, ctx.host_post)
+    assert all(twin is not None for twin in twins)  # every shard was rewritten, and has its own twin
+    # Together the twins are the canonical graph, each node once, cut where the rewritten shards are.
+    names = [n for twin in twins for n in twin.source_nodes]
+    assert sorted(names) == sorted(n.name for n in canonical.nodes)
+    assert [t.name for t in twins[0].outputs] == [t.name for t in plans[0].outputs if t.name in canonical.tensors()]
+    x = np.random.default_rng(0).standard_normal((1, 8, 16)).astype(np.float32)
+    want = run_ort(model, {"x": x})[0]
+    np.testing.assert_allclose(run_plans(twins, {"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+    # Each twin stands in for its rewritten shard: mix them and the model still comes out.
+    tensors = {"x": x}
+    from shard.runtime.host import run_host
+
+    run_host(ctx.host_pre, tensors)
+    mixed = run_plans([twins[0], plans[1]], tensors)
+    run_host(ctx.host_post, mixed)
+    np.testing.assert_allclose(mixed["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_host_steps_no_kept_shard_needs_are_dropped():
+    pre = [{"op": "slice", "input": "x", "output": "x0", "axis": 3, "start": 0, "end": 4},
+           {"op": "slice", "input": "x", "output": "x1", "axis": 3, "start": 4, "end": 8}]
+    post = [{"op": "concat", "inputs": ["y0", "y1"], "output": "y", "axis": 3}]
+    # The rewritten shard is kept: it reads the pieces and makes them.
+    assert prune_host_steps(pre, post, {"x0", "x1"}, {"y0", "y1"}, {"y"}) == (pre, post)
+    # Its twin is kept: it reads x and makes y itself.
+    assert prune_host_steps(pre, post, {"x"}, {"y"}, {"y"}) == ([], [])
+
+
+def test_verdicts_go_by_the_axes_in_order():
+    clean = Figures(builds=True, cost_cycles=100)
+    assert verdict(Figures(builds=True, cpu_ops=1), Figures(builds=True, cost_cycles=10**9)) == "worse"
+    assert verdict(Figures(builds=False), Figures(builds=True, cpu_ops=9)) == "worse"
+    assert verdict(clean, Figures(builds=True, cost_cycles=200)) == "better"
+    axes = per_axis(Figures(builds=True, cpu_ops=0, cost_cycles=300), Figures(builds=True, cpu_ops=2, cost_cycles=100))
+    assert axes["cpu_ops"] == "better" and axes["cost_cycles"] == "worse" and axes["builds"] == "equal"
+    assert fidelity_worse(float("nan"), 1.0) and fidelity_worse(0.9993, 0.99985)
+    assert not fidelity_worse(0.99995, 1.0) and not fidelity_worse(1.0, 0.5)
