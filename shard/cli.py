@@ -121,6 +121,12 @@ def compile_command(
     console.print(f"bundle: {result.bundle}")
 
 
+def describe_step(step: dict) -> str:
+    from shard.runtime.host import step_inputs, step_outputs
+
+    return f"{step.get('type', step['op'])} {', '.join(step_inputs(step))} -> {', '.join(step_outputs(step))}"
+
+
 def print_compile_report(report: dict) -> None:
     from shard.compiler import cycle_note
 
@@ -157,9 +163,7 @@ def print_compile_report(report: dict) -> None:
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
     for when, key in (("before", "host_pre"), ("after", "host_post")):
         for step in report.get(key, []):
-            source = step.get("input") or ", ".join(step["inputs"])
-            console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {step['op']} {source} -> "
-                          f"{step['output']}")
+            console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")
     if report.get("host_ms") is not None:
         console.print(f"host steps before the shards: {report['host_ms']:.3f} ms per frame on this machine")
     versus = report.get("versus_vendor")
@@ -324,8 +328,7 @@ def inspect_command(
     console.print(table)
     for when, steps in (("before the first shard", result.host_pre), ("after the last shard", result.host_post)):
         for step in steps:
-            console.print(f"host step {when}: {step['op']} {step.get('input') or ', '.join(step['inputs'])} -> "
-                          f"{step['output']}")
+            console.print(f"host step {when}: {describe_step(step)}")
     counts = {k: sum(1 for f in result.findings if f.kind == k) for k in order}
     console.print(f"{counts['rewrite']} rewrites, {counts['not fixed']} over a limit and not fixed, "
                   f"{counts['cpu']} ops that would run on the CPU")

@@ -17,6 +17,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.passes.partition import ShardPlan, estimate_macs
+from shard.runtime.host import step_inputs, step_outputs
 
 # The measured axes, most important first; "worse" compares them in this order.
 AXES = ("builds", "regtask_lines", "error_lines", "cpu_ops", "single_core_fallbacks", "cost_cycles")
@@ -101,8 +102,8 @@ def host_sources(host_post: list[dict]) -> dict[str, str]:
     """For every tensor the runtime turns into a graph output on the host: that graph output."""
     step_of = {}
     for step in host_post:
-        for name in step.get("inputs") or [step["input"]]:
-            step_of[name] = step["output"]
+        for name in step_inputs(step):
+            step_of[name] = step_outputs(step)[0]
     final = {}
     for name in step_of:
         out = name
@@ -162,14 +163,13 @@ def prune_host_steps(pre: list[dict], post: list[dict], consumed: set[str], prod
     and no shard already makes its output."""
     kept_pre, need = [], set(consumed)
     for step in reversed(pre):
-        if step["output"] in need:
+        if need & set(step_outputs(step)):
             kept_pre.insert(0, step)
-            need.add(step["input"])
+            need.update(step_inputs(step))
     kept_post, have = [], set(produced)
     for step in post:
-        ins = step.get("inputs") or [step["input"]]
-        if all(n in have for n in ins) and step["output"] not in produced:
+        if all(n in have for n in step_inputs(step)) and not produced & set(step_outputs(step)):
             kept_post.append(step)
-            have.add(step["output"])
+            have.update(step_outputs(step))
     assert outputs <= have, f"graph outputs {sorted(outputs - have)} made by no shard or host step"
     return kept_pre, kept_post

@@ -1,6 +1,8 @@
 """host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime;
-so do embedding lookups (Gather on a constant table by indices from the model's inputs), which the
-vendor runs on the CPU inside its graph (seen: the onnx conformance model test_Embedding).
+so do embedding lookups (Gather on a constant table by indices from the model's inputs) and what the
+model computes from its integer inputs alone (an attention mask made into an additive bias: Cast,
+Not, Where, Unsqueeze...), which the vendor runs on the CPU inside its graph (seen: the onnx
+conformance model test_Embedding; a BERT-style mask, 3 CPU ops).
 
 A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
 already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output
@@ -18,6 +20,7 @@ import onnx_graphsurgeon as gs
 
 from shard.graph import tensor_spec
 from shard.passes import PassContext, register
+from shard.runtime.host_ops import OPS as HOST_ONNX_OPS
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
 POST_OPS = ("Concat", "Reshape", "Transpose")
@@ -49,6 +52,31 @@ def host_step(node: gs.Node) -> dict | None:
     return None
 
 
+SMALL_CONSTANT = 4096  # elements a moved node's constant may have; it travels in the manifest
+
+
+def integer_step(node: gs.Node, derived: set[str]) -> dict | None:
+    """The host step for a node computed from the model's integer inputs alone (every variable
+    input in `derived`), in an op the runtime has in numpy; None otherwise."""
+    variables = [t for t in node.inputs if isinstance(t, gs.Variable) and t.name]
+    if node.op not in HOST_ONNX_OPS or not variables or len(node.outputs) != 1 or not node.outputs[0].outputs \
+            or any(t.name not in derived for t in variables):
+        return None
+    constants = {}
+    for t in node.inputs:
+        if isinstance(t, gs.Constant):
+            if t.values.size > SMALL_CONSTANT:
+                return None
+            constants[t.name] = {"dtype": t.values.dtype.name, "shape": list(t.values.shape),
+                                 "values": t.values.ravel().tolist()}
+    attrs = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in node.attrs.items()}
+    if not all(isinstance(v, (int, float, str)) or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+               for v in attrs.values()):
+        return None
+    return {"op": "onnx", "type": node.op, "inputs": [t.name for t in node.inputs],
+            "outputs": [node.outputs[0].name], "attrs": attrs, "constants": constants}
+
+
 def is_lookup(node: gs.Node, on_host: set[str]) -> bool:
     """An embedding lookup the host can do: Gather of a constant float table by indices it has, whose
     result goes on to NPU work (a model that is only a lookup keeps it, or no shard would be left)."""
@@ -63,11 +91,21 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     ctx.model_outputs = [tensor_spec(t) for t in graph.outputs]
     pre, post = [], []
     on_host = {t.name for t in graph.inputs}
+    derived = {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
     moved = True
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
-            if is_lookup(node, on_host):
+            if node.outputs and node.outputs[0] not in graph.outputs and (step := integer_step(node, derived)):
+                out = node.outputs[0]
+                pre.append(step)
+                derived.add(out.name)
+                on_host.add(out.name)
+                node.outputs.clear()
+                node.inputs.clear()
+                graph.inputs.append(out)
+                moved = True
+            elif is_lookup(node, on_host):
                 out = node.outputs[0]
                 table = f"host/{len(ctx.host_tables)}_{re.sub(r'[^A-Za-z0-9_.-]', '_', node.name or out.name)}.npy"
                 ctx.host_tables[table] = node.inputs[0].values

@@ -1,0 +1,110 @@
+"""The ONNX ops the runtime runs in numpy (shard.runtime.host_ops) against onnxruntime, and the
+integer-input preprocessing host_edges moves there."""
+
+import numpy as np
+import onnx
+import pytest
+from conftest import run_ort
+from onnx import TensorProto, helper, numpy_helper
+
+import shard
+from shard.compiler import CompileOptions
+from shard.runtime.host_ops import OPS, run_onnx_step
+
+I64, F32, BOOL = TensorProto.INT64, TensorProto.FLOAT, TensorProto.BOOL
+rng = np.random.default_rng(0)
+MASK = rng.integers(0, 2, (2, 6)).astype(np.int64)
+FLOATS = rng.standard_normal((2, 6)).astype(np.float32)
+
+# (op, attrs, [(name, array)] inputs, constants [(name, array)], opset)
+CASES = [
+    ("Cast", {"to": BOOL}, [MASK], [], 17),
+    ("Cast", {"to": F32}, [MASK], [], 17),
+    ("Not", {}, [MASK.astype(bool)], [], 17),
+    ("And", {}, [MASK.astype(bool), MASK[::-1].astype(bool)], [], 17),
+    ("Or", {}, [MASK.astype(bool), MASK[::-1].astype(bool)], [], 17),
+    ("Xor", {}, [MASK.astype(bool), MASK[::-1].astype(bool)], [], 17),
+    ("Equal", {}, [MASK], [np.array(0, np.int64)], 17),
+    ("Less", {}, [MASK], [np.array(1, np.int64)], 17),
+    ("LessOrEqual", {}, [MASK], [np.array(0, np.int64)], 17),
+    ("Greater", {}, [MASK], [np.array(0, np.int64)], 17),
+    ("GreaterOrEqual", {}, [MASK], [np.array(1, np.int64)], 17),
+    ("Where", {}, [MASK.astype(bool)], [np.array(-3.4e38, np.float32), np.array(0, np.float32)], 17),
+    ("Add", {}, [FLOATS], [np.array([1.0], np.float32)], 17),
+    ("Sub", {}, [FLOATS], [np.full((1, 6), 2.0, np.float32)], 17),
+    ("Mul", {}, [MASK], [np.array(7, np.int64)], 17),
+    ("Neg", {}, [FLOATS], [], 17),
+    ("Min", {}, [FLOATS], [np.array(0.5, np.float32)], 17),
+    ("Max", {}, [FLOATS], [np.array(0.5, np.float32)], 17),
+    ("Unsqueeze", {}, [MASK], [np.array([1, -1], np.int64)], 17),
+    ("Unsqueeze", {"axes": [0, 2]}, [MASK], [], 11),
+    ("Squeeze", {}, [MASK[:1]], [np.array([0], np.int64)], 17),
+    ("Squeeze", {"axes": [0]}, [MASK[:1]], [], 11),
+    ("Reshape", {}, [MASK], [np.array([0, 3, -1], np.int64)], 17),
+    ("Expand", {}, [MASK[:1]], [np.array([3, 1, 6], np.int64)], 17),
+]
+
+
+def single(op, attrs, inputs, constants, opset):
+    names = [f"x{k}" for k in range(len(inputs))]
+    inits = [numpy_helper.from_array(c, f"c{k}") for k, c in enumerate(constants)]
+    node = helper.make_node(op, names + [i.name for i in inits], ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                                           for n, a in zip(names, inputs)],
+                              [onnx.ValueInfoProto(name="y")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7
+    return model, names, inits
+
+
+@pytest.mark.parametrize("op,attrs,inputs,constants,opset", CASES, ids=[f"{c[0]}-{c[4]}" for c in CASES])
+def test_each_host_op_matches_onnxruntime(op, attrs, inputs, constants, opset):
+    model, names, inits = single(op, attrs, inputs, constants, opset)
+    (want,) = run_ort(model, dict(zip(names, inputs)))
+    step = {"op": "onnx", "type": op, "inputs": names + [i.name for i in inits], "outputs": ["y"], "attrs": attrs,
+            "constants": {i.name: {"dtype": c.dtype.name, "shape": list(c.shape), "values": c.ravel().tolist()}
+                          for i, c in zip(inits, constants)}}
+    tensors = dict(zip(names, inputs))
+    run_onnx_step(step, tensors)
+    assert tensors["y"].dtype == want.dtype and tensors["y"].shape == want.shape
+    np.testing.assert_array_equal(tensors["y"], want)
+
+
+def test_every_host_op_has_a_case():
+    assert {c[0] for c in CASES} == set(OPS)
+
+
+def bert_mask_model() -> onnx.ModelProto:
+    """The additive attention mask as transformers exports it, then used by a float op."""
+    nodes = [helper.make_node("Unsqueeze", ["attention_mask", "a1"], ["m1"]),
+             helper.make_node("Unsqueeze", ["m1", "a2"], ["m2"]),
+             helper.make_node("Cast", ["m2"], ["mf"], to=F32),
+             helper.make_node("Sub", ["one", "mf"], ["inv"]),
+             helper.make_node("Mul", ["inv", "big"], ["bias"]),
+             helper.make_node("MatMul", ["x", "w"], ["scores"]),
+             helper.make_node("Add", ["scores", "bias"], ["masked"]),
+             helper.make_node("Softmax", ["masked"], ["y"], axis=-1)]
+    inits = [numpy_helper.from_array(np.array([1], np.int64), "a1"), numpy_helper.from_array(np.array([2], np.int64), "a2"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "big"),
+             numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")]
+    graph = helper.make_graph(nodes, "mask", [helper.make_tensor_value_info("attention_mask", I64, [1, 8]),
+                                              helper.make_tensor_value_info("x", F32, [1, 2, 8, 16])],
+                              [helper.make_tensor_value_info("y", F32, [1, 2, 8, 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_the_integer_mask_preparation_runs_on_the_host(save, tmp_path):
+    model = bert_mask_model()
+    path = save(model)
+    result = shard.compile(path, "cpu", tmp_path / "m.shard", CompileOptions())
+    assert [s.get("type") for s in result.manifest.host_pre] == ["Unsqueeze", "Unsqueeze", "Cast", "Sub", "Mul"]
+    (spec,) = result.manifest.shards
+    assert {t.name for t in spec.inputs} == {"x", "bias"}  # the NPU takes the finished bias, not the int64 mask
+    mask = np.array([[1, 1, 1, 1, 1, 0, 0, 0]], np.int64)
+    x = rng.standard_normal((1, 2, 8, 16)).astype(np.float32)
+    got = shard.load(result.bundle, backend="cpu").run({"attention_mask": mask, "x": x})["y"]
+    np.testing.assert_allclose(got, run_ort(model, {"attention_mask": mask, "x": x})[0], rtol=1e-6)
+    assert shard.verify(result.bundle, path, backend="cpu").passed
