@@ -54,6 +54,7 @@ def reference_session(model: onnx.ModelProto, extra_outputs: list[str]):
 
     present = {o.name for o in model.graph.output}
     model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra_outputs if n not in present)
+    ort.set_default_logger_severity(3)  # its graph optimiser's warnings are not the user's business
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])

@@ -140,6 +140,7 @@ def infer_shapes_by_running(graph: gs.Graph) -> int:
     model = gs.export_onnx(graph.copy(), do_type_check=False)
     present = {o.name for o in model.graph.output}
     model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in missing if n not in present)
+    ort.set_default_logger_severity(3)  # its graph optimiser's warnings are not the user's business
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     try:
