@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from shard.graph import replace_uses
+from shard.graph import replace_uses, toposort
 
 SUFFIX = ".edges"   # the build of a shard with its edges in the vendor's layout
 
@@ -38,7 +38,7 @@ def relayout(model: onnx.ModelProto, inputs: dict[str, list[int]], outputs: dict
             producer.outputs[producer.outputs.index(tensor)] = logical
             graph.nodes.append(reshape(logical, tensor, list(outputs[tensor.name])))
             tensor.shape = list(outputs[tensor.name])
-    result = gs.export_onnx(graph.toposort(), do_type_check=False)
+    result = gs.export_onnx(toposort(graph), do_type_check=False)
     result.ir_version = model.ir_version
     return result
 

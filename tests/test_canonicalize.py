@@ -68,3 +68,22 @@ def test_noop_casts_are_removed_and_real_ones_kept():
                         helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)], [("x", [2, 3])], [("y", [2, 3])])
     graph, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), None))
     assert [n.op for n in graph.nodes] == ["Cast", "Cast"] and report["identities_removed"] == 1
+
+
+def test_the_models_node_order_survives_the_pipeline_where_it_is_valid():
+    # The vendor compiler fuses by walking the nodes in order: a model merely re-sorted by
+    # graphsurgeon (DPT from transformers) put 6 more GELUs on the CPU.
+    from shard.graph import toposort
+
+    # One branch, then the other, as exporters write it (a valid order, not by depth).
+    nodes = [helper.make_node("Relu", ["x"], ["a"], name="a"), helper.make_node("Neg", ["a"], ["c"], name="c"),
+             helper.make_node("Sigmoid", ["x"], ["b"], name="b"), helper.make_node("Abs", ["b"], ["d"], name="d"),
+             helper.make_node("Add", ["c", "d"], ["y"], name="y")]
+    model = make_model(nodes, [("x", [2, 3])], [("y", [2, 3])])
+    graph, _ = canonicalize(gs.import_onnx(model), ctx())
+    assert [n.name for n in graph.nodes] == ["a", "c", "b", "d", "y"]
+    assert [n.name for n in gs.import_onnx(model).toposort().nodes] != ["a", "c", "b", "d", "y"]  # why ours
+    # A node out of order (a rewrite appends its nodes) moves just before its first consumer.
+    graph = gs.import_onnx(model)
+    graph.nodes = [graph.nodes[k] for k in (1, 2, 3, 4, 0)]
+    assert [n.name for n in toposort(graph).nodes] == ["b", "d", "a", "c", "y"]

@@ -10,6 +10,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
+from shard.graph import toposort
 from shard.profile import Profile
 
 PassFn = Callable[[gs.Graph, "PassContext"], tuple[gs.Graph, dict]]
@@ -75,7 +76,7 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
             continue
         on_pass(name)
         graph, ctx.reports[name] = PASSES[name](graph, ctx)
-        graph.cleanup().toposort()
+        toposort(graph.cleanup())
         if name in snapshot:
             ctx.snapshots[name] = graph.copy()
         if dump_after and name in dump_after:

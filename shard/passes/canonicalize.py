@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
-from shard.graph import default_opset, infer_shapes, is_static, replace_uses
+from shard.graph import default_opset, infer_shapes, is_static, replace_uses, toposort
 from shard.passes import PassContext, register
 
 MIN_OPSET = 13   # Slice takes its bounds as inputs from 10, ReduceSum and Split their axes from 13
@@ -107,13 +107,13 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # Shape ops fold only once shapes are known, and folding them reveals more shapes: iterate.
     for _ in range(4):
         count = len(graph.nodes)
-        graph.toposort().fold_constants(fold_shapes=True, error_ok=True).cleanup()
+        toposort(graph).fold_constants(fold_shapes=True, error_ok=True).cleanup()
         graph = infer_shapes(graph)
         if len(graph.nodes) == count:
             break
     # Bypassing an Identity changes no shape: the shapes inferred above still hold.
     identities = remove_identities(graph)
-    graph.cleanup().toposort()
+    toposort(graph.cleanup())
     report = {"fixed_inputs": fixed, "nodes_before": nodes_before, "nodes_after": len(graph.nodes),
               "identities_removed": identities}
     if unknown_shapes(graph):
