@@ -85,7 +85,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise BundleError(f"{path}: malformed manifest ({exc})") from None
     base = root.resolve()
     files = [(f"shard {shard.name}", rel) for shard in manifest.shards for rel in (shard.onnx, shard.artifact, shard.log)]
-    files += [(f"host step {step['output']}", step["table"]) for step in manifest.host_pre if "table" in step]
+    files += [(f"host step {step['type']}", c["file"]) for step in manifest.host_pre
+              for c in step.get("constants", {}).values() if "file" in c]
     for owner, rel in files:
         if rel is None:
             continue

@@ -28,6 +28,7 @@ from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
+from shard.runtime.host import step_files
 from shard.targets import ShardBuild, ShardJob, get_target
 from shard.targets.build_cache import default_cache_dir, link_or_copy
 
@@ -153,10 +154,9 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             """Write the bundle of the chosen builds into `folder`: shard files, tables, logs, manifest, report."""
             specs = keep_files(folder, tgt, chosen, profile.cores, build.get("precision", "fp32"),
                                {job.name: shapes for job, shapes in relaid})
-            for step in host_pre:
-                if "table" in step:
-                    (folder / step["table"]).parent.mkdir(exist_ok=True)
-                    np.save(folder / step["table"], ctx.host_tables[step["table"]], allow_pickle=False)
+            for path in (f for step in host_pre for f in step_files(step)):
+                (folder / path).parent.mkdir(exist_ok=True)
+                np.save(folder / path, ctx.host_tables[path], allow_pickle=False)
             shutil.copytree(logs, folder / "logs")
             profile.save(folder / "profile.json")
             model_inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]

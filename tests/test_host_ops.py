@@ -42,13 +42,27 @@ CASES = [
     ("Squeeze", {"axes": [0]}, [MASK[:1]], [], 11),
     ("Reshape", {}, [MASK], [np.array([0, 3, -1], np.int64)], 17),
     ("Expand", {}, [MASK[:1]], [np.array([3, 1, 6], np.int64)], 17),
+    ("CumSum", {}, [MASK], [np.array(1, np.int64)], 17),
+    ("CumSum", {"exclusive": 1, "reverse": 1}, [MASK], [np.array(-1, np.int64)], 17),
+    ("Gather", {}, [MASK], [rng.standard_normal((5, 3)).astype(np.float32)], 17),   # a table by ids, below
+    ("Gather", {"axis": 1}, [np.array([[0, -1]], np.int64)], [rng.standard_normal((2, 4)).astype(np.float32)], 17),
+    ("GatherElements", {"axis": 1}, [MASK], [rng.standard_normal((2, 6)).astype(np.float32)], 17),
+    ("Flatten", {"axis": 2}, [MASK.reshape(1, 2, 3, 2)], [], 17),
+    ("Flatten", {}, [MASK], [], 17),
+    ("Slice", {}, [MASK], [np.array([0, 1], np.int64), np.array([9, -1], np.int64), np.array([0, 1], np.int64),
+                           np.array([1, 2], np.int64)], 17),
+    ("Slice", {}, [MASK], [np.array([5], np.int64), np.array([-100], np.int64), np.array([-1], np.int64),
+                           np.array([-2], np.int64)], 17),
+    ("Concat", {"axis": 0}, [MASK, MASK[::-1]], [], 17),
+    ("Transpose", {"perm": [1, 0]}, [MASK], [], 17),
 ]
 
 
 def single(op, attrs, inputs, constants, opset):
     names = [f"x{k}" for k in range(len(inputs))]
     inits = [numpy_helper.from_array(c, f"c{k}") for k, c in enumerate(constants)]
-    node = helper.make_node(op, names + [i.name for i in inits], ["y"], **attrs)
+    order = [i.name for i in inits] + names if op.startswith("Gather") else names + [i.name for i in inits]
+    node = helper.make_node(op, order, ["y"], **attrs)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
                                            for n, a in zip(names, inputs)],
                               [onnx.ValueInfoProto(name="y")], inits)
@@ -57,15 +71,19 @@ def single(op, attrs, inputs, constants, opset):
     return model, names, inits
 
 
+def node_inputs(model):
+    return model.graph.node[0].input
+
+
 @pytest.mark.parametrize("op,attrs,inputs,constants,opset", CASES, ids=[f"{c[0]}-{c[4]}" for c in CASES])
 def test_each_host_op_matches_onnxruntime(op, attrs, inputs, constants, opset):
     model, names, inits = single(op, attrs, inputs, constants, opset)
     (want,) = run_ort(model, dict(zip(names, inputs)))
-    step = {"op": "onnx", "type": op, "inputs": names + [i.name for i in inits], "outputs": ["y"], "attrs": attrs,
+    step = {"op": "onnx", "type": op, "inputs": list(node_inputs(model)), "outputs": ["y"], "attrs": attrs,
             "constants": {i.name: {"dtype": c.dtype.name, "shape": list(c.shape), "values": c.ravel().tolist()}
                           for i, c in zip(inits, constants)}}
     tensors = dict(zip(names, inputs))
-    run_onnx_step(step, tensors)
+    run_onnx_step(step, tensors, {})
     assert tensors["y"].dtype == want.dtype and tensors["y"].shape == want.shape
     np.testing.assert_array_equal(tensors["y"], want)
 

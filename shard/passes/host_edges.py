@@ -1,8 +1,8 @@
 """host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime;
-so do embedding lookups (Gather on a constant table by indices from the model's inputs) and what the
-model computes from its integer inputs alone (an attention mask made into an additive bias: Cast,
-Not, Where, Unsqueeze...), which the vendor runs on the CPU inside its graph (seen: the onnx
-conformance model test_Embedding; a BERT-style mask, 3 CPU ops).
+so does what the model computes from its integer inputs alone (embedding lookups, an attention mask
+made into an additive bias, RoBERTa's position ids: Gather, Cast, Not, Where, CumSum...), which the
+vendor runs on the CPU inside its graph (seen: the onnx conformance model test_Embedding; RoBERTa
+from transformers, 10 of its 17 CPU ops).
 
 A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
 already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output
@@ -52,21 +52,23 @@ def host_step(node: gs.Node) -> dict | None:
     return None
 
 
-SMALL_CONSTANT = 4096  # elements a moved node's constant may have; it travels in the manifest
+SMALL_CONSTANT = 64  # elements a moved node's constant may have in the manifest; larger ones are files
 
 
-def integer_step(node: gs.Node, derived: set[str]) -> dict | None:
+def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray]) -> dict | None:
     """The host step for a node computed from the model's integer inputs alone (every variable
-    input in `derived`), in an op the runtime has in numpy; None otherwise."""
+    input in `derived`), in an op the runtime has in numpy; None otherwise. Its large constants (an
+    embedding table) go into `files`, which compile writes into the bundle."""
     variables = [t for t in node.inputs if isinstance(t, gs.Variable) and t.name]
     if node.op not in HOST_ONNX_OPS or not variables or len(node.outputs) != 1 or not node.outputs[0].outputs \
             or any(t.name not in derived for t in variables):
         return None
     constants = {}
     for t in node.inputs:
-        if isinstance(t, gs.Constant):
-            if t.values.size > SMALL_CONSTANT:
-                return None
+        if isinstance(t, gs.Constant) and t.values.size > SMALL_CONSTANT:
+            constants[t.name] = {"file": f"host/{len(files)}_{re.sub(r'[^A-Za-z0-9_.-]', '_', t.name)}.npy"}
+            files[constants[t.name]["file"]] = t.values
+        elif isinstance(t, gs.Constant):
             constants[t.name] = {"dtype": t.values.dtype.name, "shape": list(t.values.shape),
                                  "values": t.values.ravel().tolist()}
     attrs = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in node.attrs.items()}
@@ -75,14 +77,6 @@ def integer_step(node: gs.Node, derived: set[str]) -> dict | None:
         return None
     return {"op": "onnx", "type": node.op, "inputs": [t.name for t in node.inputs],
             "outputs": [node.outputs[0].name], "attrs": attrs, "constants": constants}
-
-
-def is_lookup(node: gs.Node, on_host: set[str]) -> bool:
-    """An embedding lookup the host can do: Gather of a constant float table by indices it has, whose
-    result goes on to NPU work (a model that is only a lookup keeps it, or no shard would be left)."""
-    return node.op == "Gather" and len(node.inputs) == 2 and bool(node.outputs) and bool(node.outputs[0].outputs) \
-        and isinstance(node.inputs[0], gs.Constant) and node.inputs[0].values.dtype.kind == "f" \
-        and node.inputs[1].name in on_host
 
 
 @register("host_edges")
@@ -96,21 +90,11 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
-            if node.outputs and node.outputs[0] not in graph.outputs and (step := integer_step(node, derived)):
+            if node.outputs and node.outputs[0] not in graph.outputs \
+                    and (step := integer_step(node, derived, ctx.host_tables)):
                 out = node.outputs[0]
                 pre.append(step)
                 derived.add(out.name)
-                on_host.add(out.name)
-                node.outputs.clear()
-                node.inputs.clear()
-                graph.inputs.append(out)
-                moved = True
-            elif is_lookup(node, on_host):
-                out = node.outputs[0]
-                table = f"host/{len(ctx.host_tables)}_{re.sub(r'[^A-Za-z0-9_.-]', '_', node.name or out.name)}.npy"
-                ctx.host_tables[table] = node.inputs[0].values
-                pre.append({"op": "gather", "input": node.inputs[1].name, "output": out.name, "table": table,
-                            "axis": node.attrs.get("axis", 0) % node.inputs[0].values.ndim})
                 on_host.add(out.name)
                 node.outputs.clear()
                 node.inputs.clear()

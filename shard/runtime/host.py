@@ -7,13 +7,12 @@ there overflows just the same), so the compiler moves the pure layout ops at the
     {"op": "concat", "inputs": [X, ...], "output": Y, "axis": A}
     {"op": "reshape", "input": X, "output": Y, "shape": [...]}
     {"op": "transpose", "input": X, "output": Y, "perm": [...]}
-    {"op": "gather", "input": INDICES, "output": Y, "table": "host/NAME.npy", "axis": A}
-    {"op": "onnx", "type": "Where", "inputs": [...], "outputs": [...], ...}   (shard.runtime.host_ops)
+    {"op": "onnx", "type": "Gather", "inputs": [...], "outputs": [...], ...}   (shard.runtime.host_ops)
 
-Slices and reshapes are views; a transpose or concat makes one contiguous copy. A gather is an
-embedding lookup: the vendor runs Gather on the CPU inside its graph anyway, and its table is a
-plain array in the bundle. "onnx" steps are what the model computes from its integer inputs alone
-(an attention mask made into an additive bias), which the vendor would also run on the CPU.
+Slices and reshapes are views; a transpose or concat makes one contiguous copy. "onnx" steps are
+what the model computes from its integer inputs alone (embedding lookups, an attention mask made
+into an additive bias, position ids), which the vendor would run on the CPU; their large constants
+(embedding tables) are plain arrays in the bundle.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import numpy as np
 from shard.errors import BundleError
 from shard.runtime.host_ops import run_onnx_step
 
-HOST_OPS = ("slice", "concat", "reshape", "transpose", "gather", "onnx")
+HOST_OPS = ("slice", "concat", "reshape", "transpose", "onnx")
 
 
 def step_inputs(step: dict) -> list[str]:
@@ -38,10 +37,14 @@ def step_outputs(step: dict) -> list[str]:
     return step.get("outputs") or [step["output"]]
 
 
+def step_files(step: dict) -> list[str]:
+    """The bundle files a step reads (an embedding table), relative to the bundle."""
+    return [c["file"] for c in step.get("constants", {}).values() if "file" in c]
+
+
 def load_tables(bundle: Path, steps: list[dict]) -> dict[str, np.ndarray]:
-    """The arrays the steps read (gather tables), memory-mapped from the bundle."""
-    return {step["table"]: np.load(bundle / step["table"], mmap_mode="r", allow_pickle=False)
-            for step in steps if "table" in step}
+    """The arrays the steps read from the bundle, memory-mapped."""
+    return {f: np.load(bundle / f, mmap_mode="r", allow_pickle=False) for step in steps for f in step_files(step)}
 
 
 def run_host(steps: list[dict], tensors: dict[str, np.ndarray],
@@ -59,10 +62,8 @@ def run_host(steps: list[dict], tensors: dict[str, np.ndarray],
             tensors[step["output"]] = tensors[step["input"]].reshape(step["shape"])
         elif op == "transpose":
             tensors[step["output"]] = np.ascontiguousarray(tensors[step["input"]].transpose(step["perm"]))
-        elif op == "gather":
-            tensors[step["output"]] = np.take(tables[step["table"]], tensors[step["input"]], axis=step["axis"])
         elif op == "onnx":
-            run_onnx_step(step, tensors)
+            run_onnx_step(step, tensors, tables or {})
         else:
             raise BundleError(f"unknown host step {op!r}; this runtime knows {', '.join(HOST_OPS)}")
     return tensors

@@ -1,11 +1,14 @@
 """ONNX ops the runtime evaluates in numpy: what a model computes from its integer inputs alone
-(an attention mask turned into an additive bias, token types, padding flags).
+(an attention mask turned into an additive bias, position ids, token types, the embedding lookups
+of all of them).
 
-The vendor runs such ops (Cast to bool, Not, Where, Unsqueeze of an int64 mask) on the CPU inside
-its graph; the compiler moves them here instead (shard.passes.host_edges), one step each:
+The vendor runs such ops (Gather of an embedding table, Cast to bool, Not, Where, CumSum of an
+int64 mask) on the CPU inside its graph; the compiler moves them here instead
+(shard.passes.host_edges), one step each:
 
     {"op": "onnx", "type": "Where", "inputs": [...], "outputs": [...], "attrs": {...},
-     "constants": {NAME: {"dtype": "float32", "shape": [], "values": [...]}}}
+     "constants": {NAME: {"dtype": "float32", "shape": [], "values": [...]}
+                         or {"file": "host/NAME.npy"}}}    (an embedding table, a large mask)
 
 Each function follows the ONNX operator's definition for the inputs it is given (numpy broadcasting
 is ONNX's multidirectional broadcasting). OPS lists what the compiler may move.
@@ -46,6 +49,40 @@ def expand(x, shape, attrs):
     return np.array(np.broadcast_to(x, np.broadcast_shapes(x.shape, tuple(int(d) for d in shape))))
 
 
+def flatten(x, attrs):
+    axis = attrs.get("axis", 1) % (x.ndim + 1) if x.ndim else 0
+    return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+
+
+def slice_(x, starts, ends, axes=None, steps=None, attrs=None):
+    index = [slice(None)] * x.ndim
+    axes = range(len(starts)) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        index[int(axis) % x.ndim] = slice(int(start), int(end), int(step))  # numpy clamps as ONNX does
+    return x[tuple(index)]
+
+
+def cumsum(x, axis, attrs):
+    axis = int(np.asarray(axis).ravel()[0])
+    if attrs.get("reverse"):
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis, dtype=x.dtype)
+    if attrs.get("exclusive"):
+        out = np.concatenate([np.zeros_like(np.take(out, [0], axis=axis)), np.delete(out, -1, axis=axis)], axis=axis)
+    return np.flip(out, axis) if attrs.get("reverse") else out
+
+
+def gather(data, indices, attrs):
+    axis = attrs.get("axis", 0) % data.ndim
+    return np.take(data, np.where(indices < 0, indices + data.shape[axis], indices), axis=axis)
+
+
+def gather_elements(data, indices, attrs):
+    axis = attrs.get("axis", 0) % data.ndim
+    return np.take_along_axis(data, np.where(indices < 0, indices + data.shape[axis], indices), axis=axis)
+
+
 OPS = {
     "Cast": lambda x, attrs: x.astype(DTYPES[attrs["to"]]),
     "Not": lambda x, attrs: np.logical_not(x),
@@ -68,16 +105,26 @@ OPS = {
     "Squeeze": squeeze,
     "Reshape": reshape,
     "Expand": expand,
+    "CumSum": cumsum,
+    "Flatten": flatten,
+    "Slice": lambda *args, attrs: slice_(*args, attrs=attrs),
+    "Concat": lambda *xs, attrs: np.concatenate(xs, axis=attrs["axis"]),
+    "Transpose": lambda x, attrs: np.transpose(x, attrs.get("perm")),
+    "Gather": gather,
+    "GatherElements": gather_elements,
 }
 
 
-def constant(spec: dict) -> np.ndarray:
+def constant(spec: dict, files: dict[str, np.ndarray]) -> np.ndarray:
+    if "file" in spec:
+        return files[spec["file"]]
     return np.array(spec["values"], dtype=spec["dtype"]).reshape(spec["shape"])
 
 
-def run_onnx_step(step: dict, tensors: dict[str, np.ndarray]) -> None:
-    """One moved node: its inputs from `tensors` (or its own constants), its outputs into `tensors`."""
+def run_onnx_step(step: dict, tensors: dict[str, np.ndarray], files: dict[str, np.ndarray]) -> None:
+    """One moved node: its inputs from `tensors` (or its own constants; `files` holds those kept in
+    the bundle, see shard.runtime.host.load_tables), its outputs into `tensors`."""
     consts = step.get("constants", {})
-    args = [constant(consts[name]) if name in consts else tensors[name] for name in step["inputs"]]
+    args = [constant(consts[name], files) if name in consts else tensors[name] for name in step["inputs"]]
     result = OPS[step["type"]](*args, attrs=step.get("attrs", {}))
     tensors[step["outputs"][0]] = np.asarray(result)
