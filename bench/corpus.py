@@ -41,9 +41,10 @@ from onnx import helper, numpy_helper
 MIN_COSINE = 0.9999
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # A fast subset over different families, for CI: old opset, Conv1d, pooling, embedding (int64 input), split,
-# transpose, reduction, pixel shuffle, a linear on a 2-D input, and the reproducers.
+# transpose, reduction, pixel shuffle, a linear on a 2-D input, the reproducers, and a small BERT
+# (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
-      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask", "embed_linear"]
+      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask", "embed_linear", "bert-tiny"]
 
 
 @dataclass
@@ -218,7 +219,7 @@ def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, 
                "transformers": [], "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
     models = [(name, family, lambda path=path: path) for name, family, path in onnx_models(folders)]
     models += [(n, "reproducer", lambda make=make, n=n: make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
-    if which in ("transformers", "all"):
+    if which in ("transformers", "all", "ci"):
         models += [(n, "transformers", lambda n=n: architectures.export(n, folder / f"{n}.onnx"))
                    for n in architectures.configs()]
     wanted = set(only or (CI if which == "ci" else []))

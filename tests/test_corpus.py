@@ -32,10 +32,10 @@ def test_shard_is_never_worse_than_the_vendor_alone(rows):
 
 def test_shard_is_clean_wherever_the_vendor_alone_is(rows):
     # Clean: builds, 0 REGTASK, 0 CPU ops in the rknn graphs, simulator cosine >= 0.9999. Ops the
-    # vendor puts on the CPU (Gather of an Embedding, Split) are not yet moved off it by shard.
+    # vendor puts on the CPU in a model of nothing else (an Embedding alone; PixelShuffle) stay there.
     unclean = {r.name: r.shard.error or corpus.describe(r.shard) for r in rows if r.vendor.clean and not r.shard.clean}
     assert not unclean, unclean
-    assert sum(r.shard.clean for r in rows) >= 4
+    assert sum(r.shard.clean for r in rows) >= 10 and sum(r.shard.clean for r in rows) > sum(r.vendor.clean for r in rows)
     assert all(r.shard.cpu_ops <= r.vendor.cpu_ops for r in rows if r.shard.builds and r.vendor.builds)
 
 
