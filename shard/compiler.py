@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard import __version__
-from shard.bundle import MANIFEST, Manifest, ShardSpec
+from shard.bundle import MANIFEST, Manifest, ShardSpec, read_manifest
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
@@ -150,54 +150,18 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             for suffix in (".onnx", tgt.artifact_suffix):
                 link_or_copy(staging / "shards" / f"{VENDOR_ALONE}{suffix}", vendor_dir / "shards" / f"{VENDOR_ALONE}{suffix}")
 
-        def finish(folder: Path, chosen: list, host_pre: list[dict], host_post: list[dict]) -> tuple[Manifest, dict]:
-            """Write the bundle of the chosen builds into `folder`: shard files, tables, logs, manifest, report."""
-            specs = keep_files(folder, tgt, chosen, profile.cores, build.get("precision", "fp32"),
-                               {job.name: shapes for job, shapes in relaid})
-            for path in (f for step in host_pre for f in step_files(step)):
-                (folder / path).parent.mkdir(exist_ok=True)
-                np.save(folder / path, ctx.host_tables[path], allow_pickle=False)
-            shutil.copytree(logs, folder / "logs")
-            profile.save(folder / "profile.json")
-            model_inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
-            manifest = Manifest(
-                target=target, source=source, shard_version=__version__,
-                profile={"file": "profile.json", "target": profile.target, "toolkit": profile.toolkit},
-                build=build, inputs=model_inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in graph.outputs],
-                host_pre=host_pre, host_post=host_post, shards=specs)
-            report = make_report(ctx.reports, manifest, builds, {"passes": t_passes, "build": t_build,
-                                                                 "total": time.monotonic() - t0})
-            report.update(choices=choices, versus_vendor=versus, vendor_only=options.vendor_only, host_pre=host_pre,
-                          host_post=host_post, host_ms=time_host_steps(host_pre, model_inputs, folder),
-                          vendor_alone=(vendor := builds.get(VENDOR_ALONE)) and {
-                              "seconds": vendor.seconds, "error": vendor.error, "diagnostics": vendor.diagnostics})
-            (folder / MANIFEST).write_text(manifest.to_json())
-            (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-            return manifest, report
-
+        writer = BundleWriter(target, tgt, profile, build, ctx, graph, source, options, logs, builds, choices,
+                              {job.name: shapes for job, shapes in relaid}, t0, {"passes": t_passes, "build": t_build},
+                              versus)
         kept = {name for name, _ in chosen}
         undone = {node for choice in choices for node in choice["dropped_nodes"]}
         confirm_tiles_in_logs(ctx.reports, [job for job in jobs if job.name in kept], undone)
-        manifest, report = finish(staging, chosen, host_pre, host_post)
+        manifest, report = writer.write(staging, chosen, host_pre, host_post)
         if vendor_dir:
             # 4. Fidelity, on the simulator: the bundle beside the vendor alone's, the same seeded inputs.
-            vendor_manifest, vendor_report = finish(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))],
-                                                    [], [])
-            progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
-            ours = simulator_cosine(staging, model)
-            progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
-            theirs = simulator_cosine(vendor_dir, model)
-            versus["fidelity"] = {"shard": ours, "vendor": theirs}
+            writer.write(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))], [], [])
+            manifest, report = keep_the_more_faithful(staging, vendor_dir, model, versus, progress)
             report["seconds"]["total"] = round(time.monotonic() - t0, 2)
-            if fidelity_worse(ours, theirs):
-                versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"],
-                              verdict="equal", axes=dict.fromkeys(versus["axes"], "equal"))
-                shutil.rmtree(staging)
-                vendor_dir.rename(staging)
-                manifest, report = vendor_manifest, {**vendor_report, "seconds": report["seconds"]}
-            else:
-                shutil.rmtree(vendor_dir)
-            report["versus_vendor"] = versus
             (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     except BaseException:
@@ -212,6 +176,76 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
 UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+
+
+@dataclass
+class BundleWriter:
+    """What a finished compile knows; `write` puts a bundle of some of its builds into a folder."""
+
+    target: str
+    tgt: object
+    profile: object
+    build: dict
+    ctx: PassContext
+    graph: gs.Graph
+    source: dict
+    options: CompileOptions
+    logs: Path
+    builds: dict[str, ShardBuild]
+    choices: list[dict]
+    edge_shapes: dict[str, dict]
+    started: float
+    seconds: dict
+    versus: dict | None = None       # shard / vendor alone, for the report
+
+    def write(self, folder: Path, chosen: list, host_pre: list[dict], host_post: list[dict]) -> tuple[Manifest, dict]:
+        """The bundle of the chosen builds in `folder`: shard files, host tables, logs, manifest, report."""
+        ctx = self.ctx
+        specs = keep_files(folder, self.tgt, chosen, self.profile.cores, self.build.get("precision", "fp32"),
+                           self.edge_shapes)
+        for path in (f for step in host_pre for f in step_files(step)):
+            (folder / path).parent.mkdir(exist_ok=True)
+            np.save(folder / path, ctx.host_tables[path], allow_pickle=False)
+        shutil.copytree(self.logs, folder / "logs")
+        self.profile.save(folder / "profile.json")
+        inputs = ctx.model_inputs or [tensor_spec(t) for t in self.graph.inputs]
+        manifest = Manifest(
+            target=self.target, source=self.source, shard_version=__version__,
+            profile={"file": "profile.json", "target": self.profile.target, "toolkit": self.profile.toolkit},
+            build=self.build, inputs=inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in self.graph.outputs],
+            host_pre=host_pre, host_post=host_post, shards=specs)
+        report = make_report(ctx.reports, manifest, self.builds,
+                             {**self.seconds, "total": time.monotonic() - self.started})
+        vendor = self.builds.get(VENDOR_ALONE)
+        report.update(choices=self.choices, versus_vendor=self.versus, vendor_only=self.options.vendor_only,
+                      host_pre=host_pre, host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
+                      vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
+                                               "diagnostics": vendor.diagnostics})
+        (folder / MANIFEST).write_text(manifest.to_json())
+        (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        return manifest, report
+
+
+def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
+                           progress: Progress) -> tuple[Manifest, dict]:
+    """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
+    seeded inputs; where shard's worst cosine is lower, the vendor's becomes the staging bundle.
+    Returns the staging bundle's manifest and report, `versus` updated in both."""
+    progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
+    ours = simulator_cosine(staging, model)
+    progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
+    theirs = simulator_cosine(vendor_dir, model)
+    versus["fidelity"] = {"shard": ours, "vendor": theirs}
+    if fidelity_worse(ours, theirs):
+        versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
+                      axes=dict.fromkeys(versus["axes"], "equal"))
+        shutil.rmtree(staging)
+        vendor_dir.rename(staging)
+    else:
+        shutil.rmtree(vendor_dir)
+    report = json.loads((staging / "report.json").read_text())
+    report["versus_vendor"] = versus
+    return read_manifest(staging), report
 
 
 def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, as_it_came, opset: int,
