@@ -1,5 +1,7 @@
 """What models exported by other tools did to shard, each as a small model that reproduces it."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -176,3 +178,15 @@ def test_embedding_lookup_is_a_host_step_with_its_table_in_the_bundle(save, tmp_
     ids = np.array([[3, 99, 0, 7, 7, 42, 1, 5]], np.int64)
     got = shard.load(result.bundle, backend="cpu").run({"ids": ids})["y"]
     np.testing.assert_allclose(got, run_ort(embedding_model(), {"ids": ids})[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["test_PReLU_1d_multiparam", "test_PReLU_3d_multiparam"])
+def test_an_opset_6_per_channel_prelu_keeps_its_meaning_when_upgraded(name):
+    # Before opset 7 PRelu's slope [C] meant one slope per channel (axis 1); the version converter
+    # keeps [C], which broadcasts from the last axis after it: onnxruntime refused the model.
+    folder = Path(onnx.__file__).parent / "backend" / "test" / "data" / "pytorch-converted" / name
+    model, notes = prepare_model(onnx.load(str(folder / "model.onnx")))
+    assert notes["prelu_slopes_per_channel"] == 1 and notes["opset"] == "6 -> 13"
+    x, want = (numpy_helper.to_array(onnx.load_tensor(str(folder / "test_data_set_0" / f))) for f in
+               ("input_0.pb", "output_0.pb"))
+    np.testing.assert_allclose(run_ort(model, {model.graph.input[0].name: x})[0], want, rtol=1e-5, atol=1e-6)

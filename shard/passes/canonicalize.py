@@ -25,6 +25,8 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     version converter can lift it, no initializer listed as a graph input. Returns what changed."""
     notes = {}
     opset = default_opset(model)
+    if 0 < opset < 7:
+        notes["prelu_slopes_per_channel"] = channel_slopes(model)
     if 0 < opset < MIN_OPSET:
         try:
             model = onnx.version_converter.convert_version(model, MIN_OPSET)
@@ -41,6 +43,29 @@ def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import),
                                                                                  ignore_unknown=True))
     return model, notes
+
+
+def channel_slopes(model: onnx.ModelProto) -> int:
+    """PRelu's slope broadcast from the channel axis before opset 7 and from the last one after: a
+    per-channel slope [C] of an [N, C, ...] input becomes [C, 1, ...], which means the same in both
+    (the version converter leaves it as is, and onnxruntime then refuses the model). Returns how many."""
+    inits = {i.name: i for i in model.graph.initializer}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in [*model.graph.input, *onnx.shape_inference.infer_shapes(model).graph.value_info]}
+    changed = 0
+    for node in model.graph.node:
+        if node.op_type == "PRelu" and node.input[1] in inits and ranks.get(node.input[0], 0) > 2:
+            slope = onnx.numpy_helper.to_array(inits[node.input[1]])
+            if slope.ndim == 1 and slope.size > 1:
+                shaped = slope.reshape([slope.size] + [1] * (ranks[node.input[0]] - 2))
+                inits[node.input[1]].CopyFrom(onnx.numpy_helper.from_array(shaped, node.input[1]))
+                for value in model.graph.input:  # an initializer listed as an input (IR 3) says its shape too
+                    if value.name == node.input[1]:
+                        dims = value.type.tensor_type.shape.dim
+                        del dims[:]
+                        dims.extend(onnx.TensorShapeProto.Dimension(dim_value=d) for d in shaped.shape)
+                changed += 1
+    return changed
 
 
 def format_shape(shape) -> str:
