@@ -72,8 +72,11 @@ FIDELITY_SLACK = 1e-4   # cosine: less than this under the vendor alone's is not
 
 
 def fidelity_worse(ours: float, theirs: float) -> bool:
-    """Is shard's simulator cosine worse than the vendor alone's (both against onnxruntime)?"""
-    return not ours >= theirs - FIDELITY_SLACK  # NaN is worse
+    """Is shard's simulator cosine worse than the vendor alone's (both against onnxruntime)? NaN is
+    worse than any number, and equal to NaN (a reference with NaN in it, pow of a negative base)."""
+    if theirs != theirs:
+        return False
+    return not ours >= theirs - FIDELITY_SLACK
 
 
 def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:

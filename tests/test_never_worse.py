@@ -72,3 +72,5 @@ def test_verdicts_go_by_the_axes_in_order():
     assert axes["cpu_ops"] == "better" and axes["cost_cycles"] == "worse" and axes["builds"] == "equal"
     assert fidelity_worse(float("nan"), 1.0) and fidelity_worse(0.9993, 0.99985)
     assert not fidelity_worse(0.99995, 1.0) and not fidelity_worse(1.0, 0.5)
+    assert not fidelity_worse(float("nan"), float("nan")) and fidelity_worse(float("nan"), 0.2)
+    assert not fidelity_worse(0.2, float("nan"))
