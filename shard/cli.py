@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -466,5 +467,5 @@ def main() -> None:
     try:
         app()
     except ShardError as exc:
-        err.print(f"[red]error[/]: {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)  # shapes look like markup
         sys.exit(1)

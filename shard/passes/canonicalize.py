@@ -129,10 +129,15 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     nodes_before = len(graph.nodes)
     fixed = fix_input_shapes(graph, getattr(ctx.options, "input_shapes", {}) or {})
     graph = infer_shapes(graph)
+    folding_failed = None
     # Shape ops fold only once shapes are known, and folding them reveals more shapes: iterate.
     for _ in range(4):
         count = len(graph.nodes)
-        toposort(graph).fold_constants(fold_shapes=True, error_ok=True).cleanup()
+        try:
+            toposort(graph).fold_constants(fold_shapes=True, error_ok=True).cleanup()
+        except Exception as exc:  # noqa: BLE001 - graphsurgeon's folding fails on sequence values
+            folding_failed = f"{type(exc).__name__}: {exc}"
+            break
         graph = infer_shapes(graph)
         if len(graph.nodes) == count:
             break
@@ -141,6 +146,8 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     toposort(graph.cleanup())
     report = {"fixed_inputs": fixed, "nodes_before": nodes_before, "nodes_after": len(graph.nodes),
               "identities_removed": identities}
+    if folding_failed:
+        report["constant_folding"] = f"stopped: {folding_failed}"
     if unknown_shapes(graph):
         report["shapes_from_onnxruntime"] = infer_shapes_by_running(graph)
     unknown = [t.name for t in graph.outputs if not is_static(t.shape)]
@@ -181,7 +188,7 @@ def infer_shapes_by_running(graph: gs.Graph) -> int:
                          f"{str(exc).splitlines()[0][:200]}") from None
     found = 0
     for name, tensor in missing.items():
-        if name in values:
+        if isinstance(values.get(name), np.ndarray):  # sequences come back as lists: no tensor shape
             tensor.shape, tensor.dtype = list(values[name].shape), values[name].dtype
             found += 1
     return found
