@@ -63,6 +63,10 @@ def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray])
     if node.op not in HOST_ONNX_OPS or not variables or len(node.outputs) != 1 or not node.outputs[0].outputs \
             or any(t.name not in derived for t in variables):
         return None
+    attrs = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in node.attrs.items()}
+    if not all(isinstance(v, (int, float, str)) or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+               for v in attrs.values()):
+        return None
     constants = {}
     for t in node.inputs:
         if isinstance(t, gs.Constant) and t.values.size > SMALL_CONSTANT:
@@ -71,10 +75,6 @@ def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray])
         elif isinstance(t, gs.Constant):
             constants[t.name] = {"dtype": t.values.dtype.name, "shape": list(t.values.shape),
                                  "values": t.values.ravel().tolist()}
-    attrs = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in node.attrs.items()}
-    if not all(isinstance(v, (int, float, str)) or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
-               for v in attrs.values()):
-        return None
     return {"op": "onnx", "type": node.op, "inputs": [t.name for t in node.inputs],
             "outputs": [node.outputs[0].name], "attrs": attrs, "constants": constants}
 
@@ -92,23 +92,17 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         for node in graph.nodes:
             if node.outputs and node.outputs[0] not in graph.outputs \
                     and (step := integer_step(node, derived, ctx.host_tables)):
-                out = node.outputs[0]
-                pre.append(step)
-                derived.add(out.name)
-                on_host.add(out.name)
-                node.outputs.clear()
-                node.inputs.clear()
-                graph.inputs.append(out)
-                moved = True
-            elif node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs \
-                    and node.inputs[0].name in on_host and (step := host_step(node)):
-                out = node.outputs[0]
-                pre.append(step)
-                on_host.add(out.name)
-                node.outputs.clear()
-                node.inputs.clear()
-                graph.inputs.append(out)
-                moved = True
+                derived.add(node.outputs[0].name)
+            elif not (node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs
+                      and node.inputs[0].name in on_host and (step := host_step(node))):
+                continue
+            out = node.outputs[0]  # the node's output becomes an input the host makes
+            pre.append(step)
+            on_host.add(out.name)
+            node.outputs.clear()
+            node.inputs.clear()
+            graph.inputs.append(out)
+            moved = True
     graph_outputs = {t.name for t in graph.outputs}
     moved = True
     while moved:  # outputs side, last step first
