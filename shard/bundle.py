@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: host steps of ONNX ops, shards with edge shapes and the build they kept
 MANIFEST = "manifest.json"
 
 

@@ -46,7 +46,8 @@ class Session:
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
         self.tables = load_tables(self.bundle, self.manifest.host_pre)
-        self.host_seconds: list[float] = []   # per frame: the host steps before and after the shards
+        self.host_seconds = 0.0   # all frames' host steps, before and after the shards
+        self.frames_run = 0
         self.backend = backend or default_backend(self.manifest)
         self.cores = check_cores(cores if cores is not None else default_cores(self.manifest, self.backend))
         self.schedule = schedule
@@ -141,14 +142,15 @@ class Session:
         frame = next(self._frames)
         started = time.perf_counter()
         tensors = run_host(self.manifest.host_pre, self.check_inputs(inputs), self.tables)
-        self.host_seconds.append(time.perf_counter() - started)
+        self.host_seconds += time.perf_counter() - started
+        self.frames_run += 1
         self.scheduler.submit(frame, tensors)
         return frame
 
     def _outputs(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         started = time.perf_counter()
         run_host(self.manifest.host_post, tensors)
-        self.host_seconds[-1] += time.perf_counter() - started
+        self.host_seconds += time.perf_counter() - started
         return {t.name: tensors[t.name] for t in self.manifest.outputs}
 
     def _close_executors(self) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
 from typing import Callable
 
 from shard.targets import ShardBuild, ShardJob
-from shard.targets.rknn_log import edge_reshapes, parse_build_log, unestimated_cost
 from shard.targets.build_cache import BuildCache
+from shard.targets.rknn_log import edge_reshapes, parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python, installed_label
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
