@@ -232,7 +232,7 @@ def run_command(
     console.print(table)
     steps = session.manifest.host_pre + session.manifest.host_post
     if steps:
-        console.print(f"host steps ({', '.join(s['op'] for s in steps)}): "
+        console.print(f"host steps ({', '.join(s.get('type', s['op']) for s in steps)}): "
                       f"{1000 * session.host_seconds / max(1, session.frames_run):.2f} ms per frame")
     for use in session.core_use():
         console.print(f"core {use.core}: {100 * use.utilisation:.1f}% busy ({use.runs} shard runs, "

@@ -34,12 +34,14 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     return model
 
 
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: str | Path, digest=None):
+    """The file's sha256 hex digest; or, given a running `digest`, the file's bytes fed into it."""
+    running = digest is not None
+    digest = digest if running else hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
+    return digest if running else digest.hexdigest()
 
 
 def default_opset(model: onnx.ModelProto) -> int:

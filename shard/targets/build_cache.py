@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from shard.graph import sha256_file
 from shard.targets import ShardBuild, ShardJob
 
 VERSION = 1
@@ -35,9 +36,7 @@ class BuildCache:
     def key(self, job: ShardJob) -> str:
         digest = hashlib.sha256(self.salt)
         for path in sorted([job.onnx, *job.onnx.parent.glob(f"{job.onnx.name}.data")]):
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    digest.update(block)
+            sha256_file(path, digest)
         return digest.hexdigest()[:32]
 
     def get(self, job: ShardJob, key: str) -> ShardBuild | None:
