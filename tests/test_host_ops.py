@@ -55,6 +55,16 @@ CASES = [
                            np.array([-2], np.int64)], 17),
     ("Concat", {"axis": 0}, [MASK, MASK[::-1]], [], 17),
     ("Transpose", {"perm": [1, 0]}, [MASK], [], 17),
+    ("Div", {}, [FLOATS], [np.array(3.0, np.float32)], 17),
+    ("Div", {}, [MASK * 7 - 3], [np.array(2, np.int64)], 17),
+    ("ReduceSum", {}, [FLOATS], [np.array([1], np.int64)], 17),
+    ("ReduceSum", {"keepdims": 0}, [MASK], [], 17),
+    ("ReduceSum", {"axes": [0]}, [MASK], [], 11),
+    ("ReduceMean", {"axes": [-1]}, [FLOATS], [], 17),
+    ("ReduceMax", {"axes": [1], "keepdims": 0}, [MASK], [], 17),
+    ("ReduceMin", {}, [FLOATS], [np.array([0], np.int64)], 18),
+    ("Clip", {}, [FLOATS], [np.array(-0.5, np.float32), np.array(0.5, np.float32)], 17),
+    ("Clip", {"min": 1e-9}, [FLOATS], [], 6),
 ]
 
 

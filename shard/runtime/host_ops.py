@@ -83,6 +83,32 @@ def gather_elements(data, indices, attrs):
     return np.take_along_axis(data, np.where(indices < 0, indices + data.shape[axis], indices), axis=axis)
 
 
+def reduce(fn):
+    """ReduceSum/Mean/Max/Min: axes from the attribute (older opsets) or the optional input."""
+    def op(x, axes=None, attrs=None):
+        axes = attrs["axes"] if "axes" in attrs else axes
+        if axes is None or np.asarray(axes).size == 0:
+            if attrs.get("noop_with_empty_axes"):
+                return x
+            axes = None
+        else:
+            axes = tuple(int(a) % x.ndim for a in np.asarray(axes).ravel())
+        return fn(x, axis=axes, keepdims=bool(attrs.get("keepdims", 1))).astype(x.dtype)
+    return op
+
+
+def clip(x, low=None, high=None, attrs=None):
+    low = attrs.get("min", low)   # attributes before opset 11
+    high = attrs.get("max", high)
+    return np.clip(x, low, high).astype(x.dtype)
+
+
+def div(a, b, attrs):
+    if a.dtype.kind in "iu" and np.asarray(b).dtype.kind in "iu":   # ONNX truncates integer division
+        return np.trunc(a / b).astype(np.result_type(a, b))
+    return np.divide(a, b)
+
+
 OPS = {
     "Cast": lambda x, attrs: x.astype(DTYPES[attrs["to"]]),
     "Not": lambda x, attrs: np.logical_not(x),
@@ -98,6 +124,7 @@ OPS = {
     "Add": lambda a, b, attrs: np.add(a, b),
     "Sub": lambda a, b, attrs: np.subtract(a, b),
     "Mul": lambda a, b, attrs: np.multiply(a, b),
+    "Div": div,
     "Neg": lambda x, attrs: np.negative(x),
     "Min": lambda *xs, attrs: np.minimum.reduce(np.broadcast_arrays(*xs)),
     "Max": lambda *xs, attrs: np.maximum.reduce(np.broadcast_arrays(*xs)),
@@ -112,6 +139,11 @@ OPS = {
     "Transpose": lambda x, attrs: np.transpose(x, attrs.get("perm")),
     "Gather": gather,
     "GatherElements": gather_elements,
+    "ReduceSum": reduce(np.sum),
+    "ReduceMean": reduce(np.mean),
+    "ReduceMax": reduce(np.max),
+    "ReduceMin": reduce(np.min),
+    "Clip": clip,
 }
 
 
@@ -125,6 +157,7 @@ def run_onnx_step(step: dict, tensors: dict[str, np.ndarray], files: dict[str, n
     """One moved node: its inputs from `tensors` (or its own constants; `files` holds those kept in
     the bundle, see shard.runtime.host.load_tables), its outputs into `tensors`."""
     consts = step.get("constants", {})
-    args = [constant(consts[name], files) if name in consts else tensors[name] for name in step["inputs"]]
+    args = [constant(consts[name], files) if name in consts else tensors[name] if name else None  # "": omitted
+            for name in step["inputs"]]
     result = OPS[step["type"]](*args, attrs=step.get("attrs", {}))
     tensors[step["outputs"][0]] = np.asarray(result)
