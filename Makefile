@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 export SHARD_TORCH_INDEX_URL ?= $(TORCH_INDEX_URL)
 DEMO := build/siglip-base-512
 
-.PHONY: test demo demo-tiles toolkit bench corpus clean
+.PHONY: test demo demo-tiles toolkit bench corpus fidelity clean
 
 $(BIN)/shard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: demo
 # Models nobody on the team wrote, shard and the vendor alone side by side (about 10 s a small model).
 corpus: toolkit
 	$(BIN)/python bench/corpus.py
+
+# A trained transformer's accuracy per precision, the vendor's options and shard's (about 30 minutes).
+fidelity: toolkit
+	$(BIN)/python bench/fidelity.py --work build/fidelity
 
 clean:
 	rm -rf build .pytest_cache

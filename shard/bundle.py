@@ -11,7 +11,8 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 3  # 3: host steps of ONNX ops, shards with edge shapes and the build they kept
+SCHEMA_VERSION = 4  # 4: a shard's own build options and quantization samples (int8); 3: host steps of ONNX ops,
+                    # shards with edge shapes and the build they kept
 MANIFEST = "manifest.json"
 
 
@@ -36,6 +37,8 @@ class ShardSpec:
     source_nodes: list[str] = field(default_factory=list)
     build: str = ""                # which build compile kept: the rewritten shard, its unrewritten twin, the vendor alone
     edge_shapes: dict[str, list[int]] = field(default_factory=dict)  # inputs the graph takes in another (4-D) shape
+    build_options: dict = field(default_factory=dict)  # its toolkit options where not the manifest's (int8)
+    dataset: list[list[str]] = field(default_factory=list)  # its quantization samples: per sample, .npy per input
 
 
 @dataclass
@@ -87,6 +90,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
     files = [(f"shard {shard.name}", rel) for shard in manifest.shards for rel in (shard.onnx, shard.artifact, shard.log)]
     files += [(f"host step {step['type']}", c["file"]) for step in manifest.host_pre
               for c in step.get("constants", {}).values() if "file" in c]
+    files += [(f"shard {shard.name}'s quantization samples", rel) for shard in manifest.shards
+              for sample in shard.dataset for rel in sample]
     for owner, rel in files:
         if rel is None:
             continue

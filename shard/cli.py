@@ -100,9 +100,21 @@ def compile_command(
                                                     "print both side by side, and never be worse than it."),
     vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
                                                  "build, no rewrites): a baseline to run and verify beside shard's."),
-    check_fidelity: bool = typer.Option(False, help="Also run the bundle and the vendor alone's build on the "
-                                                    "simulator (seeded inputs); where shard's cosine is lower, the "
-                                                    "bundle holds the vendor's build. Costs a simulator build of both."),
+    precision: str = typer.Option("fp16", help="fp16; int8 (every shard quantized by the vendor from the "
+                                               "calibration samples each shard sees); or mixed (linears in int8, "
+                                               "the rest in fp16, the most sensitive linears moved to fp16 until "
+                                               "--min-cosine holds on the simulator)."),
+    min_cosine: float = typer.Option(0.999, help="--precision mixed: the simulator cosine on the calibration "
+                                                 "samples to reach."),
+    calib: Optional[Path] = typer.Option(None, help="Calibration samples: an .npz of arrays named after the model's "
+                                                    "inputs, each with a leading sample axis ([N, 1, 128] for "
+                                                    "input_ids) [default: 8 seeded random samples, with a warning]."),
+    check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity",
+                                                  help="Also run the bundle and the vendor alone's build on the "
+                                                  "simulator (int8: the first calibration samples; fp16: seeded "
+                                                  "inputs); where shard's cosine is lower, the bundle holds the "
+                                                  "vendor's build. Costs a simulator build of both "
+                                                  "[default: on for int8, off for fp16]."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Build every shard again instead of reusing the builds "
                                                             "of identical shards (~/.cache/shard/builds or "
                                                             "$SHARD_BUILD_CACHE)."),
@@ -115,7 +127,8 @@ def compile_command(
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline,
-                             vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity)
+                             vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
+                             precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_report(result.report)
@@ -140,11 +153,21 @@ def print_compile_report(report: dict) -> None:
                       str(d.get("regtask_lines", 0)), str(len(d.get("cpu_ops", []))),
                       str(len(d.get("single_core_fallbacks", []))), f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
     console.print(table)
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
     t = report["totals"]
-    console.print(f"{t['shards']} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
+    console.print(f"{t['shards']} {report.get('precision', 'fp16')} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
                   f"{t['single_core_fallbacks']} single-core fallbacks, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s "
                   f"({report['builds']['from_cache']} of {report['builds']['total']} vendor builds from the cache)")
+    if t.get("int8_mac_share") is not None and report.get("precision", "fp16") != "fp16":
+        console.print(f"int8 share of the MACs (Conv and MatMul layers, from the vendor's layer tables): "
+                      f"{100 * t['int8_mac_share']:.1f} %")
+    for r in report.get("mixed", {}).get("rounds", []):
+        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16 "
+                      f"({100 * r['fp16_share_of_linears']:g} % of their MACs at most): simulator cosine "
+                      f"{r['cosine']:.5f}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
+                      f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")
@@ -268,21 +291,35 @@ def verify_command(
     backend: Optional[str] = typer.Option(None, help="cpu or sim [default: sim for rk3588]."),
     min_cosine: float = typer.Option(0.999, help="Fail (exit 1) if an output's cosine is below this."),
     seed: int = typer.Option(0, help="Seed of the random inputs."),
+    inputs: Optional[Path] = typer.Option(None, "--inputs", help="Samples to run, an .npz of arrays named after "
+                                          "the model's inputs with a leading sample axis [default: one seeded "
+                                          "random sample]."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
 ) -> None:
     """Check a bundle against the original model: end to end, and each shard fed the reference's tensors
     (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops)."""
     from dataclasses import asdict
 
+    from shard.bundle import read_manifest
+    from shard.calibration import load_samples
     from shard.verifier import verify_bundle
 
+    samples = load_samples(inputs, read_manifest(bundle).inputs, "--inputs") if inputs else None
     with progress_bar() as progress:
-        report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress)
+        report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress, samples=samples)
+    if len(report.samples) > 1:
+        per_sample = Table(title=f"{len(report.samples)} samples from {inputs.name}")
+        for col in ("sample", "output", "cosine", "max abs diff"):
+            per_sample.add_column(col, justify="right")
+        for k, comps in enumerate(report.samples):
+            for c in comps:
+                per_sample.add_row(str(k), c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}")
+        console.print(per_sample)
     table = Table(title=f"verify ({report.backend}) vs onnxruntime fp32")
     for col in ("where", "tensor", "cosine", "max abs diff", "end to end so far"):
         table.add_column(col, justify="left" if col in ("where", "tensor") else "right")
     for c in report.outputs:
-        table.add_row("end to end", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}", "")
+        table.add_row("end to end" if len(report.samples) < 2 else "end to end, worst sample", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}", "")
     for shard, comps in report.shards.items():  # fed the reference's tensors; then as chained end to end
         for c, chained in zip(comps, report.chained.get(shard, [None] * len(comps))):
             table.add_row(shard, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}",
@@ -308,13 +345,19 @@ def inspect_command(
     input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
     profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
+    precision: str = typer.Option("fp16", help="fp16, int8 or mixed: which scale sandwiches apply."),
+    calib: Optional[Path] = typer.Option(None, help="Calibration samples (.npz, as compile takes them): the ranges "
+                                                    "the scale sandwich works from [default: seeded random]."),
 ) -> None:
-    """List every op that breaks a limit of the target, its evidence, and what compile does about it."""
-    from shard.compiler import CompileOptions
+    """List every op that breaks a limit of the target, its evidence, and what compile does about it
+    (with --calib: the ranges, and where the scale sandwich would rescale, clamp or smooth)."""
+    from shard.compiler import CompileOptions, check_options
     from shard.inspection import inspect_model
 
     options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape),
-                             profile=str(profile) if profile else None, disable=tuple(disable))
+                             profile=str(profile) if profile else None, disable=tuple(disable),
+                             precision=precision, calib=str(calib) if calib else None)
+    check_options(options)
     with progress_bar() as progress:
         progress("inspect (rewriting passes, one-op builds)", 0, 1)
         result = inspect_model(model, target, options)

@@ -53,7 +53,12 @@ class CompileOptions:
     vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
     vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
     build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
-    check_fidelity: bool = False    # also run shard's bundle and the vendor alone's on the simulator
+    check_fidelity: bool | None = None   # also run shard's bundle and the vendor alone's on the simulator
+                                         # (None: only where the precision is not the target's default)
+    precision: str = "fp16"         # fp16, int8 or mixed (rk3588)
+    calib: str | None = None        # calibration samples (.npz, shard.calibration); seeded random without
+    min_cosine: float = 0.999       # mixed: the simulator cosine on the calibration samples to reach
+    promote: tuple[str, ...] | None = None   # mixed: linears kept in fp16 (None: search, compile_mixed)
 
 
 @dataclass
@@ -72,11 +77,15 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
     options = options or CompileOptions()
     check_options(options)
+    if options.precision == "mixed" and options.promote is None:
+        return compile_mixed(model, target, output, options, progress)
     model = Path(model)
     output = Path(output) if output else default_output(model)
     tgt = get_target(target)
     check_output_path(output)
     tgt.check_environment()               # a missing toolkit fails before minutes of work
+    if options.precision in QUANTIZED and options.precision not in tgt.precisions:
+        raise ShardError(f"--precision {options.precision}: target {target} builds {', '.join(tgt.precisions)}")
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()
     t0 = time.monotonic()
@@ -101,17 +110,28 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     plans = ctx.plan or []
     canonical = ctx.snapshots.pop("canonicalize", None)
     originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
+    quantized = options.precision in QUANTIZED
+    values = quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized else None
+    if options.precision == "mixed":
+        from shard.precision import rank_linears
+        from shard.runtime.host import run_host
+
+        feeds = [run_host(ctx.host_pre, dict(sample), ctx.host_tables) for sample in ctx.samples]
+        ctx.reports["mixed"] = {"ranking": [asdict(c) for c in rank_linears(graph, feeds)],
+                                "promoted": sorted(options.promote)}
     t_passes = time.monotonic() - t0
 
     # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
     #    so the final rename is atomic); logs live outside it so a failure keeps them.
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     logs = Path(tempfile.mkdtemp(prefix=f"shard-logs-{output.stem}-"))
+    datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
+                        set(options.promote or ())) if quantized else None
     for folder in (staging, logs):
         folder.chmod(0o755)  # mkdtemp makes them private; a bundle is an ordinary directory
     try:
         (staging / "shards").mkdir()
-        jobs = write_jobs(staging, logs, tgt, plans, originals, as_it_came, opset, progress)
+        jobs = write_jobs(staging, logs, tgt, plans, originals, as_it_came, opset, progress, datasets)
         del as_it_came
         build = tgt.build_options(options)
         if ctx.build_config and "config" in build:
@@ -132,18 +152,23 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
         # 3. Keep the better build of each shard (rewritten or not; edges as they were or in the
         #    vendor's layout), then stand the whole beside the vendor alone.
-        axes = HARD_AXES if options.tile_attention == "force" else AXES
-        chosen, choices = choose_versions(plans, originals, builds, axes)
-        relaid = relayout_jobs(staging, logs, tgt, chosen)
+        # Forced tiles and mixed precision's fp16 ops cost cycles by choice (cores, fidelity).
+        axes = HARD_AXES if options.tile_attention == "force" or options.precision == "mixed" else AXES
+        in_range = {c["node"] for c in ctx.reports.get("scale_sandwich", {}).get("changes", []) if c["form"] == "range"}
+        chosen, choices = choose_versions(plans, originals, builds, axes, in_range)
+        relaid = relayout_jobs(staging, logs, tgt, chosen, datasets)
         if relaid:
             jobs += [job for job, _ in relaid]
             builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
             chosen, edge_choices = keep_better_edges(chosen, relaid, builds, axes)
             choices += edge_choices
-        chosen, versus = against_vendor_alone(chosen, builds, axes, options.vendor_only, canonical or graph)
+        # Range rescales exist because the model as it came leaves fp16's range: the simulator judges
+        # that (fidelity, on by default then), not the cycles they cost.
+        chosen, versus = against_vendor_alone(chosen, builds, HARD_AXES if in_range else axes, options.vendor_only,
+                                              canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        check = options.check_fidelity and versus is not None and versus["bundle"] == "shard" \
-            and builds[VENDOR_ALONE].error is None
+        measure = quantized or bool(in_range) if options.check_fidelity is None else options.check_fidelity
+        check = measure and versus is not None and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
         vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
         if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
             (vendor_dir / "shards").mkdir(parents=True)
@@ -152,7 +177,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
         writer = BundleWriter(target, tgt, profile, build, ctx, graph, source, options, logs, builds, choices,
                               {job.name: shapes for job, shapes in relaid}, t0, {"passes": t_passes, "build": t_build},
-                              versus)
+                              versus, {job.name: job for job in jobs})
         kept = {name for name, _ in chosen}
         undone = {node for choice in choices for node in choice["dropped_nodes"]}
         confirm_tiles_in_logs(ctx.reports, [job for job in jobs if job.name in kept], undone)
@@ -160,22 +185,165 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         if vendor_dir:
             # 4. Fidelity, on the simulator: the bundle beside the vendor alone's, the same seeded inputs.
             writer.write(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))], [], [])
-            manifest, report = keep_the_more_faithful(staging, vendor_dir, model, versus, progress)
+            manifest, report = keep_the_more_faithful(staging, vendor_dir, model, versus, progress,
+                                                      ctx.samples[:FIDELITY_SAMPLES] if quantized else None)
+            kept = report["versus_vendor"]["fidelity"]["shard" if versus["bundle"] == "shard" else "vendor"]
+            if quantized and not kept >= LOW_FIDELITY:
+                report["warnings"].append(
+                    f"{options.precision} loses this model's accuracy: simulator cosine {kept:.4f} on "
+                    f"{min(len(ctx.samples), FIDELITY_SAMPLES)} calibration samples; "
+                    f"check it with `shard verify --inputs`, or compile in fp16")
             report["seconds"]["total"] = round(time.monotonic() - t0, 2)
             (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     except BaseException:
+        if datasets:
+            shutil.rmtree(datasets.root, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(staging.with_name(f"{staging.name}-vendor"), ignore_errors=True)
         if not any(logs.iterdir()):
             logs.rmdir()
         raise
     shutil.rmtree(logs, ignore_errors=True)
+    if datasets:
+        shutil.rmtree(datasets.root, ignore_errors=True)
     return CompileResult(bundle=output, manifest=manifest, report=report)
+
+
+PRECISIONS = ("fp16", "int8", "mixed")
+QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
+MIXED_ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # shares of the linears' MACs moved to fp16, round by round
+
+
+def compile_mixed(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
+                  progress: Progress) -> CompileResult:
+    """--precision mixed: compile with the linears in int8 and everything else in fp16, measure the
+    bundle on the simulator with the calibration samples, and move the linears whose input int8
+    hurts most (shard.precision) to fp16, a growing share of their MACs each round, until the cosine
+    reaches options.min_cosine. Builds are cached by content, so a round rebuilds only the shards it
+    changed. The bundle of the first round that reaches the target is kept (else the most faithful),
+    its report listing every round."""
+    from dataclasses import replace
+
+    from shard.calibration import load_samples, random_samples
+
+    output = Path(output) if output else default_output(Path(model))
+    check_output_path(output)
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-", dir=output.parent))
+    rounds, best, ranking, samples = [], None, None, []
+    try:
+        for k, share in enumerate(MIXED_ROUNDS):
+            promoted = promote_share(ranking, share) if ranking else ()
+            if k and ranking is not None and tuple(promoted) == rounds[-1]["promoted"]:
+                continue  # this share moves no further linear
+            progress(f"mixed precision, round {k + 1}: {100 * share:g} % of the linears' MACs in fp16", 0, 1)
+            result = compile_model(model, target, work / f"round{k}.shard",
+                                   replace(options, promote=tuple(promoted), check_fidelity=False), progress)
+            ranking = ranking or result.report["passes"]["mixed"]["ranking"]
+            if not rounds:
+                inputs = result.manifest.inputs
+                samples = load_samples(options.calib, inputs) if options.calib else random_samples(inputs)
+            cosine = simulator_cosine(result.bundle, Path(model), samples[:FIDELITY_SAMPLES])
+            int8 = result.report["totals"].get("int8_mac_share") or 0.0
+            rounds.append({"round": k + 1, "fp16_share_of_linears": share, "promoted": tuple(promoted),
+                           "cosine": cosine, "int8_mac_share": int8,
+                           "estimated_cycles": result.report["totals"]["estimated_cycles"]})
+            progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f}, int8 MACs {100 * int8:.1f} %", 1, 1)
+            if best is None or not best[0] >= options.min_cosine and cosine > best[0]:
+                best = (cosine, result)
+            if cosine >= options.min_cosine:
+                break
+        cosine, result = best
+        report = result.report
+        report["mixed"] = {"min_cosine": options.min_cosine, "samples": min(len(samples), FIDELITY_SAMPLES),
+                           "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds], "cosine": cosine,
+                           "reached": cosine >= options.min_cosine}
+        if cosine < options.min_cosine:
+            report["warnings"].append(f"mixed precision: no round reached cosine {options.min_cosine} on the "
+                                      f"calibration samples; kept the most faithful ({cosine:.5f})")
+        (result.bundle / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        replace_dir(result.bundle, output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return CompileResult(bundle=output, manifest=read_manifest(output), report=report)
+
+
+def promote_share(ranking: list[dict], share: float) -> list[str]:
+    """The most sensitive linears (ranking order) whose MACs make up at most `share` of the total."""
+    total = sum(c["macs"] for c in ranking) or 1
+    promoted, macs = [], 0
+    for candidate in ranking:
+        if macs + candidate["macs"] > share * total + 1e-9:
+            break
+        promoted.append(candidate["node"])
+        macs += candidate["macs"]
+    return promoted
 
 
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
 UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
+LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
+
+
+def quantization_values(ctx: PassContext, graph: gs.Graph, canonical: gs.Graph | None, plans: list,
+                        originals: list, progress: Progress) -> dict[str, list[np.ndarray]]:
+    """Every shard input's value on each calibration sample, from onnxruntime: the rewritten graph
+    (after the host's steps) for the shards, the canonical one for inputs only the unrewritten twins
+    have; the model's inputs themselves for the vendor alone."""
+    from shard.calibration import calibration_samples, run_each
+    from shard.runtime.host import run_host
+
+    samples = calibration_samples(ctx, ctx.model_inputs or [tensor_spec(t) for t in graph.inputs])
+    progress("calibration values of the shards' inputs", 0, 1)
+    values = {name: [s[name] for s in samples] for name in samples[0]}
+    feeds = [run_host(ctx.host_pre, dict(sample), ctx.host_tables) for sample in samples]
+    wanted = [t.name for plan in plans for t in plan.inputs]
+    for runs, graph_, wanted_ in ((feeds, graph, wanted), (samples, canonical, [
+            t.name for plan in originals if plan is not None for t in plan.inputs])):
+        names = [n for n in dict.fromkeys(wanted_) if n not in values]
+        if not names or graph_ is None:
+            continue
+        known = {t.name for t in graph_.inputs}
+        for name in names:
+            if name in known:
+                values[name] = [run[name] for run in runs]
+        names = [n for n in names if n not in values]
+        if names:
+            model = gs.export_onnx(graph_.copy(), do_type_check=False)
+            for got in run_each(model, runs, names):
+                for name, value in got.items():
+                    values.setdefault(name, []).append(value)
+    progress("calibration values of the shards' inputs", 1, 1)
+    return values
+
+
+@dataclass
+class Datasets:
+    """Quantization samples of shard inputs as .npy files (the vendor's list file names them), one
+    set per tensor and shape, written once however many builds take the tensor."""
+
+    root: Path
+    values: dict[str, list[np.ndarray]]
+    precision: str
+    promoted: set[str] = field(default_factory=set)   # mixed: linears kept in fp16
+    written: dict[tuple, list[Path]] = field(default_factory=dict)
+
+    def files(self, inputs: list[tuple[str, list[int]]]) -> list[list[Path]]:
+        """[sample][input] paths for a shard's inputs in order, each value in the given shape."""
+        columns = []
+        for name, shape in inputs:
+            key = (name, tuple(shape))
+            if key not in self.written:
+                folder = self.root / str(len(self.written))
+                folder.mkdir()
+                self.written[key] = []
+                for k, value in enumerate(self.values[name]):
+                    value = np.asarray(value).reshape(shape)
+                    self.written[key].append(folder / f"{k}.npy")
+                    np.save(self.written[key][-1], value.astype(np.float32) if value.dtype == np.float64 else value)
+            columns.append(self.written[key])
+        return [list(sample) for sample in zip(*columns)]
 
 
 @dataclass
@@ -197,12 +365,12 @@ class BundleWriter:
     started: float
     seconds: dict
     versus: dict | None = None       # shard / vendor alone, for the report
+    jobs: dict[str, ShardJob] = field(default_factory=dict)   # every build's job: its precision and samples
 
     def write(self, folder: Path, chosen: list, host_pre: list[dict], host_post: list[dict]) -> tuple[Manifest, dict]:
         """The bundle of the chosen builds in `folder`: shard files, host tables, logs, manifest, report."""
         ctx = self.ctx
-        specs = keep_files(folder, self.tgt, chosen, self.profile.cores, self.build.get("precision", "fp32"),
-                           self.edge_shapes)
+        specs = keep_files(folder, self.tgt, chosen, self.profile.cores, self.build, self.edge_shapes, self.jobs)
         for path in (f for step in host_pre for f in step_files(step)):
             (folder / path).parent.mkdir(exist_ok=True)
             np.save(folder / path, ctx.host_tables[path], allow_pickle=False)
@@ -217,8 +385,8 @@ class BundleWriter:
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
         vendor = self.builds.get(VENDOR_ALONE)
-        report.update(choices=self.choices, versus_vendor=self.versus, vendor_only=self.options.vendor_only,
-                      host_pre=host_pre, host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
+        report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
+                      versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre, host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
                                                "diagnostics": vendor.diagnostics})
         (folder / MANIFEST).write_text(manifest.to_json())
@@ -227,14 +395,14 @@ class BundleWriter:
 
 
 def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
-                           progress: Progress) -> tuple[Manifest, dict]:
+                           progress: Progress, samples: list | None = None) -> tuple[Manifest, dict]:
     """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
-    seeded inputs; where shard's worst cosine is lower, the vendor's becomes the staging bundle.
-    Returns the staging bundle's manifest and report, `versus` updated in both."""
+    inputs (`samples`, or seeded ones); where shard's worst cosine is lower, the vendor's becomes the
+    staging bundle. Returns the staging bundle's manifest and report, `versus` updated in both."""
     progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
-    ours = simulator_cosine(staging, model)
+    ours = simulator_cosine(staging, model, samples)
     progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
-    theirs = simulator_cosine(vendor_dir, model)
+    theirs = simulator_cosine(vendor_dir, model, samples)
     versus["fidelity"] = {"shard": ours, "vendor": theirs}
     if fidelity_worse(ours, theirs):
         versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
@@ -249,17 +417,20 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
 
 
 def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, as_it_came, opset: int,
-               progress: Progress) -> list[ShardJob]:
+               progress: Progress, datasets: Datasets | None = None) -> list[ShardJob]:
     """The builds to make: the model as it came (the longest, first), then each shard and, where the
-    passes changed it, its unrewritten twin."""
-    jobs = [write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came)] if as_it_came is not None else []
+    passes changed it, its unrewritten twin; quantized builds get their inputs' samples."""
+    jobs = [write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came, datasets)] if as_it_came is not None else []
+    for job in jobs:  # mixed is shard's own recipe: the vendor alone quantizes the whole model to int8
+        if job.precision == "mixed":
+            job.precision, job.float16 = "int8", None
     for k, (plan, original) in enumerate(zip(plans, originals)):
         progress("write shards", k, len(plans))
         for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
             if version is not None:
                 sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
                                name=plan.name)
-                jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset)))
+                jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset), datasets, version.nodes))
     return jobs
 
 
@@ -276,11 +447,12 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
                             outputs={t.name for t in ctx.model_outputs})
 
 
-def simulator_cosine(bundle: Path, model: Path) -> float:
-    """The worst output cosine of a bundle against onnxruntime on the simulator (seeded inputs)."""
+def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> float:
+    """The worst output cosine of a bundle against onnxruntime on the simulator (the samples, or
+    one seeded input)."""
     from shard.verifier import verify_bundle
 
-    return min(c.cosine for c in verify_bundle(bundle, model, backend="sim").outputs)
+    return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
 
 
 def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | None:
@@ -299,17 +471,30 @@ def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | No
     return round(1000 * best, 3)
 
 
-def write_job(staging: Path, logs: Path, tgt, name: str, model) -> ShardJob:
+def write_job(staging: Path, logs: Path, tgt, name: str, model, datasets: Datasets | None = None,
+              nodes: list | None = None) -> ShardJob:
     onnx_path = staging / "shards" / f"{name}.onnx"
     save_onnx(model, onnx_path)
     artifact = staging / "shards" / f"{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
-    return ShardJob(name=name, onnx=onnx_path, artifact=artifact, log=logs / f"{name}.log")
+    job = ShardJob(name=name, onnx=onnx_path, artifact=artifact, log=logs / f"{name}.log")
+    if datasets is not None:
+        weights = {t.name for t in model.graph.initializer}  # old exports list them as inputs too
+        inputs = [(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim]) for i in model.graph.input
+                  if i.name not in weights]
+        job.precision, job.dataset = datasets.precision, datasets.files(inputs)
+        if datasets.precision == "mixed":
+            from shard.precision import float16_names
+
+            job.float16 = float16_names(nodes if nodes is not None else gs.import_onnx(model).nodes, datasets.promoted)
+    return job
 
 
 def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
-                    axes: tuple[str, ...] = AXES) -> tuple[list, list[dict]]:
+                    axes: tuple[str, ...] = AXES, in_range: set[str] = frozenset()) -> tuple[list, list[dict]]:
     """[(build name, plan)] with each shard's better build, and why: a rewritten shard is kept unless
-    its build is worse than its unrewritten twin's on the measured `axes`."""
+    its build is worse than its unrewritten twin's on the measured `axes`. A shard holding a node
+    of `in_range` (scale_sandwich's range rescales) is judged without the cycle axes: its twin would
+    leave fp16's range, which no build figure shows."""
     chosen, choices = [], []
     for plan, original in zip(plans, originals):
         if original is None:
@@ -317,7 +502,8 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
             continue
         twin = f"{plan.name}{UNREWRITTEN}"
         rewritten, unrewritten = Figures.of([builds[plan.name]]), Figures.of([builds[twin]])
-        keep = verdict(rewritten, unrewritten, axes) != "worse"
+        judged = HARD_AXES if in_range & {n.name for n in plan.nodes} else axes
+        keep = verdict(rewritten, unrewritten, judged) != "worse"
         chosen.append((plan.name, plan) if keep else (twin, original))
         choices.append({"shard": plan.name, "kept": "rewritten" if keep else "unrewritten",
                         "what": f"kept the {'rewritten' if keep else 'unrewritten'} build",
@@ -354,7 +540,8 @@ def vendor_plan(graph: gs.Graph) -> ShardPlan:
                      source_nodes=[n.name for n in graph.nodes])
 
 
-def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list) -> list[tuple[ShardJob, dict]]:
+def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list, datasets: Datasets | None = None
+                  ) -> list[tuple[ShardJob, dict]]:
     """For each kept build whose log shows the vendor reshaping an edge on the CPU: a job building the
     shard with that edge in the vendor's 4-D layout, and the input shapes the runtime then feeds."""
     relaid = []
@@ -363,7 +550,7 @@ def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list) -> list[tuple[Sh
                                            {t.name: [int(d) for d in t.shape] for t in plan.outputs})
         if inputs or outputs:
             model = relayout(onnx.load(str(staging / "shards" / f"{built}.onnx")), inputs, outputs)
-            relaid.append((write_job(staging, logs, tgt, f"{built}{EDGES}", model), inputs))
+            relaid.append((write_job(staging, logs, tgt, f"{built}{EDGES}", model, datasets), inputs))
     return relaid
 
 
@@ -385,10 +572,11 @@ def keep_better_edges(chosen: list, relaid: list, builds: dict[str, ShardBuild],
     return [(better.get(name, name), plan) for name, plan in chosen], choices
 
 
-def keep_files(staging: Path, tgt, chosen: list, cores: int, precision: str,
-               edge_shapes: dict[str, dict]) -> list[ShardSpec]:
+def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
+               edge_shapes: dict[str, dict], jobs: dict[str, ShardJob]) -> list[ShardSpec]:
     """Give the chosen builds the shard names (shard_000, ...) and drop the others' files; the
-    logs of every build stay."""
+    logs of every build stay. A quantized shard's samples go into calib/ (the simulator quantizes
+    it from them again)."""
     folder = staging / "shards"
     keep = {}
     specs = []
@@ -397,12 +585,22 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, precision: str,
         for suffix in (".onnx", tgt.artifact_suffix):
             if suffix and (folder / f"{built}{suffix}").exists():
                 keep[folder / f"{name}{suffix}"] = folder / f"{built}{suffix}"
+        job = jobs.get(built)
+        precision = job.precision if job and job.dataset else build.get("precision", "fp32")
+        dataset = []
+        for s, sample in enumerate(job.dataset if job and job.dataset else []):
+            (staging / "calib" / name).mkdir(parents=True, exist_ok=True)
+            dataset.append([f"calib/{name}/{s}_{i}.npy" for i in range(len(sample))])
+            for src, rel in zip(sample, dataset[-1]):
+                link_or_copy(src, staging / rel)
         specs.append(ShardSpec(name=name, onnx=f"shards/{name}.onnx",
                                artifact=f"shards/{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None,
                                log=f"logs/{built}.log", inputs=[tensor_spec(t) for t in plan.inputs],
                                outputs=[tensor_spec(t) for t in plan.outputs], core=k % cores,
                                precision=precision, macs=plan.macs, source_nodes=plan.source_nodes,
-                               build=built, edge_shapes=edge_shapes.get(built, {})))
+                               build=built, edge_shapes=edge_shapes.get(built, {}),
+                               build_options=tgt.build_for(build, precision, job.float16 if job else None)
+                               if precision != build.get("precision") else {}, dataset=dataset))
     moved = {}
     for dst, src in keep.items():  # through temporary names: shard_001 may be another file's old name
         tmp = src.with_name(f"{src.name}.keep")
@@ -456,6 +654,10 @@ def check_options(options: CompileOptions) -> None:
             raise ShardError(f"{flag} {value!r}: expected one of {', '.join(modes)}")
     if options.fusion_barrier == "rules" and not options.disable_rules:
         raise ShardError("--fusion-barrier rules needs the rule names: --disable-rule NAME (repeatable)")
+    if options.precision not in PRECISIONS:
+        raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if not 0.0 < options.min_cosine <= 1.0:
+        raise ShardError(f"--min-cosine {options.min_cosine}: expected a cosine in (0, 1]")
 
 
 def save_onnx(model, path: Path) -> None:
@@ -496,6 +698,10 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
         return sum(len(v) if isinstance(v, list) else v for v in values)
 
     after = total("estimated_cycles")
+    by_dtype: dict[str, int] = {}
+    for s in shards:
+        for dtype, macs in s["diagnostics"].get("macs_by_dtype", {}).items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + macs
     vendor = builds.get(VENDOR_ALONE)
     before = vendor.diagnostics.get("estimated_cycles", 0) if vendor and vendor.error is None \
         else after + rewrite_delta(passes)
@@ -503,7 +709,9 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
             "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
                        "single_core_fallbacks": total("single_core_fallbacks"),
-                       "estimated_cycles": after, "estimated_cycles_before_passes": before},
+                       "estimated_cycles": after, "estimated_cycles_before_passes": before,
+                       "macs_by_dtype": by_dtype,
+                       "int8_mac_share": round(by_dtype.get("INT8", 0) / sum(by_dtype.values()), 4) if by_dtype else None},
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
             "builds": {"total": len(builds), "from_cache": sum(b.cached for b in builds.values())}}
 

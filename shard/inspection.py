@@ -1,7 +1,8 @@
 """inspect: what breaks the target's limits in a model, and what compile will do about each.
 
 Runs the rewriting passes (not the partition, not the builds) and gathers their findings, with the
-same reason sentences the passes write into a bundle's report.
+same reason sentences the passes write into a bundle's report; with calibration samples, what the
+scale sandwich would do with the ranges they give.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> In
     proto, _ = prepare_model(load_model(model))
     _, ctx = run_passes(gs.import_onnx(proto), get_target(target), profile, options, until="partition")
     result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post)
-    for name in ("slow_paths", "legalize"):
+    for name in ("slow_paths", "scale_sandwich", "legalize"):
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycle_note(c), "rewrite"))

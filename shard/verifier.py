@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnx
 
 from shard.bundle import read_manifest
+from shard.calibration import run_each
 from shard.graph import load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
@@ -32,10 +32,11 @@ class VerifyReport:
     chained: dict[str, list[Comparison]] = field(default_factory=dict)   # the same outputs, end to end
     reference_is_source: bool = True
     skipped_shards: dict[str, str] = field(default_factory=dict)
+    samples: list[list[Comparison]] = field(default_factory=list)   # every output, per input sample
 
     @property
     def passed(self) -> bool:
-        return all(c.cosine >= self.min_cosine for c in self.outputs)
+        return all(c.cosine >= self.min_cosine for c in self.outputs)  # NaN never passes
 
 
 def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
@@ -46,18 +47,6 @@ def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
         cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
         diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     return Comparison(name, cosine, diff)
-
-
-def reference_session(model: onnx.ModelProto, extra_outputs: list[str]):
-    """onnxruntime over the reference, also returning the named intermediate tensors."""
-    import onnxruntime as ort
-
-    present = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra_outputs if n not in present)
-    ort.set_default_logger_severity(3)  # its graph optimiser's warnings are not the user's business
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
 def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -75,8 +64,11 @@ def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
-                  progress: Callable[[str, int, int], None] = lambda *a: None) -> VerifyReport:
-    """Run seeded inputs through the reference (onnxruntime) and the bundle; compare every output."""
+                  progress: Callable[[str, int, int], None] = lambda *a: None,
+                  samples: list[dict[str, np.ndarray]] | None = None) -> VerifyReport:
+    """Run inputs through the reference (onnxruntime) and the bundle; compare every output. The inputs
+    are `samples` (shard.calibration's format) or one seeded random sample; `outputs` holds each
+    output's worst sample, and the shards are checked alone on the first sample."""
     manifest = read_manifest(bundle)
     model, _ = prepare_model(load_model(reference))  # as compile read it: an old opset upgraded
     known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
@@ -84,25 +76,34 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
     graph_inputs = {t.name for t in manifest.inputs}
     edges = [t.name for s in manifest.shards for t in (*s.inputs, *s.outputs) if t.name not in graph_inputs]
     edges = list(dict.fromkeys(e for e in edges if e in known))
-    inputs = random_inputs(manifest.inputs, seed)
+    samples = samples or [random_inputs(manifest.inputs, seed)]
+    tables = load_tables(Path(bundle), manifest.host_pre)
 
-    progress("reference (onnxruntime)", 0, 1)
-    ref = reference_session(model, edges)
-    names = [o.name for o in ref.get_outputs()]
-    expected = dict(zip(names, ref.run(names, inputs)))
-    expected.update(inputs)
-    # the tensors the first shards take, as the runtime makes them
-    run_host(manifest.host_pre, expected, load_tables(Path(bundle), manifest.host_pre))
-    expected.update(unjoin(manifest, expected))
+    progress("reference (onnxruntime)", 0, len(samples))
+    wanted = [*(t.name for t in manifest.outputs), *edges]
+    references = []
+    for k, (inputs, expected) in enumerate(zip(samples, run_each(model, samples, wanted))):
+        expected.update(inputs)
+        run_host(manifest.host_pre, expected, tables)  # the tensors the first shards take, as the runtime makes them
+        expected.update(unjoin(manifest, expected))
+        references.append(expected)
+        progress("reference (onnxruntime)", k + 1, len(samples))
 
     own_session = session is None
     session = session or Session(bundle, backend)
     try:
-        progress("bundle end to end", 0, 1)
-        actual = session.run_all(inputs)
-        report = VerifyReport(backend=session.backend, min_cosine=min_cosine,
-                              outputs=[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs],
-                              reference_is_source=sha256_file(reference) == manifest.source["sha256"])
+        runs = []
+        for k, inputs in enumerate(samples):
+            progress("bundle end to end", k, len(samples))
+            runs.append(session.run_all(inputs))
+        per_sample = [[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs]
+                      for expected, actual in zip(references, runs)]
+        worst = [min((comps[i] for comps in per_sample), key=lambda c: (c.cosine == c.cosine, c.cosine))
+                 for i in range(len(manifest.outputs))]
+        report = VerifyReport(backend=session.backend, min_cosine=min_cosine, outputs=worst,
+                              reference_is_source=sha256_file(reference) == manifest.source["sha256"],
+                              samples=per_sample)
+        expected, actual = references[0], runs[0]
         for k, shard in enumerate(manifest.shards):
             progress("shards, fed the reference's tensors", k, len(manifest.shards))
             missing = [t.name for t in (*shard.inputs, *shard.outputs) if t.name not in expected]

@@ -168,11 +168,17 @@ def test_forced_attention_tiles_survive_the_vendor_compiler(tmp_path):
 def test_a_cut_that_loses_fidelity_falls_back_to_the_vendor_alone(save, tmp_path):
     # x * 1e5 * 1e-5: the vendor folds the two scales; a cut between them leaves 1e5 * x at a shard's
     # edge, past fp16's range. Only the simulator sees it: --check-fidelity keeps the vendor's build.
+    # (scale_sandwich keeps the edge in range; without it, the fallback is what saves the bundle.)
     nodes = [helper.make_node("Mul", ["x", "up"], ["h"], name="up"), helper.make_node("Mul", ["h", "down"], ["y"], name="down")]
     path = save(make_model(nodes, [("x", [1, 8, 16, 16])], [("y", [1, 8, 16, 16])],
                            [numpy_helper.from_array(np.array(1e5, np.float32), "up"),
                             numpy_helper.from_array(np.array(1e-5, np.float32), "down")]))
-    result = shard.compile(path, "rk3588", tmp_path / "m.shard", CompileOptions(shards=2, check_fidelity=True))
+    sandwiched = shard.compile(path, "rk3588", tmp_path / "s.shard", CompileOptions(shards=2, check_fidelity=True))
+    assert sandwiched.report["versus_vendor"]["bundle"] == "shard"
+    assert sandwiched.report["versus_vendor"]["fidelity"]["shard"] >= 0.9999
+    assert sandwiched.report["passes"]["scale_sandwich"]["changes"]
+    result = shard.compile(path, "rk3588", tmp_path / "m.shard",
+                           CompileOptions(shards=2, check_fidelity=True, disable=("scale_sandwich",)))
     versus = result.report["versus_vendor"]
     assert versus["bundle"] == "vendor alone" and versus["rewritten"] is not None
     assert not versus["fidelity"]["shard"] >= 0.999 and versus["fidelity"]["vendor"] >= 0.9999

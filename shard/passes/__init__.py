@@ -41,11 +41,14 @@ class PassContext:
     model_outputs: list = field(default_factory=list)
     build_config: dict = field(default_factory=dict)          # extra toolkit config(...) for every shard
     snapshots: dict[str, gs.Graph] = field(default_factory=dict)   # {pass: a copy of the graph after it}
+    samples: list[dict[str, np.ndarray]] | None = None       # calibration samples (shard.calibration)
+    warnings: list[str] = field(default_factory=list)         # for the user, in the report and the summary
     plan: object = None  # set by partition
 
 
 # The order of the RK3588 pipeline; every name is a module in this package.
-PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "fusion_barrier", "legalize", "host_edges", "partition"]
+PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "fusion_barrier", "scale_sandwich", "legalize",
+            "host_edges", "partition"]
 REQUIRED = ("canonicalize", "partition")   # the compile cannot go on without these
 
 
@@ -58,7 +61,7 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
     until: stop before this pass (inspect runs the rewrites without partitioning).
     snapshot: passes after which a copy of the graph goes into ctx.snapshots (weights shared)."""
     from shard.passes import (canonicalize, fusion_barrier, host_edges, legalize, partition,  # noqa: F401
-                              slow_paths, tile_attention)
+                              scale_sandwich, slow_paths, tile_attention)
 
     for flag, names in (("--disable", disable), ("--dump-after", dump_after or {})):
         unknown = set(names) - set(PIPELINE)

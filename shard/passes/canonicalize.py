@@ -166,17 +166,11 @@ def infer_shapes_by_running(graph: gs.Graph) -> int:
     """Where onnx's inference gives up (custom domains, ops it cannot propagate through): run the
     model once in onnxruntime on inputs of the fixed shapes and read every tensor's shape and dtype.
     Returns how many tensors got theirs this way."""
-    import onnxruntime as ort
+    from shard.calibration import ort_session
 
     missing = {t.name: t for t in unknown_shapes(graph)}
-    model = gs.export_onnx(graph.copy(), do_type_check=False)
-    present = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in missing if n not in present)
-    ort.set_default_logger_severity(3)  # its graph optimiser's warnings are not the user's business
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     try:
-        session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        session = ort_session(gs.export_onnx(graph.copy(), do_type_check=False), list(missing))
         feeds = {t.name: example_input(t) for t in graph.inputs}
         names = [o.name for o in session.get_outputs()]
         values = dict(zip(names, session.run(names, feeds)))

@@ -23,7 +23,7 @@ from shard.passes import PassContext, register
 from shard.runtime.host_ops import OPS as HOST_ONNX_OPS
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
-POST_OPS = ("Concat", "Reshape", "Transpose")
+POST_OPS = ("Concat", "Reshape", "Transpose", "Mul")   # Mul: scale_sandwich's fp32 restore of an output
 
 
 def const(node: gs.Node, k: int) -> np.ndarray | None:
@@ -63,6 +63,12 @@ def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray])
     if node.op not in HOST_ONNX_OPS or not variables or len(node.outputs) != 1 or not node.outputs[0].outputs \
             or any(t.name not in derived for t in variables):
         return None
+    return onnx_step(node, files)
+
+
+def onnx_step(node: gs.Node, files: dict[str, np.ndarray]) -> dict | None:
+    """A node as a host step of its ONNX op (shard.runtime.host_ops), its constants in the step or
+    in `files`; None if its attributes are not plain values."""
     attrs = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in node.attrs.items()}
     if not all(isinstance(v, (int, float, str)) or isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
                for v in attrs.values()):
@@ -110,13 +116,14 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         for node in reversed(graph.nodes):
             if node.name in ctx.host_candidates and node.op in POST_OPS and node.outputs \
                     and node.outputs[0].name in graph_outputs and not node.outputs[0].outputs \
-                    and all(isinstance(t, gs.Variable) for t in node.inputs) and (step := host_step(node)):
+                    and isinstance(node.inputs[0], gs.Variable) \
+                    and (step := onnx_step(node, ctx.host_tables) if node.op == "Mul" else host_step(node)):
                 out = node.outputs[0]
                 post.insert(0, step)
                 graph.outputs = [t for t in graph.outputs if t is not out]
                 node.outputs.clear()
                 for t in node.inputs:
-                    if t.name not in {o.name for o in graph.outputs}:
+                    if isinstance(t, gs.Variable) and t.name not in {o.name for o in graph.outputs}:
                         graph.outputs.append(t)
                 graph_outputs = {t.name for t in graph.outputs}
                 node.inputs.clear()

@@ -17,6 +17,9 @@ class ShardJob:
     onnx: Path
     artifact: Path | None
     log: Path
+    precision: str = "fp16"
+    dataset: list[list[Path]] | None = None   # quantization samples: per sample, one .npy per input
+    float16: list[str] | None = None          # mixed precision: the ops (node and tensor names) kept in fp16
 
 
 @dataclass
@@ -35,8 +38,14 @@ class Target(Protocol):
     executors: tuple[str, ...]       # the runtime backends that can run its artifacts, default first
     artifact_suffix: str | None
     vendor: bool                     # a vendor compiler builds the shards: compile compares with it alone
+    precisions: tuple[str, ...]      # what its shards can be built in, default first
 
     def build_options(self, options) -> dict: ...
+
+    def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
+        """The build options of one shard: the compile's `build` at the shard's precision (mixed: with
+        the ops kept in fp16)."""
+        ...
 
     def check_environment(self) -> None: ...
 

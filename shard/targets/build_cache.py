@@ -20,7 +20,7 @@ from pathlib import Path
 from shard.graph import sha256_file
 from shard.targets import ShardBuild, ShardJob
 
-VERSION = 1
+VERSION = 2   # 2: diagnostics hold macs_by_dtype
 NAME, LOG = "\x00name\x00", "\x00log\x00"   # stand-ins in a stored error message
 
 
@@ -33,10 +33,17 @@ class BuildCache:
         self.root = Path(root)
         self.salt = json.dumps([VERSION, target, toolkit, build], sort_keys=True).encode()
 
-    def key(self, job: ShardJob) -> str:
+    def key(self, job: ShardJob, build: dict | None = None) -> str:
+        """The hash of the shard's files, the build options (`build`: this job's, if it has its own)
+        and its quantization samples, in order."""
         digest = hashlib.sha256(self.salt)
+        if build is not None:
+            digest.update(json.dumps(build, sort_keys=True).encode())
         for path in sorted([job.onnx, *job.onnx.parent.glob(f"{job.onnx.name}.data")]):
             sha256_file(path, digest)
+        for sample in job.dataset or []:
+            for path in sample:
+                sha256_file(path, digest)
         return digest.hexdigest()[:32]
 
     def get(self, job: ShardJob, key: str) -> ShardBuild | None:

@@ -12,9 +12,13 @@ class CpuTarget:
     executors = ("cpu",)
     artifact_suffix = None
     vendor = False
+    precisions = ("fp32",)
 
     def build_options(self, options) -> dict:
         return {}
+
+    def build_for(self, build: dict, precision: str, float16=None) -> dict:
+        return build
 
     def check_environment(self) -> None:
         pass

@@ -9,7 +9,7 @@ from typing import Callable
 
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.build_cache import BuildCache
-from shard.targets.rknn_log import edge_reshapes, parse_build_log, unestimated_cost
+from shard.targets.rknn_log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python, installed_label
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
@@ -19,12 +19,27 @@ class Rk3588Target:
     executors = ("sim", "cpu", "board")
     artifact_suffix = ".rknn"
     vendor = True
+    precisions = ("fp16", "int8", "mixed")
 
     def build_options(self, options) -> dict:
         """The toolkit calls every shard is built with; the simulator replays them."""
         return {"config": {"target_platform": "rk3588"},
                 "build": {"do_quantization": False},
                 "precision": "fp16"}
+
+    def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
+        """int8: the vendor's w8a8 (activations per tensor, Conv and constant-weight MatMul weights
+        per channel), ranges from the shard's calibration samples (FACTS-rk3588, quantization).
+        mixed: the same, with the ops named in `float16` kept in fp16 (the toolkit's hybrid
+        quantization)."""
+        if precision == "fp16":
+            return build
+        if precision not in ("int8", "mixed"):
+            raise ValueError(f"rk3588 builds fp16, int8 or mixed, not {precision}")
+        quantized = {"config": {**build["config"], "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
+                                "quantized_method": "channel"},
+                     "build": {**build["build"], "do_quantization": True}, "precision": precision}
+        return {**quantized, "float16": sorted(float16 or [])} if precision == "mixed" else quantized
 
     def check_environment(self) -> None:
         find_python(self.name)
@@ -49,11 +64,12 @@ class Rk3588Target:
         store = BuildCache(cache, self.name, installed_label(self.name), build) if cache else None
 
         def build_one(job: ShardJob) -> ShardBuild:
-            key = store.key(job) if store else None
+            options = self.build_for(build, job.precision, job.float16)
+            key = store.key(job, options) if store else None
             result = store.get(job, key) if store else None
             if result is None:
                 with pool.worker() as worker:
-                    result = build_shard(worker, job, build, timeout)
+                    result = build_shard(worker, job, options, timeout)
                 if store:
                     store.put(job, key, result)
             on_done(result)
@@ -86,11 +102,13 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
     try:
         answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
                                 log=str(job.log), config=build["config"], build=build["build"], keep=None,
-                                timeout=timeout)
+                                dataset=[[str(p) for p in sample] for sample in job.dataset or []],
+                                float16=build.get("float16"), timeout=timeout)
     except WorkerFailed as exc:
         return done({}, f"{job.name}: the vendor build {exc}; log: {job.log}")
     parsed = parse_build_log(job.log.read_text(errors="replace"))
-    diag = {**parsed.summary(), "cost_cycles": parsed.estimated_cycles + unestimated_cost(parsed.layers)[0]}
+    diag = {**parsed.summary(), "cost_cycles": parsed.estimated_cycles + unestimated_cost(parsed.layers)[0],
+            "macs_by_dtype": macs_by_dtype(parsed.layers)}
     if not answer["ok"]:
         with open(job.log, "a") as log:
             log.write(answer.get("traceback") or "")

@@ -5,6 +5,7 @@ The build returns 0 on models that will crash on the board; the truth is in its 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -29,6 +30,20 @@ class Layer:
     ddr_cycles: int = 0
     rw_kb: int = 0
     input_shape: str = ""
+    dtype: str = ""                # INT8, FLOAT16...: the precision the layer runs in
+
+    def macs(self) -> int:
+        """Multiply-accumulates of a Conv (a linear lowers to one, fused or not) or exMatMul layer;
+        0 for other layers."""
+        shapes = [[int(d) for d in m.split(",") if d] for m in SHAPE.findall(self.input_shape)]
+        out = first_shape(self.output_shape)
+        if not out or not shapes:
+            return 0
+        if self.op.startswith("Conv") and len(shapes) > 1 and len(shapes[1]) == 4:   # ConvAdd, ConvExGelu...
+            return math.prod(out) * math.prod(shapes[1][1:])      # weights [Cout, Cin/groups, kh, kw]
+        if self.op == "exMatMul" and len(shapes[0]) > 1:
+            return math.prod(out) * shapes[0][1]                  # K: the first operand's axis 1
+        return 0
 
 
 @dataclass
@@ -53,6 +68,15 @@ class BuildDiagnostics:
         data.pop("layers")
         data["layer_count"] = len(self.layers)
         return data
+
+
+def macs_by_dtype(layers: list[Layer]) -> dict[str, int]:
+    """The MACs of the Conv and exMatMul layers by the precision they run in: {"INT8": ..., "FLOAT16": ...}."""
+    totals: dict[str, int] = {}
+    for layer in layers:
+        if layer.macs():
+            totals[layer.dtype] = totals.get(layer.dtype, 0) + layer.macs()
+    return totals
 
 
 def unestimated_cost(layers: list[Layer], cycles_per_kb: float | None = None) -> tuple[int, float | None]:
@@ -110,7 +134,7 @@ def parse_build_log(text: str) -> BuildDiagnostics:
         if row := LAYER_ROW.match(line):
             layer = Layer(id=int(row["id"]), op=row["op"], target=row["target"], output_shape=row["outshape"],
                           cycles=int(row["total"]), name=row["name"], ddr_cycles=int(row["ddr"]), rw_kb=int(row["rw"]),
-                          input_shape=row["inshape"])
+                          input_shape=row["inshape"], dtype=row["dtype"])
             diag.layers.append(layer)
             diag.estimated_cycles += layer.cycles
             if layer.target == "CPU" and layer.op not in HOST_OPS:

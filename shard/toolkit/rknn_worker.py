@@ -7,6 +7,9 @@ redirected into that request's log file; answers go to a private duplicate of th
 Requests:
   {"op": "version"}
   {"op": "build", "onnx": P, "rknn": P|null, "log": P, "config": {...}, "build": {...},
+   "dataset": [[npy per input] per sample]|null,   quantization samples (written as the toolkit's list file)
+   "float16": [names]|null,   mixed precision: ops (node or tensor names) kept in fp16, the rest int8,
+                              through the toolkit's hybrid_quantization_step1/step2
    "keep": KEY|null}      keep: hold the built model in this process for "infer" (simulator)
   {"op": "infer", "key": KEY, "inputs": [npy paths], "data_format": [...], "outdir": DIR, "log": P}
   {"op": "release", "key": KEY}
@@ -78,8 +81,20 @@ def do_build(req):
             rc["config"] = rknn.config(**req.get("config", {}))
             if rc["config"] == 0:
                 rc["load_onnx"] = rknn.load_onnx(model=onnx)
-            if rc.get("load_onnx") == 0:
-                rc["build"] = rknn.build(**req.get("build", {}))
+            build = dict(req.get("build", {}))
+            if req.get("dataset"):  # one line per sample, its inputs' .npy files separated by spaces;
+                lines = []          # linked under plain names, as the list file cannot quote a path
+                for k, sample in enumerate(req["dataset"]):
+                    for i, path in enumerate(sample):
+                        os.symlink(os.path.join(home, path), f"s{k}_{i}.npy")
+                    lines.append(" ".join(os.path.abspath(f"s{k}_{i}.npy") for i in range(len(sample))) + "\n")
+                with open("dataset.txt", "w") as listing:
+                    listing.writelines(lines)
+                build["dataset"] = os.path.abspath("dataset.txt")
+            if rc.get("load_onnx") == 0 and req.get("float16") is not None:
+                rknn, rc["build"] = hybrid_build(rknn, req["config"], build["dataset"], onnx, req["float16"])
+            elif rc.get("load_onnx") == 0:
+                rc["build"] = rknn.build(**build)
             if rc.get("build") == 0 and rknn_path:
                 rc["export_rknn"] = rknn.export_rknn(rknn_path)
             if rc.get("build") == 0 and req.get("keep"):
@@ -94,6 +109,45 @@ def do_build(req):
         else:
             rknn.release()
     return {"rc": rc, "ok": ok, "seconds": round(time.monotonic() - started, 3), **crash}
+
+
+def hybrid_build(rknn, config, dataset, onnx, float16):
+    """Quantize with the toolkit's own ranges (step 1), mark every operand made by one of the
+    `float16` names as float16 in its configuration, build from it (step 2). Returns the toolkit
+    object that holds the build and step 2's return code. The configuration lists operands under
+    the toolkit's renamings (NAME_rs, NAME_tp_sw, NODE#1); a name it then refuses is dropped."""
+    import re
+
+    from rknn.api import RKNN
+
+    ret = rknn.hybrid_quantization_step1(dataset=dataset, proposal=False)
+    if ret != 0:
+        return rknn, ret
+    stem = os.path.splitext(os.path.basename(onnx))[0]
+    with open(f"{stem}.quantization.cfg") as f:
+        text = f.read()
+    body = text[text.index("quantize_parameters:"):]
+    operands = re.findall(r"^    (\S.*):$", body, flags=re.M)
+    wanted = set(float16)
+    chosen = [op for op in operands if op in wanted or op.split("#")[0] in wanted
+              or any(op.startswith(name + sep) for name in wanted for sep in ("_", "-"))]
+    for _ in range(len(chosen) + 1):
+        layers = "".join(f"    {json.dumps(op)}: float16\n" for op in chosen)
+        with open(f"{stem}.quantization.cfg", "w") as f:
+            f.write(("custom_quantize_layers:\n" + layers if layers else "custom_quantize_layers: {}\n") + body)
+        rknn.release()
+        rknn = RKNN(verbose=True)
+        rknn.config(**config)
+        try:
+            return rknn, rknn.hybrid_quantization_step2(model_input=f"{stem}.model", data_input=f"{stem}.data",
+                                                        model_quantization_cfg=f"{stem}.quantization.cfg")
+        except ValueError as exc:  # a graph input or a weight: not a layer the toolkit can move
+            refused = re.search(r"Invalid operands name '([^']*)'", str(exc))
+            if not refused or refused.group(1) not in chosen:
+                raise
+            print(f"hybrid: {refused.group(1)} cannot be kept in float16; left to the toolkit", flush=True)
+            chosen.remove(refused.group(1))
+    raise RuntimeError("hybrid quantization: no configuration the toolkit accepts")
 
 
 def do_infer(req):

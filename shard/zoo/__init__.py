@@ -16,7 +16,7 @@ class ZooModel:
     layers: int
     image_size: int
     build: Callable  # (layers, image_size) -> torch.nn.Module taking pixel_values
-    residual_writer: str  # a Linear whose output is added to the residual stream in the first layer
+    residual_writer: str  # a Linear whose output is added to the residual stream in the first layer ("" if none)
 
 
 def _siglip(layers: int, image_size: int, hidden=768, heads=12, mlp=3072):
@@ -37,11 +37,28 @@ def _vit(layers: int, image_size: int):
     return ViTModel(cfg, add_pooling_layer=False)
 
 
+def _growing_cnn(layers: int, image_size: int, channels=16, gain=4.0):
+    """Convolutions and ReLUs whose activations grow `gain` times a layer (He initialisation times
+    the gain), as a network without normalisation can: past fp16's 65504 after about 8 layers."""
+    import torch
+
+    convs = []
+    for k in range(layers):
+        conv = torch.nn.Conv2d(3 if k == 0 else channels, channels, 3, padding=1)
+        torch.nn.init.kaiming_normal_(conv.weight)
+        with torch.no_grad():
+            conv.weight.mul_(gain)
+        convs += [conv, torch.nn.ReLU()]
+    return torch.nn.Sequential(*convs, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+
+
 MODELS = {m.name: m for m in (
     ZooModel("siglip-base-512", "SigLIP-base-patch16-512 vision encoder: hidden 768, 12 heads, MLP 3072, 1024 tokens",
              12, 512, _siglip, "encoder.layers.0.mlp.fc2"),
     ZooModel("vit-tiny", "ViT-tiny/16 encoder: hidden 192, 3 heads, MLP 768, 197 tokens (seconds to compile)",
              12, 224, _vit, "layers.0.mlp.fc2"),
+    ZooModel("growing-cnn", "3x3 convolutions and ReLUs, activations 4x larger each layer: out of fp16's range "
+             "after 8 layers (the scale sandwich's test)", 9, 64, _growing_cnn, ""),
 )}
 
 
@@ -66,6 +83,8 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
         raise ShardError(f"need --layers >= 1 and --image-size a multiple of 16 (got {layers}, {image_size})")
     torch.manual_seed(seed)
     model = spec.build(layers, image_size).eval()
+    if outliers and not spec.residual_writer:
+        raise ShardError(f"{name} has no residual stream to plant an outlier channel in")
     if outliers:
         plant_outlier_channel(model.get_submodule(spec.residual_writer), outliers)
 
@@ -75,7 +94,9 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
             self.inner = inner
 
         def forward(self, pixel_values):
-            return self.inner(pixel_values=pixel_values).last_hidden_state
+            out = self.inner(pixel_values) if isinstance(self.inner, torch.nn.Sequential) else \
+                self.inner(pixel_values=pixel_values)
+            return getattr(out, "last_hidden_state", out)
 
     output = Path(output)
     x = torch.randn(1, 3, image_size, image_size)

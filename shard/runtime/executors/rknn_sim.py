@@ -32,9 +32,11 @@ class RknnSimExecutor:
         try:
             for shard in manifest.shards:
                 log = self.scratch / f"{shard.name}.build.log"
+                build = shard.build_options or manifest.build  # int8 shards: quantized from their samples again
                 answer = self._ask(shard, op="build", onnx=str((bundle / shard.onnx).resolve()), rknn=None,
-                                   log=str(log), config=manifest.build["config"], build=manifest.build["build"],
-                                   keep=shard.name)
+                                   log=str(log), config=build["config"], build=build["build"], keep=shard.name,
+                                   dataset=[[str((bundle / p).resolve()) for p in sample] for sample in shard.dataset],
+                                   float16=build.get("float16"))
                 if not answer["ok"]:
                     raise RunError(f"{shard.name}: the simulator build failed ({answer.get('error') or answer['rc']}); "
                                    f"log: {log}")

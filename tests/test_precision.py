@@ -1,0 +1,92 @@
+"""Precision end to end with the real toolkit: int8 from calibration samples, mixed precision's
+search, and fp16's range sandwich on a model the vendor alone turns into NaN."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import mlp_chain, shard_cli
+
+import shard
+from shard.bundle import read_manifest
+from shard.compiler import CompileOptions
+from shard.targets import ShardJob
+from shard.targets.build_cache import BuildCache
+
+pytestmark = pytest.mark.toolkit
+
+
+def calib_file(tmp_path, n=6, width=16, seed=0):
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "calib.npz"
+    np.savez(path, x=rng.standard_normal((n, 1, 8, width)).astype(np.float32))
+    return path
+
+
+def test_int8_bundle_keeps_its_samples_and_verifies_on_the_simulator(tmp_path, save):
+    model = save(mlp_chain(2, width=16))
+    calib = calib_file(tmp_path)
+    out = shard_cli("compile", model, "--precision", "int8", "--calib", calib, "-o", tmp_path / "m.shard")
+    assert out.returncode == 0, out.stderr
+    assert "int8 share of the MACs" in out.stdout and "simulator cosine, shard / vendor alone" in out.stdout
+    manifest = read_manifest(tmp_path / "m.shard")
+    (spec,) = manifest.shards
+    assert spec.precision == "int8" and spec.build_options["config"]["quantized_dtype"] == "w8a8"
+    assert len(spec.dataset) == 6 and all((tmp_path / "m.shard" / p).is_file() for s in spec.dataset for p in s)
+    first = np.load(tmp_path / "m.shard" / spec.dataset[0][0])
+    assert np.array_equal(first, np.load(calib)["x"][0])   # the reference's own tensor at the shard's input
+    report = json.loads((tmp_path / "m.shard" / "report.json").read_text())
+    assert report["precision"] == "int8" and report["totals"]["int8_mac_share"] == 1.0
+    held_back = tmp_path / "test.npz"
+    np.savez(held_back, x=np.random.default_rng(9).standard_normal((2, 1, 8, 16)).astype(np.float32))
+    out = shard_cli("verify", tmp_path / "m.shard", "-r", model, "--inputs", held_back, "--min-cosine", "0.99")
+    assert out.returncode == 0 and "2 samples from test.npz" in out.stdout, out.stdout + out.stderr
+
+
+def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
+    model = save(mlp_chain(3, width=32))
+    calib = calib_file(tmp_path, width=32)
+    options = CompileOptions(precision="mixed", calib=str(calib), min_cosine=0.9999)
+    first = shard.compile(model, "rk3588", tmp_path / "a.shard", options).report
+    second = shard.compile(model, "rk3588", tmp_path / "b.shard", options).report
+    assert first["mixed"]["rounds"] == second["mixed"]["rounds"]
+    ranking = first["passes"]["mixed"]["ranking"]
+    assert [c["node"] for c in ranking] == [c["node"] for c in second["passes"]["mixed"]["ranking"]]
+    assert sorted(c["node"] for c in ranking) == sorted(f"fc{k}_{b}" for k in (1, 2) for b in range(3))
+    rounds = first["mixed"]["rounds"]
+    assert [len(r["promoted"]) for r in rounds] == sorted(len(r["promoted"]) for r in rounds)   # growing
+    assert first["mixed"]["reached"] == (rounds[-1]["cosine"] >= 0.9999)
+    (spec,) = read_manifest(tmp_path / "a.shard").shards
+    if spec.build != "vendor_alone":   # the vendor's own int8 wins where it is better (never worse)
+        assert spec.precision == "mixed" and set(rounds[-1]["promoted"]) <= set(spec.build_options["float16"])
+
+
+def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path):
+    model = tmp_path / "grow.onnx"
+    out = shard_cli("zoo", "export", "growing-cnn", "-o", model)
+    assert out.returncode == 0, out.stderr
+    out = shard_cli("compile", model, "--check-fidelity", "-o", tmp_path / "g.shard")
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "g.shard" / "report.json").read_text())
+    fidelity = report["versus_vendor"]["fidelity"]
+    assert fidelity["vendor"] != fidelity["vendor"] or fidelity["vendor"] < 0.99   # NaN, or far off
+    assert fidelity["shard"] >= 0.9999 and report["versus_vendor"]["bundle"] == "shard"
+    changes = report["passes"]["scale_sandwich"]["changes"]
+    assert len([c for c in changes if c["op"] == "Conv"]) >= 2   # a chain of factors, one per layer that needs one
+    assert [s["type"] for s in report["host_post"]] == ["Mul"]
+    out = shard_cli("verify", tmp_path / "g.shard", "-r", model, "--min-cosine", "0.9999")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):
+    model = save(mlp_chain(1))
+    data = [tmp_path / f"{k}.npy" for k in range(2)]
+    for k, path in enumerate(data):
+        np.save(path, np.full((1, 8, 16), k, np.float32))
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit", {"config": {}})
+    job = lambda dataset: ShardJob("s", model, None, tmp_path / "s.log", "int8", dataset)  # noqa: E731
+    assert cache.key(job([[data[0]]])) != cache.key(job([[data[1]]]))
+    assert cache.key(job([[data[0]]])) == cache.key(job([[data[0]]]))
+    assert cache.key(job([[data[0]]]), {"float16": ["a"]}) != cache.key(job([[data[0]]]), {"float16": ["b"]})

@@ -1,0 +1,249 @@
+"""scale_sandwich on small synthetic graphs: numerics (onnxruntime before and after, fp32 rounding)
+and structure (no tensor past the range, the factors and clamps are there, undone when inexact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from conftest import make_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper, numpy_helper
+
+from shard.calibration import collect_stats, ort_session
+from shard.compiler import CompileOptions
+from shard.graph import infer_shapes
+from shard.passes import PassContext
+from shard.passes.host_edges import host_edges
+from shard.passes.scale_sandwich import MASK_FLOOR, scale_sandwich
+from shard.profile import Profile
+from shard.runtime.host import run_host
+
+FINFO_MIN = float(np.finfo(np.float32).min)
+
+
+def sandwiched(model, samples: list[dict], safe: float = 64.0, precision: str = "int8"):
+    """The pass on `model`, then host_edges (the host's restores): (graph, ctx, report)."""
+    graph = infer_shapes(gs.import_onnx(model))
+    ctx = PassContext(profile=Profile("rk3588", 3, "test", facts={"fp16_safe_absmax": safe}),
+                      options=CompileOptions(precision=precision, calib="given"))
+    ctx.samples = samples
+    graph, report = scale_sandwich(graph, ctx)
+    graph.cleanup().toposort()
+    graph, ctx.reports["host_edges"] = host_edges(graph, ctx)
+    graph.cleanup().toposort()
+    return graph, ctx, report
+
+
+def run_rewritten(graph: gs.Graph, ctx: PassContext, feeds: dict) -> dict:
+    """As the runtime runs it: host steps, the graph, host steps."""
+    tensors = run_host(ctx.host_pre, dict(feeds))
+    model = gs.export_onnx(graph.copy())
+    model.ir_version = 8
+    tensors.update(zip([t.name for t in graph.outputs], run_ort(model, {t.name: tensors[t.name] for t in graph.inputs})))
+    return run_host(ctx.host_post, tensors)
+
+
+def run_ort(model, feeds: dict) -> list[np.ndarray]:
+    """onnxruntime without graph fusions: the graphs before and after a power-of-two rescale then
+    round alike, so the comparison can be tight (fusions reorder sums by a few ulps of the largest
+    intermediate, which a saturating op after it can turn into 1e-3 of its output)."""
+    session = ort_session(model, optimize=False)
+    return session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+
+
+def assert_same(before: np.ndarray, after: np.ndarray) -> None:
+    assert np.all(np.isfinite(after))
+    np.testing.assert_allclose(after, before, rtol=0, atol=1e-6 * float(np.max(np.abs(before))))
+
+
+def conv(name, x, out, cin, cout, gain, rng, inits, nodes):
+    w = rng.standard_normal((cout, cin, 3, 3)).astype(np.float32) * np.float32(gain * np.sqrt(2 / (9 * cin)))
+    inits += [numpy_helper.from_array(w, f"{name}_w"),
+              numpy_helper.from_array(rng.standard_normal(cout).astype(np.float32), f"{name}_b")]
+    nodes.append(helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out], pads=[1, 1, 1, 1], name=name))
+
+
+def growing_net(layers: list[str], gain: float, seed: int, channels: int = 4):
+    """A chain of layers over [1, C, 8, 8]: conv (x gain), relu, residual (x + conv(x)), pool,
+    sigmoid (not homogeneous); its activations grow by about `gain` per conv."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    for k, kind in enumerate(layers):
+        out = f"t{k}"
+        if kind == "conv":
+            conv(f"conv{k}", x, out, channels, channels, gain, rng, inits, nodes)
+        elif kind == "residual":
+            conv(f"res{k}", x, f"{out}_c", channels, channels, gain, rng, inits, nodes)
+            nodes.append(helper.make_node("Add", [x, f"{out}_c"], [out], name=f"add{k}"))
+        elif kind == "relu":
+            nodes.append(helper.make_node("Relu", [x], [out], name=f"relu{k}"))
+        elif kind == "pool":
+            nodes.append(helper.make_node("MaxPool", [x], [out], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name=f"pool{k}"))
+        elif kind == "sigmoid":
+            nodes.append(helper.make_node("Sigmoid", [x], [out], name=f"sig{k}"))
+        x = out
+    nodes.append(helper.make_node("Identity", [x], ["y"], name="out"))
+    return make_model(nodes, [("x", [1, channels, 8, 8])], [("y", [1, channels, 8, 8])], inits)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.lists(st.sampled_from(["conv", "conv", "residual", "relu", "pool", "sigmoid"]), min_size=2, max_size=9),
+       gain=st.sampled_from([2.0, 4.0, 8.0]), seed=st.integers(0, 1000))
+def test_range_sandwich_is_exact_and_keeps_every_foldable_tensor_in_range(layers, gain, seed):
+    model = growing_net(layers, gain, seed)
+    samples = [{"x": np.random.default_rng(seed + k).standard_normal((1, 4, 8, 8)).astype(np.float32)} for k in range(2)]
+    before = [run_ort(model, s)[0] for s in samples]
+    graph, ctx, report = sandwiched(model, samples, safe=64.0)
+    for sample, expected in zip(samples, before):
+        assert_same(expected, run_rewritten(graph, ctx, sample)["y"])
+    # Structure: on the NPU side every tensor is under the range but those the report names.
+    stats = collect_stats(gs.export_onnx(graph.copy()), [run_host(ctx.host_pre, dict(s)) for s in samples])
+    unfixed = {c["tensor"] for c in report["not_fixed"]}
+    over = [t for t in graph.tensors().values() if t.name in stats and stats[t.name].absmax > 64.0
+            and t.name not in unfixed]
+    assert not over, [(t.name, stats[t.name].absmax) for t in over]
+
+
+def test_growing_chain_gets_a_chain_of_factors_and_its_output_is_restored_on_the_host():
+    model = growing_net(["conv", "relu"] * 5, 4.0, seed=1)
+    sample = {"x": np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    graph, ctx, report = sandwiched(model, [sample], safe=64.0)
+    factors = [c["factor"] for c in report["changes"] if c["op"] == "Conv"]
+    assert len(factors) >= 2 and factors == sorted(factors) and factors[-1] > factors[0]  # grows with the net
+    assert all(np.log2(f).is_integer() for f in factors)                                   # powers of two
+    assert [s["type"] for s in ctx.host_post] == ["Mul"]                                    # fp32, on the host
+    assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_layernorm_absorbs_the_factor_in_its_epsilon():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16)).astype(np.float32) * 50
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["y"], epsilon=1e-5, axis=-1, name="ln")]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(16, np.float32), "g"),
+             numpy_helper.from_array(np.zeros(16, np.float32), "b")]
+    model = make_model(nodes, [("x", [1, 8, 16])], [("y", [1, 8, 16])], inits)
+    sample = {"x": rng.standard_normal((1, 8, 16)).astype(np.float32) * 10}
+    graph, ctx, report = sandwiched(model, [sample], safe=64.0)
+    ln = next(n for n in graph.nodes if n.op == "LayerNormalization")
+    factor = next(c["factor"] for c in report["changes"] if c["node"] == "fc")
+    assert np.isclose(ln.attrs["epsilon"], 1e-5 / factor ** 2) and not ctx.host_post  # no restore: LN ends it
+    assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def attention_with_mask(fill: str, seq: int = 8, dim: int = 4):
+    """Scores q·kᵀ, masked by an additive input mask (as BERT exporters write it) or by a Where with a
+    constant fill (masked_fill), then Softmax and ·v."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk")]
+    inputs = [("q", [1, seq, dim]), ("k", [1, seq, dim]), ("v", [1, seq, dim])]
+    inits = []
+    if fill == "additive":
+        nodes.append(helper.make_node("Add", ["s", "mask"], ["m"], name="mask_add"))
+        inputs.append(("mask", [1, 1, seq]))
+    else:
+        nodes += [helper.make_node("Less", ["s", "zero"], ["cond"], name="cond"),
+                  helper.make_node("Where", ["cond", "fill", "s"], ["m"], name="masked_fill")]
+        inits = [numpy_helper.from_array(np.float32(-1.0), "zero"), numpy_helper.from_array(np.float32(FINFO_MIN), "fill")]
+    nodes += [helper.make_node("Softmax", ["m"], ["p"], axis=-1, name="softmax"),
+              helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    return make_model(nodes, inputs, [("y", [1, seq, dim])], inits)
+
+
+def attention_samples(n: int, seq: int = 8, dim: int = 4, masked_from: int = 5):
+    rng = np.random.default_rng(3)
+    mask = np.zeros((1, 1, seq), np.float32)
+    mask[..., masked_from:] = FINFO_MIN
+    return [{"q": rng.standard_normal((1, seq, dim)).astype(np.float32) * 3,
+             "k": rng.standard_normal((1, seq, dim)).astype(np.float32),
+             "v": rng.standard_normal((1, seq, dim)).astype(np.float32), "mask": mask} for _ in range(n)]
+
+
+def test_additive_mask_is_clamped_and_the_softmax_does_not_move():
+    model = attention_with_mask("additive")
+    samples = attention_samples(4)
+    graph, ctx, report = sandwiched(model, samples, safe=1e4)
+    clamp = next(n for n in graph.nodes if n.op == "Max")
+    floor = float(clamp.inputs[1].values)
+    scores = collect_stats(model, samples, ["s"])["s"]
+    assert MASK_FLOOR < floor <= -(scores.max - scores.min + 32)     # far below every score, far above -3.4e38
+    assert report["changes"][0]["form"] == "mask clamp"
+    for sample in samples:
+        assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_masked_fill_constant_is_clamped():
+    model = attention_with_mask("where")
+    samples = [{k: v for k, v in s.items() if k != "mask"} for s in attention_samples(3)]
+    graph, ctx, report = sandwiched(model, samples, safe=1e4)
+    where = next(n for n in graph.nodes if n.op == "Where")
+    assert MASK_FLOOR < float(where.inputs[1].values.min()) < -32
+    for sample in samples:
+        assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_a_clamp_that_would_change_the_output_is_undone():
+    # Every key masked: in fp32 the softmax of -3.4e38 everywhere is uniform, after a clamp it is not.
+    model = attention_with_mask("additive")
+    samples = attention_samples(2, masked_from=0)
+    graph, ctx, report = sandwiched(model, samples, safe=1e4)
+    assert not any(n.op == "Max" for n in graph.nodes)
+    assert report["undone"] and report["changes"] == [] and report["max_relative_change"] > 1e-5
+    for sample in samples:
+        assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_nothing_changes_in_range():
+    model = growing_net(["conv", "relu", "conv"], 1.0, seed=0)
+    sample = {"x": np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    graph, ctx, report = sandwiched(model, [sample], safe=1e4)
+    assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Conv", "Relu", "Conv", "Identity"]
+
+
+def outlier_mlp(width: int, outliers: list[int], magnitude: float, seed: int, transb: bool):
+    """LayerNorm whose gamma plants outlier channels, then two linears reading it (q/k-like) and a
+    residual add: what SmoothQuant-style smoothing is for."""
+    rng = np.random.default_rng(seed)
+    gamma = np.ones(width, np.float32)
+    gamma[outliers] = magnitude
+    w1 = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+    w2 = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+    gemm = helper.make_node("Gemm", ["n", "w2"], ["b"], transB=1, name="fc2") if transb else \
+        helper.make_node("MatMul", ["n", "w2"], ["b"], name="fc2")
+    nodes = [helper.make_node("LayerNormalization", ["x", "g", "beta"], ["n"], axis=-1, name="ln"),
+             helper.make_node("MatMul", ["n", "w1"], ["a"], name="fc1"), gemm,
+             helper.make_node("Add", ["a", "b"], ["y"], name="sum")]
+    inits = [numpy_helper.from_array(gamma, "g"), numpy_helper.from_array(np.zeros(width, np.float32), "beta"),
+             numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2.T.copy() if transb else w2, "w2")]
+    return make_model(nodes, [("x", [8, width])], [("y", [8, width])], inits)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.sampled_from([8, 16, 32]), magnitude=st.sampled_from([4.0, 30.0, 300.0]),
+       seed=st.integers(0, 1000), transb=st.booleans(), n=st.integers(1, 3))
+def test_smoothing_is_exact_and_flattens_the_linears_input(width, magnitude, seed, transb, n):
+    outliers = list(np.random.default_rng(seed).choice(width, n, replace=False))
+    model = outlier_mlp(width, outliers, magnitude, seed, transb)
+    samples = [{"x": np.random.default_rng(seed + k).standard_normal((8, width)).astype(np.float32)} for k in range(2)]
+    graph, ctx, report = sandwiched(model, samples, safe=1e4, precision="mixed")
+    for sample in samples:
+        assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+    smoothing = [c for c in report["changes"] if c["form"] == "smoothing"]
+    if magnitude < 30 and not smoothing:
+        return   # a spread of 4x can round to no power of two at all
+    (change,) = smoothing
+    assert change["linears"] == ["fc1", "fc2"]                       # one Mul for both readers of n
+    mul = next(n for n in graph.nodes if n.op == "Mul")
+    factors = 1 / mul.inputs[1].values
+    assert np.all(np.log2(factors) == np.round(np.log2(factors)))     # powers of two: exact
+    before = collect_stats(model, samples)["n"].channel_absmax
+    after = collect_stats(gs.export_onnx(graph.copy()), samples)[mul.outputs[0].name].channel_absmax
+    assert after.max() / np.median(after) < before.max() / np.median(before)
+
+
+def test_no_smoothing_outside_mixed_precision():
+    model = outlier_mlp(16, [3], 300.0, 0, False)
+    sample = {"x": np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)}
+    graph, ctx, report = sandwiched(model, [sample], safe=1e4, precision="int8")
+    assert not any(c["form"] == "smoothing" for c in report["changes"])
