@@ -136,3 +136,29 @@ def test_the_integer_mask_preparation_runs_on_the_host(save, tmp_path):
     got = shard.load(result.bundle, backend="cpu").run({"attention_mask": mask, "x": x})["y"]
     np.testing.assert_allclose(got, run_ort(model, {"attention_mask": mask, "x": x})[0], rtol=1e-6)
     assert shard.verify(result.bundle, path, backend="cpu").passed
+
+
+def test_a_mean_poolings_token_count_runs_on_the_host(save, tmp_path):
+    # all-mpnet-base-v2's pooling: sum(h * mask) / clip(sum(mask), 1e-9). Left on the NPU, the
+    # ReduceSum of the (host-made) float mask sends toolkit 2.5.0 into an endless fuse_rs_conv loop.
+    nodes = [helper.make_node("Unsqueeze", ["attention_mask", "a2"], ["m"]),
+             helper.make_node("Cast", ["m"], ["mf"], to=F32),
+             helper.make_node("Mul", ["x", "mf"], ["masked"]),
+             helper.make_node("ReduceSum", ["masked", "a1"], ["total"], keepdims=0),
+             helper.make_node("ReduceSum", ["mf", "a1"], ["count"], keepdims=0),
+             helper.make_node("Clip", ["count", "tiny", ""], ["safe"]),
+             helper.make_node("Div", ["total", "safe"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([2], np.int64), "a2"), numpy_helper.from_array(np.array([1], np.int64), "a1"),
+             numpy_helper.from_array(np.array(1e-9, np.float32), "tiny")]
+    graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("attention_mask", I64, [1, 8]),
+                                              helper.make_tensor_value_info("x", F32, [1, 8, 16])],
+                              [helper.make_tensor_value_info("y", F32, [1, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = save(model)
+    result = shard.compile(path, "cpu", tmp_path / "p.shard", CompileOptions())
+    assert [s.get("type") for s in result.manifest.host_pre] == ["Unsqueeze", "Cast", "ReduceSum", "Clip"]
+    mask = np.array([[1, 1, 1, 0, 0, 0, 0, 0]], np.int64)
+    x = rng.standard_normal((1, 8, 16)).astype(np.float32)
+    got = shard.load(result.bundle, backend="cpu").run({"attention_mask": mask, "x": x})["y"]
+    np.testing.assert_allclose(got, run_ort(model, {"attention_mask": mask, "x": x})[0], rtol=1e-6)
