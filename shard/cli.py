@@ -156,7 +156,8 @@ def print_compile_report(report: dict) -> None:
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")
     t = report["totals"]
-    console.print(f"{t['shards']} {report.get('precision', 'fp16')} shards, {t['regtask_lines']} REGTASK lines, {t['cpu_ops']} ops on the CPU, "
+    console.print(f"{t['shards']} {report.get('precision', 'fp16')} shards, {t['regtask_lines']} REGTASK lines, "
+                  f"{t['cpu_ops']} ops on the CPU, "
                   f"{t['single_core_fallbacks']} single-core fallbacks, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; compiled in {report['seconds']['total']:.1f} s "
                   f"({report['builds']['from_cache']} of {report['builds']['total']} vendor builds from the cache)")
@@ -319,7 +320,8 @@ def verify_command(
     for col in ("where", "tensor", "cosine", "max abs diff", "end to end so far"):
         table.add_column(col, justify="left" if col in ("where", "tensor") else "right")
     for c in report.outputs:
-        table.add_row("end to end" if len(report.samples) < 2 else "end to end, worst sample", c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}", "")
+        where = "end to end" if len(report.samples) < 2 else "end to end, worst sample"
+        table.add_row(where, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}", "")
     for shard, comps in report.shards.items():  # fed the reference's tensors; then as chained end to end
         for c, chained in zip(comps, report.chained.get(shard, [None] * len(comps))):
             table.add_row(shard, c.name, f"{c.cosine:.7f}", f"{c.max_abs_diff:.3g}",

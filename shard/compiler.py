@@ -386,7 +386,8 @@ class BundleWriter:
                              {**self.seconds, "total": time.monotonic() - self.started})
         vendor = self.builds.get(VENDOR_ALONE)
         report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
-                      versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre, host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
+                      versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
+                      host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
                                                "diagnostics": vendor.diagnostics})
         (folder / MANIFEST).write_text(manifest.to_json())
@@ -711,7 +712,8 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
                        "single_core_fallbacks": total("single_core_fallbacks"),
                        "estimated_cycles": after, "estimated_cycles_before_passes": before,
                        "macs_by_dtype": by_dtype,
-                       "int8_mac_share": round(by_dtype.get("INT8", 0) / sum(by_dtype.values()), 4) if by_dtype else None},
+                       "int8_mac_share": round(by_dtype.get("INT8", 0) / sum(by_dtype.values()), 4)
+                       if by_dtype else None},
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
             "builds": {"total": len(builds), "from_cache": sum(b.cached for b in builds.values())}}
 

@@ -74,6 +74,6 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]]) -> list[Ca
     for feed, got in zip(feeds, run_each(model, feeds, [n for n in names if n not in graph_inputs])):
         for name in names:
             values.setdefault(name, []).append(feed[name] if name in graph_inputs else got[name])
-    ranked = [Candidate(n.name, estimate_macs(n), int8_error(np.concatenate([v.ravel() for v in values[n.inputs[0].name]])))
-              for n in linears if n.inputs[0].name in values]
+    ranked = [Candidate(n.name, estimate_macs(n), int8_error(np.concatenate([v.ravel() for v in values[x]])))
+              for n in linears if (x := n.inputs[0].name) in values]
     return sorted(ranked, key=lambda c: (-c.error, c.node))
