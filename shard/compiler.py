@@ -486,7 +486,8 @@ def write_job(staging: Path, logs: Path, tgt, name: str, model, datasets: Datase
         if datasets.precision == "mixed":
             from shard.precision import float16_names
 
-            job.float16 = float16_names(nodes if nodes is not None else gs.import_onnx(model).nodes, datasets.promoted)
+            job.float16 = float16_names(nodes if nodes is not None else gs.import_onnx(model).nodes, datasets.promoted,
+                                        [name for name, _ in inputs])
     return job
 
 

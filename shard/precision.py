@@ -30,10 +30,12 @@ def is_linear(node: gs.Node) -> bool:
         and isinstance(node.inputs[0], gs.Variable)
 
 
-def float16_names(nodes: list[gs.Node], promoted: set[str] = frozenset()) -> list[str]:
+def float16_names(nodes: list[gs.Node], promoted: set[str] = frozenset(), inputs: list[str] = ()) -> list[str]:
     """The names (node and output tensor) of every op kept in fp16: all but the linears, which are
-    int8 unless `promoted` (node names) moves them to fp16 too."""
-    names = []
+    int8 unless `promoted` (node names) moves them to fp16 too; and the shard's `inputs`, which the
+    toolkit would otherwise take in int8 (measured: worst cosine 0.747 -> 0.780 on the first four
+    layers of all-mpnet-base-v2)."""
+    names = list(inputs)
     for node in nodes:
         if is_linear(node) and node.name not in promoted:
             continue
