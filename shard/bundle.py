@@ -39,6 +39,7 @@ class ShardSpec:
     edge_shapes: dict[str, list[int]] = field(default_factory=dict)  # inputs the graph takes in another (4-D) shape
     build_options: dict = field(default_factory=dict)  # its toolkit options where not the manifest's (int8)
     dataset: list[list[str]] = field(default_factory=list)  # its quantization samples: per sample, .npy per input
+    edge_scales: dict[str, list] = field(default_factory=dict)  # edge: [the model's tensor, k], held / 2^k
 
 
 @dataclass

@@ -371,6 +371,9 @@ class BundleWriter:
         """The bundle of the chosen builds in `folder`: shard files, host tables, logs, manifest, report."""
         ctx = self.ctx
         specs = keep_files(folder, self.tgt, chosen, self.profile.cores, self.build, self.edge_shapes, self.jobs)
+        for spec in specs:  # edges scale_sandwich holds divided by a power of two (verify feeds them so)
+            spec.edge_scales = {t.name: list(ctx.scales[t.name]) for t in (*spec.inputs, *spec.outputs)
+                                if t.name in ctx.scales}
         for path in (f for step in host_pre for f in step_files(step)):
             (folder / path).parent.mkdir(exist_ok=True)
             np.save(folder / path, ctx.host_tables[path], allow_pickle=False)

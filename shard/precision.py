@@ -1,12 +1,13 @@
 """Mixed precision: which ops of a shard run in int8 and which stay in fp16.
 
 On RK3588 the MACs of a transformer are in its constant-weight linears (a MatMul with constant
-weights lowers to a Conv: per-channel int8 weights), about 95 % at sequence 128; what int8 breaks
-is elsewhere and in the linears' inputs. Measured on all-mpnet-base-v2's first four layers, on the
-simulator fed the reference's tensors: every op in int8, cosine 0.50-0.63; residual adds and
-LayerNorms in fp16, 0.74-0.87; only the linears in int8, 0.78-0.88. Per-tensor int8 of a linear's
-input is the error that remains (numpy, the same layers: 3.8 % of the output's norm at the median
-linear, 12 % at the worst; per-channel int8 weights add 0.5 %).
+weights lowers to a Conv: per-channel int8 weights), about 95 % at sequence 128. Measured on
+all-mpnet-base-v2's first four layers, on the simulator fed the reference's tensors (8 sentences):
+every op in int8, cosine 0.50-0.63; residual adds and LayerNorms in fp16, 0.74-0.87; only the
+linears in int8, 0.75-0.88. What remains is the linears' int8 itself (numpy, the same layers:
+per-tensor int8 of the input costs 3.8 % of the output's norm at the median linear, 12 % at the
+worst; per-channel int8 weights 0.5 %). Smoothing their inputs did not help the real build
+(shard.passes.scale_sandwich's docstring has the numbers).
 
 So `mixed` starts from the linears in int8 and everything else in fp16, and moves linears to fp16
 in the order of their input's int8 error (measured on the calibration samples) until the bundle's

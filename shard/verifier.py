@@ -62,6 +62,12 @@ def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return pieces
 
 
+def scaled_edges(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reference's values of the edges scale_sandwich holds divided by 2^k (as the shards pass them)."""
+    return {name: expected[source] * np.float32(2.0 ** -k) for shard in manifest.shards
+            for name, (source, k) in shard.edge_scales.items() if source in expected}
+
+
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
                   progress: Callable[[str, int, int], None] = lambda *a: None,
@@ -86,6 +92,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
         expected.update(inputs)
         run_host(manifest.host_pre, expected, tables)  # the tensors the first shards take, as the runtime makes them
         expected.update(unjoin(manifest, expected))
+        expected.update(scaled_edges(manifest, expected))
         references.append(expected)
         progress("reference (onnxruntime)", k + 1, len(samples))
 

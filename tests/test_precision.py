@@ -67,7 +67,7 @@ def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path
     model = tmp_path / "grow.onnx"
     out = shard_cli("zoo", "export", "growing-cnn", "-o", model)
     assert out.returncode == 0, out.stderr
-    out = shard_cli("compile", model, "--check-fidelity", "-o", tmp_path / "g.shard")
+    out = shard_cli("compile", model, "--shards", "2", "-o", tmp_path / "g.shard")   # fidelity checked by default
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "g.shard" / "report.json").read_text())
     fidelity = report["versus_vendor"]["fidelity"]
@@ -76,8 +76,11 @@ def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path
     changes = report["passes"]["scale_sandwich"]["changes"]
     assert len([c for c in changes if c["op"] == "Conv"]) >= 2   # a chain of factors, one per layer that needs one
     assert [s["type"] for s in report["host_post"]] == ["Mul"]
+    scaled = [e for s in read_manifest(tmp_path / "g.shard").shards for e in s.edge_scales.values()]
+    assert scaled and all(k > 0 for _, k in scaled)      # the edge between the shards is held scaled
     out = shard_cli("verify", tmp_path / "g.shard", "-r", model, "--min-cosine", "0.9999")
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 0 and "not checked alone" not in out.stdout, out.stdout + out.stderr
+    assert out.stdout.count("shard_00") == 2             # both checked fed the reference's (scaled) tensors
 
 
 def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):

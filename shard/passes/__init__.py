@@ -42,6 +42,7 @@ class PassContext:
     build_config: dict = field(default_factory=dict)          # extra toolkit config(...) for every shard
     snapshots: dict[str, gs.Graph] = field(default_factory=dict)   # {pass: a copy of the graph after it}
     samples: list[dict[str, np.ndarray]] | None = None       # calibration samples (shard.calibration)
+    scales: dict[str, tuple[str, int]] = field(default_factory=dict)   # tensor: (the reference's, k), held / 2^k
     warnings: list[str] = field(default_factory=list)         # for the user, in the report and the summary
     plan: object = None  # set by partition
 

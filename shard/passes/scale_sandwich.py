@@ -81,6 +81,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     report["max_relative_change"] = moved
     if moved > CHECK_RTOL:
         ctx.host_candidates -= {c["node"] for c in changes}
+        ctx.scales.clear()
         return before, {**report, "changes": [], "undone": changes,
                         "not_fixed": over + [{"node": c["node"], "op": c["op"], "reason": c["reason"],
                                        "action": f"undone: the outputs moved by {moved:.2g} of their range in fp32"}
@@ -302,6 +303,7 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
                 node.attrs["epsilon"] = float(node.attrs.get("epsilon", 1e-5)) * 4.0 ** -ks[0]
         else:
             restore_inputs(node, variables, ks)
+    ctx.scales.update({name: (name, v) for name, v in k.items() if v})
     for out in list(graph.outputs):
         if k.get(out.name):
             changes.append(restore_output(graph, out, k[out.name], ctx))
@@ -319,6 +321,7 @@ def restore_output(graph: gs.Graph, out: gs.Variable, k: int, ctx: PassContext) 
     """A graph output carried divided by 2^k: the NPU side ends at the scaled tensor, and a Mul
     marked for the host (fp32) gives back the true values under the output's own name."""
     held = gs.Variable(f"{out.name}/x2^{-k}", dtype=out.dtype, shape=out.shape)
+    ctx.scales[held.name] = (out.name, k)
     for user in list(out.outputs):   # ops inside the graph took it scaled already
         user.inputs[user.inputs.index(out)] = held
     producer = out.inputs[0]
