@@ -21,8 +21,8 @@ from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
-from shard.never_worse import (AXES, HARD_AXES, Figures, comparison_line, fidelity_worse, original_plans, per_axis,
-                               prune_host_steps, vendor_model, verdict)
+from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, original_plans,
+                               per_axis, prune_host_steps, vendor_model, verdict)
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality
@@ -533,7 +533,9 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     bundled = theirs if fall_back else ours
     versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs),
-              "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs),
+              "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs) + (
+                  "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
+                                          "choice: forced tiles, fp16 ops of mixed precision, range rescales)"),
               "bundle": "vendor alone" if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
     return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
 
