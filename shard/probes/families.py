@@ -161,6 +161,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("layernorm-magnitude", "LayerNormalization on [1,64,768], inputs uniform in [-N, N]",
            lambda n, s: layernorm(64, 768), {"r64": {}}, 1, 1 << 15, numeric=True,
            input_range=lambda n, s: float(n)),
+    # fp16's range as the NPU keeps it: x + x past 65504 is inf. scale_sandwich reads this limit.
+    Family("add-magnitude", "Add x + x on [1,64,768] (outputs up to 2N), inputs uniform in [-N, N]",
+           lambda n, s: small_model([helper.make_node("Add", ["x", "x"], ["y"])], [("x", [1, 64, 768])],
+                                    [("y", [1, 64, 768])]), {"r64": {}}, 1, 1 << 17, numeric=True,
+           input_range=lambda n, s: float(n)),
     Family("softmax-magnitude", "Softmax(axis=-1) on [1,12,64,64], inputs uniform in [-N, N]",
            lambda n, s: softmax([1, 12, 64, 64]), {"h12": {}}, 1, 1 << 15, numeric=True,
            input_range=lambda n, s: float(n)),

@@ -128,9 +128,13 @@ def hybrid_build(rknn, config, dataset, onnx, float16):
         text = f.read()
     body = text[text.index("quantize_parameters:"):]
     operands = re.findall(r"^    (\S.*):$", body, flags=re.M)
+    import onnx as onnx_lib  # the toolkit's own; a graph input itself is no layer (step 2 refuses it)
+
+    graph = onnx_lib.load(onnx, load_external_data=False).graph
+    inputs = {i.name for i in graph.input}
     wanted = set(float16)
-    chosen = [op for op in operands if op in wanted or op.split("#")[0] in wanted
-              or any(op.startswith(name + sep) for name in wanted for sep in ("_", "-"))]
+    chosen = [op for op in operands if op not in inputs and (op in wanted or op.split("#")[0] in wanted
+              or any(op.startswith(name + sep) for name in wanted for sep in ("_", "-")))]
     for _ in range(len(chosen) + 1):
         layers = "".join(f"    {json.dumps(op)}: float16\n" for op in chosen)
         with open(f"{stem}.quantization.cfg", "w") as f:
@@ -141,7 +145,7 @@ def hybrid_build(rknn, config, dataset, onnx, float16):
         try:
             return rknn, rknn.hybrid_quantization_step2(model_input=f"{stem}.model", data_input=f"{stem}.data",
                                                         model_quantization_cfg=f"{stem}.quantization.cfg")
-        except ValueError as exc:  # a graph input or a weight: not a layer the toolkit can move
+        except ValueError as exc:  # a weight or a fused constant: not a layer the toolkit can move
             refused = re.search(r"Invalid operands name '([^']*)'", str(exc))
             if not refused or refused.group(1) not in chosen:
                 raise
