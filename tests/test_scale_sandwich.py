@@ -15,8 +15,8 @@ from shard.compiler import CompileOptions
 from shard.graph import infer_shapes
 from shard.passes import PassContext
 from shard.passes.host_edges import host_edges
-from shard.passes.scale_sandwich import MASK_FLOOR, scale_sandwich
-from shard.profile import Profile
+from shard.passes.scale_sandwich import FP16_RANGE, MASK_FLOOR, scale_sandwich
+from shard.profile import Limit, Profile
 from shard.runtime.host import run_host
 
 FINFO_MIN = float(np.finfo(np.float32).min)
@@ -25,7 +25,8 @@ FINFO_MIN = float(np.finfo(np.float32).min)
 def sandwiched(model, samples: list[dict], safe: float = 64.0, precision: str = "int8"):
     """The pass on `model`, then host_edges (the host's restores): (graph, ctx, report)."""
     graph = infer_shapes(gs.import_onnx(model))
-    ctx = PassContext(profile=Profile("rk3588", 3, "test", facts={"fp16_safe_absmax": safe}),
+    limit = Limit(value=int(safe * 2), failure="numeric", evidence="test", source="test")   # margin 4: safe = 2N/4
+    ctx = PassContext(profile=Profile("rk3588", 3, "test", limits={FP16_RANGE: limit}, facts={"fp16_range_margin": 4.0}),
                       options=CompileOptions(precision=precision, calib="given"))
     ctx.samples = samples
     graph, report = scale_sandwich(graph, ctx)

@@ -8,8 +8,9 @@ Two forms, both sized from calibration samples (onnxruntime's ranges of every fl
   int8 of a trained BERT encoder: cosine 0.46-0.50, 0.86-0.87 with the constant at -30, measured).
   The fill is clamped to the smallest value that changes nothing after the softmax in fp32: below
   every calibrated score by MASK_MARGIN (exp(-32) = 1.3e-14, under fp32's rounding of a sum of ones).
-- range rescales. Where a calibrated activation leaves the fp16 range the profile gives
-  (`fp16_safe_absmax`: 65504 over a margin, as the simulator may be kinder than the board), tensors
+- range rescales. Where a calibrated activation leaves the fp16 range the probe found
+  (`add-magnitude`: x + x stays finite up to N = 32760 on toolkit 2.5.0, so 65520) over the
+  profile's `fp16_range_margin` (4: the simulator may be kinder than the board), tensors
   are carried divided by powers of two: Conv/Gemm/MatMul with constant weights fold the factor into
   their weights and biases, positively homogeneous ops (ReLU, pooling, layout ops, constant Mul)
   pass it on, Add/Sub bring both sides to one factor, LayerNormalization absorbs it (epsilon
@@ -56,9 +57,10 @@ TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     from shard.calibration import calibration_samples, collect_stats
 
-    if "fp16_safe_absmax" not in ctx.profile.facts:
-        return graph, {"skipped": f"target {ctx.profile.target} computes in fp32 (no fp16_safe_absmax in its profile)"}
-    safe = float(ctx.profile.facts["fp16_safe_absmax"])
+    safe = fp16_safe_absmax(ctx.profile)
+    if safe is None:
+        return graph, {"skipped": f"profile {ctx.profile.target} has no {FP16_RANGE} limit (a target computing in "
+                                  f"fp32, or a profile probed before that family)"}
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = export(graph)
     stats = collect_stats(model, samples)
@@ -70,7 +72,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         stats = collect_stats(export(graph), samples)
     rescaled, over = rescale_ranges(graph, stats, safe, ctx)
     changes = clamps + rescaled
-    report = {"changes": changes, "not_fixed": over, "samples": len(samples), "fp16_safe_absmax": safe}
+    report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
     if changes and not ctx.options.calib:
         ctx.warnings.append(f"scale_sandwich sized its {len(changes)} changes from seeded random inputs; "
                             "pass --calib with real samples to size them for real data")
@@ -87,6 +89,18 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                                        "action": f"undone: the outputs moved by {moved:.2g} of their range in fp32"}
                                       for c in changes]}
     return graph, report
+
+
+FP16_RANGE = "add-magnitude@r64"   # the probe family that finds the largest value the NPU's fp16 holds
+
+
+def fp16_safe_absmax(profile) -> float | None:
+    """The largest activation the sandwich lets through: the probed fp16 range (x + x is finite up
+    to N = add-magnitude's limit, so 2N) over the profile's margin."""
+    limit = profile.limits.get(FP16_RANGE)
+    if limit is None or not limit.value:
+        return None
+    return 2.0 * limit.value / float(profile.facts.get("fp16_range_margin", 4.0))
 
 
 def export(graph: gs.Graph):
