@@ -7,8 +7,9 @@ sizes the scale sandwiches from them; `shard verify --inputs` runs each of them.
 seeded random samples stand in: their ranges are those of unit normals and {0, 1} ids, not the
 model's real inputs, so int8 scales and range sandwiches sized from them may not fit real data.
 
-Statistics are collected one sample at a time (every float tensor of a transformer at once would
-not fit in memory): per tensor its min, max and the absolute max of each channel of the last axis.
+Statistics are reductions added to the graph, so onnxruntime returns a few numbers per tensor (every
+float tensor of a transformer at once would not fit in memory): per tensor its min, max and the
+absolute max of each channel of the last axis.
 """
 
 from __future__ import annotations
@@ -41,11 +42,6 @@ class TensorStats:
     @property
     def absmax(self) -> float:
         return max(abs(self.min), abs(self.max))
-
-    def update(self, value: np.ndarray) -> None:
-        self.min = min(self.min, float(value.min()))
-        self.max = max(self.max, float(value.max()))
-        self.channel_absmax = np.maximum(self.channel_absmax, channel_absmax(value))
 
 
 def channel_absmax(value: np.ndarray) -> np.ndarray:
@@ -102,12 +98,20 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
     two graphs that differ by exact rewrites round alike."""
     import onnxruntime as ort
 
-    model = onnx.ModelProto.FromString(model.SerializeToString()) if model.ByteSize() < 1_800_000_000 else model
     present = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in dict.fromkeys(extra_outputs) if n not in present)
+    extra = [n for n in dict.fromkeys(extra_outputs) if n not in present]
+    if extra:  # on a copy: the caller's model keeps its outputs
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        model = copy
+        model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra)
     ort.set_default_logger_severity(3)  # its graph optimiser's warnings are not the user's business
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    opts.enable_cpu_mem_arena = False  # one pass over a large model: no arena sized for its peak to keep
+    # Each tensor's statistics as soon as it exists (stats_model): with the default order the
+    # reductions of SigLIP-512's 455 tensors ran late and held their inputs, 6.4 GB against 2.5 GB.
+    opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if model.ByteSize() < 1_800_000_000:
@@ -127,30 +131,76 @@ def run_each(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], names
         yield dict(zip(wanted, session.run(wanted, {k: v for k, v in sample.items() if k in feeds})))
 
 
-def float_tensors(model: onnx.ModelProto) -> list[str]:
-    """The names of every float tensor a node makes (what range statistics are kept for)."""
+def float_tensors(model: onnx.ModelProto) -> dict[str, int]:
+    """Every float tensor a node makes, with its rank (-1 where shape inference does not know it)."""
     inferred = onnx.shape_inference.infer_shapes(model) if model.ByteSize() < 1_800_000_000 else model
-    floats = {v.name for v in (*inferred.graph.value_info, *inferred.graph.output)
-              if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
-    return [o for node in model.graph.node for o in node.output if o in floats]
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) if v.type.tensor_type.HasField("shape") else -1
+             for v in (*inferred.graph.value_info, *inferred.graph.output)
+             if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    return {o: ranks[o] for node in model.graph.node for o in node.output if o in ranks}
+
+
+def stats_model(model: onnx.ModelProto, tensors: dict[str, int]) -> tuple[onnx.ModelProto, dict[str, tuple]]:
+    """The model with its outputs replaced by each tensor's min, max and per-channel absolute max
+    (reductions added to the graph): onnxruntime then returns a few numbers per tensor instead of
+    every activation (a SigLIP-512 forward pass holds gigabytes of them)."""
+    from onnx import helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 13)
+    nodes, outputs, names = [], [], {}
+
+    def reduce(op: str, src: str, dst: str, axes: list[int] | None) -> None:
+        if axes is None or opset < 18:
+            attrs = {"keepdims": 0, **({"axes": axes} if axes is not None else {})}
+            nodes.append(helper.make_node(op, [src], [dst], **attrs))
+        else:
+            const = f"{dst}/axes"
+            out.graph.initializer.append(onnx.numpy_helper.from_array(np.array(axes, np.int64), const))
+            nodes.append(helper.make_node(op, [src, const], [dst], keepdims=0))
+
+    for k, (name, rank) in enumerate(tensors.items()):
+        low, high, chan, magnitude = (f"shard.stats/{k}/{what}" for what in ("min", "max", "chan", "abs"))
+        reduce("ReduceMin", name, low, None)
+        reduce("ReduceMax", name, high, None)
+        nodes.append(helper.make_node("Abs", [name], [magnitude]))
+        reduce("ReduceMax", magnitude, chan, list(range(rank - 1)) if rank >= 2 else None)
+        outputs += [onnx.ValueInfoProto(name=n) for n in (low, high, chan)]
+        names[name] = (low, high, chan)
+    out.graph.node.extend(nodes)
+    del out.graph.output[:]
+    out.graph.output.extend(outputs)
+    return out, names
 
 
 def collect_stats(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]],
-                  names: list[str] | None = None) -> dict[str, TensorStats]:
+                  names: list[str] | None = None, ranks: dict[str, int] | None = None) -> dict[str, TensorStats]:
     """Range statistics of the named tensors (default: every float tensor, the inputs included) over
-    the samples."""
+    the samples, reduced inside onnxruntime. ranks: {float tensor a node makes: rank} where the caller
+    knows them (else onnx's shape inference, a copy of the model, finds them)."""
     every = names is None
-    names = float_tensors(model) if every else names
+    made = float_tensors(model) if ranks is None else ranks
+    wanted = made if every else {n: made[n] for n in names if n in made}
+    reduced, outs = stats_model(model, wanted)
     stats: dict[str, TensorStats] = {}
-    for sample, values in zip(samples, run_each(model, samples, names)):
-        inputs = {k: v for k, v in sample.items() if every or k in names}
-        for name, value in {**inputs, **values}.items():
-            if not isinstance(value, np.ndarray) or value.dtype.kind != "f" or not value.size:
-                continue
-            if name in stats:
-                stats[name].update(value)
-            else:
-                stats[name] = TensorStats(name, float(value.min()), float(value.max()), channel_absmax(value))
+
+    def add(name: str, low: float, high: float, chan: np.ndarray) -> None:
+        if name in stats:
+            s = stats[name]
+            s.min, s.max = min(s.min, low), max(s.max, high)
+            s.channel_absmax = np.maximum(s.channel_absmax, chan)
+        else:
+            stats[name] = TensorStats(name, low, high, chan)
+
+    flat = [n for triple in outs.values() for n in triple]
+    for sample, values in zip(samples, run_each(reduced, samples, flat)):
+        for name, value in sample.items():
+            if (every or name in names) and value.dtype.kind == "f" and value.size:
+                add(name, float(value.min()), float(value.max()), channel_absmax(value))
+        for name, (low, high, chan) in outs.items():
+            if values[low].size:
+                add(name, float(values[low]), float(values[high]), np.atleast_1d(values[chan]).astype(np.float64))
     return stats
 
 

@@ -63,13 +63,13 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                                   f"fp32, or a profile probed before that family)"}
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = export(graph)
-    stats = collect_stats(model, samples)
+    stats = collect_stats(model, samples, ranks=float_ranks(graph))
     before = graph.copy()
     quantized = getattr(ctx.options, "precision", "fp16") != "fp16"
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
-        stats = collect_stats(export(graph), samples)
+        stats = collect_stats(export(graph), samples, ranks=float_ranks(graph))
     rescaled, over = rescale_ranges(graph, stats, safe, ctx)
     changes = clamps + rescaled
     report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
@@ -101,6 +101,12 @@ def fp16_safe_absmax(profile) -> float | None:
     if limit is None or not limit.value:
         return None
     return 2.0 * limit.value / float(profile.facts.get("fp16_range_margin", 4.0))
+
+
+def float_ranks(graph: gs.Graph) -> dict[str, int]:
+    """{float tensor a node makes: its rank}, from the shapes canonicalize left on the graph."""
+    return {t.name: len(t.shape) if t.shape is not None else -1 for t in graph.tensors().values()
+            if isinstance(t, gs.Variable) and t.inputs and is_float(t)}
 
 
 def export(graph: gs.Graph):
