@@ -93,3 +93,16 @@ def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):
     assert cache.key(job([[data[0]]])) != cache.key(job([[data[1]]]))
     assert cache.key(job([[data[0]]])) == cache.key(job([[data[0]]]))
     assert cache.key(job([[data[0]]]), {"float16": ["a"]}) != cache.key(job([[data[0]]]), {"float16": ["b"]})
+
+
+def test_range_sandwich_carries_a_residual_stream_past_fp16(tmp_path):
+    # A ViT whose residual stream has a 1e5 channel (zoo --outliers), past fp16's 65504: every
+    # residual add is held divided by a power of two, the LayerNorms absorb it.
+    model = tmp_path / "vit.onnx"
+    out = shard_cli("zoo", "export", "vit-tiny", "--layers", "2", "--outliers", "100000", "-o", model)
+    assert out.returncode == 0, out.stderr
+    result = shard.compile(model, "rk3588", tmp_path / "v.shard", CompileOptions())   # fidelity checked by default
+    fidelity = result.report["versus_vendor"]["fidelity"]
+    assert not fidelity["vendor"] >= 0.99 and fidelity["shard"] >= 0.9999
+    adds = [c for c in result.report["passes"]["scale_sandwich"]["changes"] if c["op"] == "Add"]
+    assert len(adds) >= 4                                   # both residual adds of both layers
