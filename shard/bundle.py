@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 4  # 4: a shard's own build options and quantization samples (int8); 3: host steps of ONNX ops,
+SCHEMA_VERSION = 4  # 4: a shard's own precision, build options, quantization samples, scaled edges; 3: host steps,
                     # shards with edge shapes and the build they kept
 MANIFEST = "manifest.json"
 
