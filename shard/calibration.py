@@ -100,6 +100,7 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
 
     present = {o.name for o in model.graph.output}
     extra = [n for n in dict.fromkeys(extra_outputs) if n not in present]
+    small = model.ByteSize() < 1_800_000_000   # protobuf's 2 GB cap (computing the size walks the model)
     if extra:  # on a copy: the caller's model keeps its outputs
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -114,7 +115,7 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
     opts.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if model.ByteSize() < 1_800_000_000:
+    if small:
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="shard-ort-") as tmp:
         onnx.save(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
@@ -204,17 +205,22 @@ def collect_stats(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]],
     return stats
 
 
+def compile_samples(options, inputs: list) -> tuple[list[dict[str, np.ndarray]], str | None]:
+    """A compile's samples: the --calib file checked against the model's inputs, or seeded random ones
+    (RANDOM_SAMPLES where the precision quantizes, else one) and, for a quantized compile, the
+    warning that says what that costs."""
+    if getattr(options, "calib", None):
+        return load_samples(options.calib, inputs), None
+    if getattr(options, "precision", "fp16") == "fp16":
+        return random_samples(inputs, 1), None
+    samples = random_samples(inputs)
+    return samples, RANDOM_WARNING.format(n=len(samples))
+
+
 def calibration_samples(ctx, inputs: list) -> list[dict[str, np.ndarray]]:
-    """The compile's samples (kept in the pass context): the --calib file checked against the model's
-    inputs, or seeded random ones (RANDOM_SAMPLES where the precision quantizes, else one) and, for
-    a quantized compile, a warning that says what that costs."""
+    """compile_samples, loaded once and kept in the pass context (its warning in ctx.warnings)."""
     if ctx.samples is None:
-        options = ctx.options
-        if getattr(options, "calib", None):
-            ctx.samples = load_samples(options.calib, inputs)
-        elif getattr(options, "precision", "fp16") == "fp16":
-            ctx.samples = random_samples(inputs, 1)
-        else:
-            ctx.samples = random_samples(inputs)
-            ctx.warnings.append(RANDOM_WARNING.format(n=len(ctx.samples)))
+        ctx.samples, warning = compile_samples(ctx.options, inputs)
+        if warning:
+            ctx.warnings.append(warning)
     return ctx.samples

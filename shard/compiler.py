@@ -111,12 +111,11 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     canonical = ctx.snapshots.pop("canonicalize", None)
     originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
     quantized = options.precision in QUANTIZED
-    values = quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized else None
+    values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
+                     else (None, None))
     if options.precision == "mixed":
         from shard.precision import rank_linears
-        from shard.runtime.host import run_host
 
-        feeds = [run_host(ctx.host_pre, dict(sample), ctx.host_tables) for sample in ctx.samples]
         ctx.reports["mixed"] = {"ranking": [asdict(c) for c in rank_linears(graph, feeds)],
                                 "promoted": sorted(options.promote)}
     t_passes = time.monotonic() - t0
@@ -225,7 +224,7 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
     its report listing every round."""
     from dataclasses import replace
 
-    from shard.calibration import load_samples, random_samples
+    from shard.calibration import compile_samples
 
     output = Path(output) if output else default_output(Path(model))
     check_output_path(output)
@@ -240,9 +239,8 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
             result = compile_model(model, target, work / f"round{k}.shard",
                                    replace(options, promote=tuple(promoted), check_fidelity=False), progress)
             ranking = ranking or result.report["passes"]["mixed"]["ranking"]
-            if not rounds:
-                inputs = result.manifest.inputs
-                samples = load_samples(options.calib, inputs) if options.calib else random_samples(inputs)
+            if not rounds:   # the round's own compile reported the samples' warning
+                samples, _ = compile_samples(options, result.manifest.inputs)
             cosine = simulator_cosine(result.bundle, Path(model), samples[:FIDELITY_SAMPLES])
             int8 = result.report["totals"].get("int8_mac_share") or 0.0
             rounds.append({"round": k + 1, "fp16_share_of_linears": share, "promoted": tuple(promoted),
@@ -287,10 +285,11 @@ LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosi
 
 
 def quantization_values(ctx: PassContext, graph: gs.Graph, canonical: gs.Graph | None, plans: list,
-                        originals: list, progress: Progress) -> dict[str, list[np.ndarray]]:
+                        originals: list, progress: Progress) -> tuple[dict[str, list[np.ndarray]], list[dict]]:
     """Every shard input's value on each calibration sample, from onnxruntime: the rewritten graph
     (after the host's steps) for the shards, the canonical one for inputs only the unrewritten twins
-    have; the model's inputs themselves for the vendor alone."""
+    have; the model's inputs themselves for the vendor alone. Also the rewritten graph's inputs per
+    sample (the host's steps run), which mixed precision ranks its linears on."""
     from shard.calibration import calibration_samples, run_each
     from shard.runtime.host import run_host
 
@@ -315,7 +314,7 @@ def quantization_values(ctx: PassContext, graph: gs.Graph, canonical: gs.Graph |
                 for name, value in got.items():
                     values.setdefault(name, []).append(value)
     progress("calibration values of the shards' inputs", 1, 1)
-    return values
+    return values, feeds
 
 
 @dataclass

@@ -76,10 +76,13 @@ def mlp_chain(blocks: int, width: int = 16, seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, [("x", [1, 8, width])], [("y", [1, 8, width])], inits)
 
 
-def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    import onnxruntime as ort
+def run_ort(model: onnx.ModelProto, feeds: dict, optimize: bool = True) -> list[np.ndarray]:
+    """The model's outputs in onnxruntime (shard.calibration.ort_session); optimize=False: no graph
+    fusions, so graphs that differ by exact rewrites round alike."""
+    from shard.calibration import ort_session
 
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    session = ort_session(model, optimize=optimize)
+    return session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
 
 
 def shard_cli(*args, env_extra: dict | None = None, cwd=None) -> subprocess.CompletedProcess:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 from conftest import make_model
+from conftest import run_ort as conftest_run_ort
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
-from shard.calibration import collect_stats, ort_session
+from shard.calibration import collect_stats
 from shard.compiler import CompileOptions
 from shard.graph import infer_shapes
 from shard.passes import PassContext
@@ -46,11 +47,10 @@ def run_rewritten(graph: gs.Graph, ctx: PassContext, feeds: dict) -> dict:
 
 
 def run_ort(model, feeds: dict) -> list[np.ndarray]:
-    """onnxruntime without graph fusions: the graphs before and after a power-of-two rescale then
-    round alike, so the comparison can be tight (fusions reorder sums by a few ulps of the largest
-    intermediate, which a saturating op after it can turn into 1e-3 of its output)."""
-    session = ort_session(model, optimize=False)
-    return session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+    """Without graph fusions: the graphs before and after a power-of-two rescale then round alike, so
+    the comparison can be tight (fusions reorder sums by a few ulps of the largest intermediate,
+    which a saturating op after it can turn into 1e-3 of its output)."""
+    return conftest_run_ort(model, feeds, optimize=False)
 
 
 def assert_same(before: np.ndarray, after: np.ndarray) -> None:
