@@ -78,10 +78,11 @@ def parse_input_files(items: list[str]) -> dict:
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
-    target: str = typer.Option("rk3588", "--target", "-t", help="rk3588 or cpu."),
+    target: str = typer.Option("rk3588", "--target", "-t", help="rk3588, thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512."),
-    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core]."),
+    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; thor and cuda: "
+                                                    "pipeline stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
@@ -141,9 +142,37 @@ def describe_step(step: dict) -> str:
     return f"{step.get('type', step['op'])} {', '.join(step_inputs(step))} -> {', '.join(step_outputs(step))}"
 
 
+def stage_table(stages: list[dict], title: str) -> Table:
+    """The roofline of each pipeline stage (GPU targets): its floor, the predicted time, the bound."""
+    table = Table(title=title)
+    for col in ("stage", "nodes", "GFLOP", "weights MB", "DRAM MB", "floor ms", "predicted ms", "bound"):
+        table.add_column(col, justify="left" if col in ("stage", "bound") else "right")
+    for s in stages:
+        table.add_row(s["stage"], str(s["nodes"]), f"{s['flops'] / 1e9:.1f}", f"{s['weight_bytes'] / 1e6:.1f}",
+                      f"{s['bytes'] / 1e6:.1f}", f"{1e3 * s['floor_s']:.3f}", f"{1e3 * s['predicted_s']:.3f}", s["bound"])
+    return table
+
+
+def print_stage_report(report: dict) -> None:
+    stages = report["passes"]["stages"]["stages"]
+    console.print(stage_table(stages, f"{len(stages)} pipeline stages, {report.get('precision', 'fp16')}"))
+    for warning in report.get("warnings", []):
+        console.print(f"[yellow]warning[/]: {escape(warning)}")
+    fp8 = report["passes"].get("fp8_linears", {}).get("changes", [])
+    if fp8:
+        console.print(f"fp8_linears: {len(fp8)} linears in FP8 E4M3 with explicit Q/DQ "
+                      f"({report['passes']['fp8_linears']['samples']} calibration samples); the rest fp16")
+    slowest = max(s["predicted_s"] for s in stages)
+    console.print(f"predicted: one frame {1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, "
+                  f"pipelined {1 / slowest:.1f} frames/s (the slowest stage); "
+                  f"engines: `shard build-engines BUNDLE` on the device")
+
+
 def print_compile_report(report: dict) -> None:
     from shard.compiler import cycle_note
 
+    if "stages" in report["passes"]:
+        return print_stage_report(report)
     table = Table(title="shards")
     for col in ("shard", "core", "nodes", "GMACs", "build s", "REGTASK", "CPU ops", "1-core fallbacks", "est. Mcycles"):
         table.add_column(col, justify="right" if col != "shard" else "left")
@@ -343,11 +372,11 @@ def verify_command(
 @app.command("inspect")
 def inspect_command(
     model: Path = typer.Argument(..., help="An ONNX model."),
-    target: str = typer.Option("rk3588", help="rk3588 or cpu."),
+    target: str = typer.Option("rk3588", help="rk3588, thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
     profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
-    precision: str = typer.Option("fp16", help="fp16, int8 or mixed: which scale sandwiches apply."),
+    precision: str = typer.Option("fp16", help="fp16, int8 or mixed: which scale sandwiches apply (thor, cuda: fp16 or fp8)."),
     calib: Optional[Path] = typer.Option(None, help="Calibration samples (.npz, as compile takes them): the ranges "
                                                     "the scale sandwich works from [default: seeded random]."),
 ) -> None:
@@ -364,6 +393,9 @@ def inspect_command(
         progress("inspect (rewriting passes, one-op builds)", 0, 1)
         result = inspect_model(model, target, options)
         progress("inspect (rewriting passes, one-op builds)", 1, 1)
+    if result.stages:
+        console.print(stage_table(result.stages, f"{model.name} on {target}: pipeline stages (profile {result.profile})"))
+        return
     table = Table(title=f"{model.name} on {target}: ops over a limit (profile {result.profile})")
     for col in ("node", "op", "limit and evidence", "what compile does"):
         table.add_column(col, overflow="fold")

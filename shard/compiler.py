@@ -84,7 +84,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     tgt = get_target(target)
     check_output_path(output)
     tgt.check_environment()               # a missing toolkit fails before minutes of work
-    if options.precision in QUANTIZED and options.precision not in tgt.precisions:
+    if options.precision != "fp16" and options.precision not in tgt.precisions:
         raise ShardError(f"--precision {options.precision}: target {target} builds {', '.join(tgt.precisions)}")
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()
@@ -97,7 +97,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
     against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
     as_it_came = vendor_model(proto, options.input_shapes) if against_vendor else None
-    proto, prepared = prepare_model(proto)
+    proto, prepared = prepare_model(proto, tgt.min_opset)
     opset = default_opset(proto)
     graph = gs.import_onnx(proto)
     del proto
@@ -209,7 +209,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     return CompileResult(bundle=output, manifest=manifest, report=report)
 
 
-PRECISIONS = ("fp16", "int8", "mixed")
+PRECISIONS = ("fp16", "int8", "mixed", "fp8")
 QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
 MIXED_ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # shares of the linears' MACs moved to fp16, round by round
 
@@ -369,7 +369,8 @@ class BundleWriter:
     def write(self, folder: Path, chosen: list, host_pre: list[dict], host_post: list[dict]) -> tuple[Manifest, dict]:
         """The bundle of the chosen builds in `folder`: shard files, host tables, logs, manifest, report."""
         ctx = self.ctx
-        specs = keep_files(folder, self.tgt, chosen, self.profile.cores, self.build, self.edge_shapes, self.jobs)
+        cores = len(chosen) if self.tgt.stage_streams else self.profile.cores   # GPU: a stream per stage
+        specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs)
         for spec in specs:  # edges scale_sandwich holds divided by a power of two (verify feeds them so)
             spec.edge_scales = {t.name: list(ctx.scales[t.name]) for t in (*spec.inputs, *spec.outputs)
                                 if t.name in ctx.scales}
@@ -629,7 +630,7 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
                       legality=Legality(profile, ops) if profile.limits else None)
     try:
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
-                             dump_after=options.dump_after, until=until, snapshot=snapshot)
+                             dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)
     finally:
         if ops is not None:
             ops.close()

@@ -34,6 +34,7 @@ class Inspection:
     findings: list[Finding] = field(default_factory=list)
     host_pre: list[dict] = field(default_factory=list)
     host_post: list[dict] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)   # GPU targets: each pipeline stage's roofline
 
 
 def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> Inspection:
@@ -42,9 +43,11 @@ def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> In
     options = options or CompileOptions()
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()
-    proto, _ = prepare_model(load_model(model))
-    _, ctx = run_passes(gs.import_onnx(proto), get_target(target), profile, options, until="partition")
-    result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post)
+    tgt = get_target(target)
+    proto, _ = prepare_model(load_model(model), tgt.min_opset)
+    _, ctx = run_passes(gs.import_onnx(proto), tgt, profile, options, until=None if tgt.stage_streams else "partition")
+    result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post,
+                        stages=ctx.reports.get("stages", {}).get("stages", []))
     for name in ("slow_paths", "scale_sandwich", "legalize"):
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):

@@ -117,7 +117,8 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
             if missing:
                 report.skipped_shards[shard.name] = f"reference has no tensor {missing[0]}"
                 continue
-            got = session.run_shard(shard, {t.name: expected[t.name] for t in shard.inputs})
+            # in the shard's own types: a GPU bundle's stages pass fp16 between them
+            got = session.run_shard(shard, {t.name: expected[t.name].astype(t.dtype, copy=False) for t in shard.inputs})
             report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
             # The same outputs in the end-to-end run, where each shard took the bundle's own upstream
             # values: where this falls below the line above, error arrives from the shards before.

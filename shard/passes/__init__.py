@@ -50,29 +50,30 @@ class PassContext:
 # The order of the RK3588 pipeline; every name is a module in this package.
 PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "fusion_barrier", "scale_sandwich", "legalize",
             "host_edges", "partition"]
-REQUIRED = ("canonicalize", "partition")   # the compile cannot go on without these
+REQUIRED = ("canonicalize", "partition", "stages")   # the compile cannot go on without these
 
 
 def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (),
                  on_pass: Callable[[str], None] = lambda name: None,
                  dump_after: dict[str, str] | None = None, until: str | None = None,
-                 snapshot: tuple[str, ...] = ()) -> gs.Graph:
-    """Run each enabled pass in order; each must leave a valid, toposorted graph.
+                 snapshot: tuple[str, ...] = (), pipeline: tuple[str, ...] | list[str] = tuple(PIPELINE)) -> gs.Graph:
+    """Run each enabled pass of `pipeline` (the target's; RK3588's by default) in order; each must leave
+    a valid, toposorted graph.
     dump_after: {pass name: directory} to write the graph after that pass as ONNX.
     until: stop before this pass (inspect runs the rewrites without partitioning).
     snapshot: passes after which a copy of the graph goes into ctx.snapshots (weights shared)."""
-    from shard.passes import (canonicalize, fusion_barrier, host_edges, legalize, partition,  # noqa: F401
-                              scale_sandwich, slow_paths, tile_attention)
+    from shard.passes import (canonicalize, fp8_linears, fusion_barrier, host_edges, legalize,  # noqa: F401
+                              partition, scale_sandwich, slow_paths, stages, strong_types, tile_attention)
 
     for flag, names in (("--disable", disable), ("--dump-after", dump_after or {})):
-        unknown = set(names) - set(PIPELINE)
+        unknown = set(names) - set(pipeline)
         if unknown:
-            raise ShardError(f"{flag}: unknown pass {', '.join(sorted(unknown))}; passes: {', '.join(PIPELINE)}")
+            raise ShardError(f"{flag}: unknown pass {', '.join(sorted(unknown))}; passes: {', '.join(pipeline)}")
     required = set(disable) & set(REQUIRED)
     if required:
         raise ShardError(f"--disable: {', '.join(sorted(required))} cannot be disabled; "
-                         f"optional passes: {', '.join(p for p in PIPELINE if p not in REQUIRED)}")
-    for name in PIPELINE:
+                         f"optional passes: {', '.join(p for p in pipeline if p not in REQUIRED)}")
+    for name in pipeline:
         if name == until:
             break
         if name in disable:

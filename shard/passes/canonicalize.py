@@ -20,17 +20,18 @@ from shard.passes import PassContext, register
 MIN_OPSET = 13   # Slice takes its bounds as inputs from 10, ReduceSum and Split their axes from 13
 
 
-def prepare_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-    """The model in the form the passes and the toolkit take: opset >= MIN_OPSET where the onnx
-    version converter can lift it, no initializer listed as a graph input. Returns what changed."""
+def prepare_model(model: onnx.ModelProto, min_opset: int = MIN_OPSET) -> tuple[onnx.ModelProto, dict]:
+    """The model in the form the passes and the toolkit take: opset >= min_opset (the target's; at least
+    MIN_OPSET) where the onnx version converter can lift it, no initializer listed as a graph input.
+    Returns what changed."""
     notes = {}
     opset = default_opset(model)
     if 0 < opset < 7:
         notes["prelu_slopes_per_channel"] = channel_slopes(model)
-    if 0 < opset < MIN_OPSET:
+    if 0 < opset < min_opset:
         try:
-            model = onnx.version_converter.convert_version(model, MIN_OPSET)
-            notes["opset"] = f"{opset} -> {MIN_OPSET}"
+            model = onnx.version_converter.convert_version(model, min_opset)
+            notes["opset"] = f"{opset} -> {min_opset}"
         except Exception as exc:  # noqa: BLE001 - the converter raises bare RuntimeErrors of many kinds
             notes["opset"] = f"{opset} kept: the onnx version converter failed ({str(exc).splitlines()[0][:160]})"
     inits = {i.name for i in model.graph.initializer}

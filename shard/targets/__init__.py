@@ -39,6 +39,9 @@ class Target(Protocol):
     artifact_suffix: str | None
     vendor: bool                     # a vendor compiler builds the shards: compile compares with it alone
     precisions: tuple[str, ...]      # what its shards can be built in, default first
+    pipeline: tuple[str, ...]        # its passes, in order (shard.passes)
+    min_opset: int                   # the opset its shard files are lifted to, at least
+    stage_streams: bool              # shard k runs on stream ("core") k: a pipeline of stages (GPU)
 
     def build_options(self, options) -> dict: ...
 
@@ -68,9 +71,10 @@ class Target(Protocol):
 
 def get_target(name: str) -> Target:
     from shard.targets.cpu import CpuTarget
+    from shard.targets.gpu import GpuTarget
     from shard.targets.rk3588 import Rk3588Target
 
-    targets = {t.name: t for t in (Rk3588Target(), CpuTarget())}
+    targets = {t.name: t for t in (Rk3588Target(), GpuTarget("thor"), GpuTarget("cuda"), CpuTarget())}
     try:
         return targets[name]
     except KeyError:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from shard.passes import PIPELINE
+from shard.passes.canonicalize import MIN_OPSET
 from shard.targets import ShardBuild, ShardJob
 
 
@@ -13,6 +15,9 @@ class CpuTarget:
     artifact_suffix = None
     vendor = False
     precisions = ("fp32",)
+    pipeline = tuple(PIPELINE)
+    min_opset = MIN_OPSET
+    stage_streams = False
 
     def build_options(self, options) -> dict:
         return {}

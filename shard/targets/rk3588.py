@@ -7,6 +7,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
 
+from shard.passes import PIPELINE
+from shard.passes.canonicalize import MIN_OPSET
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.build_cache import BuildCache
 from shard.targets.rknn_log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
@@ -20,6 +22,9 @@ class Rk3588Target:
     artifact_suffix = ".rknn"
     vendor = True
     precisions = ("fp16", "int8", "mixed")
+    pipeline = tuple(PIPELINE)
+    min_opset = MIN_OPSET
+    stage_streams = False
 
     def build_options(self, options) -> dict:
         """The toolkit calls every shard is built with; the simulator replays them."""

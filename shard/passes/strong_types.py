@@ -1,0 +1,82 @@
+"""strong_types: every float tensor inside the graph becomes fp16, so the ONNX alone says what each op
+runs in (GPU targets).
+
+TensorRT 11 builds strongly typed networks only: the builder's precision flags are gone and each
+layer runs in the type its ONNX tensors have. So the stage files carry their precision: weights and
+activations in fp16, the model's own float inputs and outputs kept fp32 by a Cast at each edge (the
+bundle's interface does not change), Casts to float retargeted to fp16. Constants past fp16's range
+(the -3.4e38 of additive masks) saturate at +-65504, which changes nothing a softmax or a max
+computes. Resize's scales stay fp32, as the operator requires.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from shard.graph import replace_uses
+from shard.passes import PassContext, register
+
+FLOAT = (np.float32, np.float64)
+KEEP_FP32 = {("Resize", 2)}   # (op, input index) that the operator defines as float32
+FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def is_float32(tensor: gs.Tensor) -> bool:
+    try:
+        return tensor.dtype is not None and np.dtype(tensor.dtype).type in FLOAT
+    except TypeError:
+        return False   # an ONNX-only type (fp8)
+
+
+@register("strong_types")
+def strong_types(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
+    kept = {id(node.inputs[i]) for node in graph.nodes for op, i in KEEP_FP32
+            if node.op == op and len(node.inputs) > i}
+    edges = cast_edges(graph)
+    kept |= {id(t) for t in (*graph.inputs, *graph.outputs)}
+    saturated = 0
+    for tensor in graph.tensors().values():
+        if id(tensor) in kept or not is_float32(tensor):
+            continue
+        if isinstance(tensor, gs.Constant):
+            values = np.asarray(tensor.values)
+            saturated += int(np.count_nonzero(np.abs(values) > FP16_MAX))
+            tensor.values = np.asarray(np.clip(values, -FP16_MAX, FP16_MAX), dtype=np.float16)
+        else:
+            tensor.dtype = np.float16
+    retyped = 0
+    for node in graph.nodes:
+        if node.op == "Cast" and node.attrs.get("to") in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE) \
+                and all(node.outputs[0] is not t for t in graph.outputs):
+            node.attrs["to"] = onnx.TensorProto.FLOAT16
+            retyped += 1
+        if node.op == "ConstantOfShape" and isinstance(node.attrs.get("value"), gs.Constant) \
+                and is_float32(node.attrs["value"]):
+            node.attrs["value"].values = np.asarray(node.attrs["value"].values).astype(np.float16)
+    return graph, {"dtype": "float16", "edge_casts": edges, "casts_retyped": retyped,
+                   "saturated_constants": saturated}
+
+
+def cast_edges(graph: gs.Graph) -> int:
+    """A Cast to fp16 behind each float32 graph input and one back to float32 before each float32
+    output; returns how many."""
+    count = 0
+    for tensor in [t for t in graph.inputs if is_float32(t)]:
+        half = gs.Variable(f"{tensor.name}/fp16", dtype=np.float16, shape=tensor.shape)
+        replace_uses(tensor, half)
+        graph.nodes.insert(0, gs.Node("Cast", f"{tensor.name}/to_fp16", {"to": onnx.TensorProto.FLOAT16},
+                                      inputs=[tensor], outputs=[half]))
+        count += 1
+    for tensor in [t for t in graph.outputs if is_float32(t)]:
+        producer = tensor.inputs[0] if tensor.inputs else None
+        if producer is None:
+            continue
+        half = gs.Variable(f"{tensor.name}/fp16", dtype=np.float16, shape=tensor.shape)
+        replace_uses(tensor, half)
+        producer.outputs[producer.outputs.index(tensor)] = half
+        graph.nodes.append(gs.Node("Cast", f"{tensor.name}/to_fp32", {"to": onnx.TensorProto.FLOAT},
+                                   inputs=[half], outputs=[tensor]))
+        count += 1
+    return count

@@ -1,0 +1,110 @@
+"""Roofline cost of ops and stages on a GPU, from its profile: the floor each op cannot beat (FLOPs
+over the peak rate of its precision, bytes over DRAM bandwidth) and the predicted time, which uses
+what `shard probe --target cuda` measured where the profile has it (matrix-product rates by size,
+the shortest kernel) and the floor elsewhere.
+
+A node's precision is its output's float type; a MatMul/Gemm whose operands both come out of
+DequantizeLinear runs in fp8 (TensorRT fuses the pair into the product). Reshapes are views: free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from shard.graph import is_static
+from shard.passes.partition import estimate_macs
+
+PRODUCTS = ("MatMul", "Gemm", "Conv")
+VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+FLOAT_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp32"}
+
+
+@dataclass
+class Cost:
+    flops: float = 0.0
+    bytes: float = 0.0           # DRAM traffic: operands read (weights included) and results written
+    weight_bytes: float = 0.0
+    floor_s: float = 0.0         # the roofline: neither the peak rate nor the bandwidth can do better
+    predicted_s: float = 0.0     # with the measured rates and the shortest kernel, where the profile has them
+    compute_s: float = 0.0       # FLOPs over the peak (the compute side of the floor)
+    memory_s: float = 0.0        # bytes over the bandwidth (the memory side)
+    kernels: int = 0
+
+    def __iadd__(self, other: Cost) -> Cost:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        return self
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def tensor_bytes(tensor: gs.Tensor) -> float:
+    if not is_static(tensor.shape) or tensor.dtype is None:
+        return 0.0
+    try:
+        itemsize = np.dtype(tensor.dtype).itemsize
+    except TypeError:  # fp8 constants graphsurgeon keeps as ONNX types: one byte each
+        itemsize = 1
+    return float(np.prod(tensor.shape, dtype=np.int64)) * itemsize
+
+
+def node_precision(node: gs.Node) -> str:
+    if node.op in PRODUCTS and all(t.inputs and t.inputs[0].op == "DequantizeLinear" for t in node.inputs[:2]):
+        return "fp8"
+    out = node.outputs[0] if node.outputs else None
+    try:
+        return FLOAT_NAMES.get(np.dtype(out.dtype).name, "fp32") if out is not None and out.dtype else "fp32"
+    except TypeError:
+        return "fp8"
+
+
+def weight_of(tensor: gs.Tensor) -> gs.Constant | None:
+    """The constant behind an operand: itself, or what a DequantizeLinear of a constant reads."""
+    if isinstance(tensor, gs.Constant):
+        return tensor
+    if tensor.inputs and tensor.inputs[0].op == "DequantizeLinear" and isinstance(tensor.inputs[0].inputs[0], gs.Constant):
+        return tensor.inputs[0].inputs[0]
+    return None
+
+
+def node_cost(node: gs.Node, facts: dict) -> Cost:
+    if node.op in VIEWS or (node.op == "DequantizeLinear" and isinstance(node.inputs[0], gs.Constant)):
+        return Cost()  # a view, or a weight's dequantization folded into its product
+    precision = node_precision(node)
+    flops = 2.0 * estimate_macs(node) if node.op in PRODUCTS else float(estimate_macs(node))
+    weights = [w for w in (weight_of(t) for t in node.inputs) if w is not None]
+    weight_bytes = sum(tensor_bytes(w) for w in weights)
+    activations = [t for t in node.inputs if isinstance(t, gs.Variable) and weight_of(t) is None]
+    moved = weight_bytes + sum(tensor_bytes(t) for t in (*activations, *node.outputs))
+    peak = facts["peak_tflops"].get(precision, facts["peak_tflops"]["fp16"]) * 1e12
+    bandwidth = facts["bandwidth_gbs"] * 1e9
+    compute, memory = flops / peak, moved / bandwidth
+    rate = measured_rate(facts, precision, flops) if node.op in PRODUCTS else None
+    predicted = max(flops / rate if rate else compute, memory, facts.get("min_kernel_s", 0.0))
+    return Cost(flops=flops, bytes=moved, weight_bytes=weight_bytes, floor_s=max(compute, memory),
+                predicted_s=predicted, compute_s=compute, memory_s=memory, kernels=1)
+
+
+def measured_rate(facts: dict, precision: str, flops: float) -> float | None:
+    """FLOP/s of a matrix product of this many FLOPs, interpolated (log-log) between the sizes the
+    probe measured; None where the profile has no measurement for the precision."""
+    points = sorted(facts.get("gemm_tflops", {}).get(precision, []))
+    if not points or flops <= 0:
+        return None
+    x = math.log(flops / 1e9)
+    xs = [math.log(g) for g, _ in points]
+    ys = [math.log(t * 1e12) for _, t in points]
+    return math.exp(float(np.interp(x, xs, ys)))
+
+
+def stage_cost(nodes: list[gs.Node], facts: dict) -> Cost:
+    total = Cost()
+    for node in nodes:
+        total += node_cost(node, facts)
+    return total
