@@ -242,12 +242,15 @@ def print_compile_report(report: dict) -> None:
 def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy; seeded random inputs if absent."),
-    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator) or board [default: sim for rk3588]."),
+    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board (RK3588), cuda (any NVIDIA GPU "
+                                                     "with torch) or tensorrt (engines from build-engines) "
+                                                     "[default: sim for rk3588, cuda for thor and cuda]."),
     repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
     stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
     cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
-    schedule: str = typer.Option("balanced", help="balanced (any free core takes the most urgent ready shard) or "
-                                                  "round-robin (the manifest's placement; less memory)."),
+    schedule: Optional[str] = typer.Option(None, help="balanced (any free core takes the most urgent ready shard) or "
+                                                      "round-robin (the manifest's placement; less memory) "
+                                                      "[default: balanced; round-robin, a stream per stage, on GPUs]."),
     timeout: Optional[float] = typer.Option(None, help="Stop with an error if one shard runs longer (seconds)."),
     trace: Optional[Path] = typer.Option(None, help="Write every shard execution as a Chrome trace (Perfetto)."),
     seed: int = typer.Option(0, help="Seed of the random inputs (frame t of a stream uses seed + t)."),
@@ -318,7 +321,8 @@ def parse_cores(text: str | None) -> list[int] | None:
 def verify_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
-    backend: Optional[str] = typer.Option(None, help="cpu or sim [default: sim for rk3588]."),
+    backend: Optional[str] = typer.Option(None, help="cpu, sim, cuda or tensorrt [default: sim for rk3588, cuda for "
+                                                     "thor and cuda]."),
     min_cosine: float = typer.Option(0.999, help="Fail (exit 1) if an output's cosine is below this."),
     seed: int = typer.Option(0, help="Seed of the random inputs."),
     inputs: Optional[Path] = typer.Option(None, "--inputs", help="Samples to run, an .npz of arrays named after "
@@ -412,9 +416,29 @@ def inspect_command(
                   f"{counts['cpu']} ops that would run on the CPU")
 
 
+@app.command("build-engines")
+def build_engines_command(bundle: Path = typer.Argument(..., help="A bundle from `shard compile --target thor` "
+                                                                  "(or cuda).")) -> None:
+    """Build each stage's TensorRT engine here (on the device that will run it), then read back what
+    every engine really runs and fail where a layer asked for FP8 came out FP16 or FP32."""
+    from shard.targets.gpu.engines import build_engines
+
+    with progress_bar() as progress:
+        checks = build_engines(bundle, progress)
+    table = Table(title=f"{bundle.name}: engines, what their layers run")
+    for col in ("stage", "layers", "by precision", "FP8 nodes not visible (Myelin regions)"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(c.stage, str(c.layers), ", ".join(f"{k} {v}" for k, v in sorted(c.by_precision.items())),
+                      str(len(c.unseen)))
+    console.print(table)
+    console.print(f"engines in {bundle / 'engines'}; run with `shard run {bundle} --backend tensorrt`")
+
+
 @app.command("probe")
 def probe_command(
-    target: str = typer.Option("rk3588", help="The target whose compiler is probed."),
+    target: str = typer.Option("rk3588", help="The target whose compiler is probed; cuda measures the GPU at hand "
+                                              "(bandwidth, matrix-product rates) for the roofline."),
     families: Optional[str] = typer.Option(None, help="Comma-separated families [default: all]; see --list."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Builds at a time (one toolkit worker each)."),
     max_size: Optional[int] = typer.Option(None, help="Probe no size above this (caps every family)."),
@@ -448,6 +472,8 @@ def probe_command(
     if jobs < 1 or (max_size is not None and max_size < 1):
         raise ShardError("--jobs and --max-size must be at least 1")
     out = out or Path(f"{target}.profile.json")
+    if target == "cuda":   # a GPU: measured rates and bandwidth, no compiler limits to search
+        return probe_gpu(out)
     cache = default_cache_dir() if cache_dir is None else cache_dir
     started = time.perf_counter()
     with progress_bar() as progress:
@@ -475,6 +501,25 @@ def probe_command(
     console.print(f"{len(searches)} limits, {builds} builds, {cached} points from the cache ({cache}); "
                   f"{time.perf_counter() - started:.1f} s")
     console.print(f"profile: {out}")
+
+
+def probe_gpu(out: Path) -> None:
+    from shard.probes.cuda import probe_cuda
+
+    with progress_bar() as progress:
+        profile = probe_cuda(progress)
+    f = profile.facts
+    console.print(f"{f['gpu']}: {f['sms']} SMs, DRAM {f['bandwidth_gbs']:.0f} GB/s, shortest kernel "
+                  f"{1e6 * f['min_kernel_s']:.2f} us")
+    table = Table(title="matrix products, TFLOP/s by size")
+    table.add_column("precision")
+    for gflop, _ in next(iter(f["gemm_tflops"].values())):
+        table.add_column(f"{gflop:g} GFLOP", justify="right")
+    for precision, points in f["gemm_tflops"].items():
+        table.add_row(precision, *(f"{t:.1f}" for _, t in points))
+    console.print(table)
+    profile.save(out)
+    console.print(f"profile: {out} (use it with --target cuda --profile {out})")
 
 
 @toolkit_app.command("install")
@@ -525,7 +570,7 @@ def zoo_export(
     name: str = typer.Argument(..., help="A name from `shard zoo list`."),
     output: Path = typer.Option(..., "--output", "-o", help="The ONNX file to write."),
     layers: Optional[int] = typer.Option(None, help="Encoder layers [default: the real model's]."),
-    image_size: Optional[int] = typer.Option(None, help="Input image side, a multiple of 16."),
+    image_size: Optional[int] = typer.Option(None, help="Input image side, a multiple of the patch (16; 14 for so400m)."),
     outliers: float = typer.Option(0.0, help="Plant a massive-activation channel of this magnitude."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
 ) -> None:

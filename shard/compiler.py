@@ -371,6 +371,9 @@ class BundleWriter:
         ctx = self.ctx
         cores = len(chosen) if self.tgt.stage_streams else self.profile.cores   # GPU: a stream per stage
         specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs)
+        fp8 = {c["node"] for c in ctx.reports.get("fp8_linears", {}).get("changes", [])}
+        for spec in specs if fp8 else []:   # what build-engines checks each engine runs in FP8
+            spec.build_options = {**spec.build_options, "fp8_nodes": sorted(fp8 & set(spec.source_nodes))}
         for spec in specs:  # edges scale_sandwich holds divided by a power of two (verify feeds them so)
             spec.edge_scales = {t.name: list(ctx.scales[t.name]) for t in (*spec.inputs, *spec.outputs)
                                 if t.name in ctx.scales}

@@ -18,7 +18,7 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.errors import RunError
-from shard.runtime.executors import make_executors
+from shard.runtime.executors import STAGE_BACKENDS, make_executors, to_host
 from shard.runtime.host import load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
@@ -42,7 +42,7 @@ class Session:
     """
 
     def __init__(self, bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
-                 schedule: str = DEFAULT_SCHEDULE, timeout: float | None = None):
+                 schedule: str | None = None, timeout: float | None = None):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
         self.tables = load_tables(self.bundle, self.manifest.host_pre)
@@ -50,11 +50,12 @@ class Session:
         self.frames_run = 0
         self.backend = backend or default_backend(self.manifest)
         self.cores = check_cores(cores if cores is not None else default_cores(self.manifest, self.backend))
-        self.schedule = schedule
-        self.placements = placements(schedule, self.manifest.shards, self.cores)
+        # GPU stages keep a stream each (each loaded once); NPU shards go to any free core by default
+        self.schedule = schedule or ("round-robin" if self.backend in STAGE_BACKENDS else DEFAULT_SCHEDULE)
+        self.placements = placements(self.schedule, self.manifest.shards, self.cores)
         self.executors = make_executors(self.backend, self.bundle, self.manifest, self.placements)
         try:
-            self.scheduler = Scheduler(self.manifest.shards, self.executors, schedule, timeout)
+            self.scheduler = Scheduler(self.manifest.shards, self.executors, self.schedule, timeout)
         except BaseException:
             self._close_executors()
             raise
@@ -84,7 +85,7 @@ class Session:
         """Run one frame as `run` does; return every tensor the frame made, shard edges included."""
         tensors = self.scheduler.wait(self._submit(inputs))
         self._outputs(tensors)
-        return tensors
+        return {name: to_host(value) for name, value in tensors.items()}
 
     def run_stream(self, frames: Iterable[dict[str, np.ndarray]], depth: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Pipeline frames through the cores; yield each frame's outputs in input order.
@@ -115,7 +116,7 @@ class Session:
     def run_shard(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one shard alone on the first core that holds it, outside the scheduler (for verify)."""
         core = next(c for c in self.cores if shard in self.placements[c])
-        return self.executors[core].run(shard, inputs)
+        return {name: to_host(value) for name, value in self.executors[core].run(shard, inputs).items()}
 
     @property
     def executions(self) -> list[Execution]:
@@ -184,12 +185,13 @@ def default_cores(manifest: Manifest, backend: str) -> list[int]:
 
 
 def default_backend(manifest: Manifest) -> str:
-    return "cpu" if manifest.target == "cpu" else "sim"
+    return {"cpu": "cpu", "thor": "cuda", "cuda": "cuda"}.get(manifest.target, "sim")
 
 
 def load(bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
-         schedule: str = DEFAULT_SCHEDULE, timeout: float | None = None) -> Session:
-    """Open a bundle for running; backend is cpu, sim (rknn simulator) or board (on an RK3588)."""
+         schedule: str | None = None, timeout: float | None = None) -> Session:
+    """Open a bundle for running; backend is cpu, sim (rknn simulator), board (on an RK3588), cuda (any
+    NVIDIA GPU with torch) or tensorrt (engines from `shard build-engines`)."""
     return Session(bundle, backend, cores, schedule, timeout)
 
 

@@ -247,7 +247,7 @@ class Scheduler:
                     return
                 self.executions.append(Execution(shard.name, core, task.frame, started, ended,
                                                  sum(a.nbytes for a in inputs.values()),
-                                                 sum(np.asarray(a).nbytes for a in outputs.values())))
+                                                 sum(a.nbytes for a in outputs.values())))
                 frame.tensors.update(outputs)
                 frame.left -= 1
                 for j in self.users[task.shard]:

@@ -17,13 +17,14 @@ class ZooModel:
     image_size: int
     build: Callable  # (layers, image_size) -> torch.nn.Module taking pixel_values
     residual_writer: str  # a Linear whose output is added to the residual stream in the first layer ("" if none)
+    patch: int = 16       # the image side must be a multiple of this
 
 
-def _siglip(layers: int, image_size: int, hidden=768, heads=12, mlp=3072):
+def _siglip(layers: int, image_size: int, hidden=768, heads=12, mlp=3072, patch=16):
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     cfg = SiglipVisionConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                             num_attention_heads=heads, image_size=image_size, patch_size=16)
+                             num_attention_heads=heads, image_size=image_size, patch_size=patch)
     cfg._attn_implementation = "eager"
     return SiglipVisionModel(cfg)
 
@@ -55,6 +56,10 @@ def _growing_cnn(layers: int, image_size: int, channels=16, gain=4.0):
 MODELS = {m.name: m for m in (
     ZooModel("siglip-base-512", "SigLIP-base-patch16-512 vision encoder: hidden 768, 12 heads, MLP 3072, 1024 tokens",
              12, 512, _siglip, "encoder.layers.0.mlp.fc2"),
+    ZooModel("siglip-so400m-384", "SigLIP-so400m-patch14-384 vision encoder shape: hidden 1152, 16 heads, MLP 4304, "
+             "27 layers, 729 tokens (400 M parameters: the GPU pipeline's large model)", 27, 384,
+             lambda layers, size: _siglip(layers, size, hidden=1152, heads=16, mlp=4304, patch=14),
+             "encoder.layers.0.mlp.fc2", patch=14),
     ZooModel("vit-tiny", "ViT-tiny/16 encoder: hidden 192, 3 heads, MLP 768, 197 tokens (seconds to compile)",
              12, 224, _vit, "layers.0.mlp.fc2"),
     ZooModel("growing-cnn", "3x3 convolutions and ReLUs, activations 4x larger each layer: out of fp16's range "
@@ -79,8 +84,8 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
     spec = get_model(name)
     layers = layers or spec.layers
     image_size = image_size or spec.image_size
-    if layers < 1 or image_size < 16 or image_size % 16:
-        raise ShardError(f"need --layers >= 1 and --image-size a multiple of 16 (got {layers}, {image_size})")
+    if layers < 1 or image_size < spec.patch or image_size % spec.patch:
+        raise ShardError(f"need --layers >= 1 and --image-size a multiple of {spec.patch} (got {layers}, {image_size})")
     torch.manual_seed(seed)
     model = spec.build(layers, image_size).eval()
     if outliers and not spec.residual_writer:

@@ -10,7 +10,8 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import TargetError
 
-BACKENDS = ("cpu", "sim", "board")
+BACKENDS = ("cpu", "sim", "board", "cuda", "tensorrt")
+STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
 
 
 class Executor(Protocol):
@@ -27,7 +28,8 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest,
 
     cpu: one onnxruntime session per shard and core, one thread each (a core of the host stands in
     for an NPU core). sim: the simulator is a single process, so all cores share it and take turns.
-    board: one RKNNLite runtime per shard and core, bound with that core's mask.
+    board: one RKNNLite runtime per shard and core, bound with that core's mask. cuda, tensorrt: a
+    CUDA stream per core (pipeline stage), its stages captured as CUDA graphs.
     """
     if backend == "cpu":
         from shard.runtime.executors.cpu import CpuExecutor
@@ -39,6 +41,15 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest,
     if backend == "board":
         from shard.runtime.executors.rknn_board import RknnBoardExecutor
         return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core))
+    if backend in STAGE_BACKENDS:
+        from shard.runtime.host import step_inputs
+
+        leaving = {t.name for t in manifest.outputs} | {n for step in manifest.host_post for n in step_inputs(step)}
+        if backend == "cuda":
+            from shard.runtime.executors.cuda import CudaExecutor
+            return _each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving))
+        from shard.runtime.executors.tensorrt import TensorRTExecutor
+        return _each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving))
     raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
 
 
@@ -52,6 +63,11 @@ def _each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Execut
             executor.close()
         raise
     return made
+
+
+def to_host(value) -> np.ndarray:
+    """A tensor as numpy: GPU executors pass tensors between stages on the device."""
+    return value if isinstance(value, np.ndarray) else value.detach().cpu().numpy()
 
 
 def npu_inputs(shard: ShardSpec, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:

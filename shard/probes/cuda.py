@@ -1,0 +1,101 @@
+"""`shard probe --target cuda`: measure the GPU at hand the way thor.json states Thor's published
+figures, so the roofline (shard.targets.gpu.roofline) is checked against a real GPU.
+
+Measured with torch on the current device, CUDA events around CUDA-graph replays (no launch gaps):
+DRAM bandwidth (a device-to-device copy, bytes read plus written), the rate of square matrix
+products per precision and size (fp16, bf16; fp8 through torch._scaled_mm where the GPU has it),
+the peak of each, and the time of the shortest kernel (an add of one element), which is what every
+small op costs however few bytes it moves.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Callable
+
+from shard.profile import Profile
+
+SIZES = (256, 512, 1024, 2048, 4096, 8192)
+REPEATS = 20
+
+
+def time_graph(torch, fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Seconds per call of fn, replayed `repeats` times as one CUDA graph (after a warm-up)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeats):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()   # once untimed: the first replay uploads the graph
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / repeats)
+    return best
+
+
+def gemm(torch, n: int, precision: str) -> Callable[[], object]:
+    if precision == "fp8":
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()   # _scaled_mm wants B column-major
+        one = torch.ones((), device="cuda")
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+    return lambda: a @ b
+
+
+def probe_cuda(progress: Callable[[str, int, int], None] = lambda *a: None) -> Profile:
+    from shard.runtime.executors.gpu import require_cuda
+
+    torch = require_cuda("shard probe --target cuda", "run it on the machine whose GPU the profile is for")
+    props = torch.cuda.get_device_properties(0)
+    source = (f"shard probe --target cuda on {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+              f"{datetime.date.today()}")
+    precisions = ["fp16", "bf16"] + (["fp8"] if torch.cuda.get_device_capability() >= (8, 9) else [])
+    steps = 2 + len(precisions) * len(SIZES)
+    progress("bandwidth", 0, steps)
+    x = torch.empty(1 << 28, device="cuda", dtype=torch.float32)   # 1 GiB
+    y = torch.empty_like(x)
+    copy_s = time_graph(torch, lambda: y.copy_(x), repeats=5)
+    bandwidth = 2 * x.numel() * x.element_size() / copy_s / 1e9
+    del x, y
+    progress("shortest kernel", 1, steps)
+    tiny = torch.zeros(1, device="cuda")
+    min_kernel = time_graph(torch, lambda: tiny.add_(1), repeats=200)
+    curves: dict[str, list[list[float]]] = {}
+    done = 2
+    for precision in precisions:
+        for n in SIZES:
+            progress(f"matrix products, {precision}", done, steps)
+            seconds = time_graph(torch, gemm(torch, n, precision), repeats=max(3, REPEATS * 512 // n))
+            flops = 2.0 * n ** 3
+            curves.setdefault(precision, []).append([round(flops / 1e9, 3), round(flops / seconds / 1e12, 2)])
+            done += 1
+    torch.cuda.empty_cache()
+    progress("done", steps, steps)
+    peaks = {p: max(t for _, t in points) for p, points in curves.items()}
+    peaks["fp32"] = peaks["fp16"] / 2   # roofline needs a rate for any fp32 op; tf32 tensor cores run at half
+    facts = {
+        "gpu": props.name, "gpu_source": source,
+        "sms": props.multi_processor_count, "sms_source": source,
+        "memory_bytes": props.total_memory, "memory_bytes_source": source,
+        "bandwidth_gbs": round(bandwidth, 1),
+        "bandwidth_gbs_source": f"{source}: a 1 GiB device-to-device copy, bytes read plus written",
+        "peak_tflops": peaks, "peak_tflops_source": f"{source}: the fastest square matrix product of each "
+                                                   f"precision ({', '.join(map(str, SIZES))}); fp32: half of fp16",
+        "gemm_tflops": curves, "gemm_tflops_source": f"{source}: [GFLOP, TFLOP/s] of square products",
+        "min_kernel_s": min_kernel, "min_kernel_s_source": f"{source}: one-element adds replayed in a CUDA graph",
+        "dla": False, "dla_source": "a discrete NVIDIA GPU has no DLA",
+    }
+    return Profile(target="cuda", cores=1, toolkit=f"torch {torch.__version__} (CUDA {torch.version.cuda})",
+                   facts=facts)

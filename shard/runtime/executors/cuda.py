@@ -1,0 +1,28 @@
+"""cuda: each stage's ONNX run as torch operations (shard.runtime.executors.torch_graph), captured as a
+CUDA graph on its stream. Any NVIDIA GPU with torch runs a thor or cuda bundle this way, without
+TensorRT: what is measured on a GPU machine, and the fallback on a Thor whose TensorRT mishandles
+a precision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from shard.bundle import ShardSpec
+from shard.runtime.executors.gpu import StreamExecutor, require_cuda
+from shard.runtime.executors.torch_graph import TorchGraph
+
+
+class CudaExecutor(StreamExecutor):
+    def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
+                 graphs: bool = True):
+        if device == "cuda":
+            require_cuda()
+
+        def make_stage(shard: ShardSpec, buffers: list):
+            graph = TorchGraph(onnx.load(str(bundle / shard.onnx)), device, shard.name)
+            order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
+            return lambda inputs: graph(*[inputs[k] for k in order])
+
+        super().__init__(bundle, shards, leaving, make_stage, device, graphs)
