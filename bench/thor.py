@@ -4,7 +4,8 @@ hand, with the roofline cost model next to what each stage really takes. Needs a
     python bench/thor.py --models siglip-base-512,siglip-so400m-384 --stages 1,2,3,4
 
 1. The GPU's profile: `shard probe --target cuda` (bandwidth, matrix-product rates by size, the
-   shortest kernel), written to BUILD/cuda.profile.json once.
+   shortest kernel), written to BUILD/cuda.profile.json once; then, per model, `--ops` on its
+   one-stage bundle: every distinct op's kernel timed alone (what the cost model sums).
 2. Each zoo model exported (seeded weights), compiled with --target cuda --profile that --shards K
    for each K (K = 1 is the whole model as one stage, one CUDA graph on one stream).
 3. Each bundle run by the cuda executor: one frame's latency (median of --latency-runs), the
@@ -47,7 +48,7 @@ def stage_seconds(session: Session, repeats: int = 20) -> dict[str, float]:
     out = {}
     for shard in session.manifest.shards:
         executor = session.executors[shard.core]
-        graph = executor.prepared[shard.name][2]
+        graph = executor.prepared[shard.name].graph
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(executor.stream):
             graph.replay()
@@ -90,7 +91,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from shard.probes.cuda import probe_cuda
+    from shard.probes.cuda import measure_ops, probe_cuda
+    from shard.profile import load_profile
     from shard.zoo import export_model
 
     build = Path(args.build)
@@ -113,6 +115,11 @@ def main() -> None:
         x = random_inputs([TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim], "float32")
                            for i in graph.input])
         reference = next(run_each(onnx.load(str(model)), [x], [o.name for o in graph.output]))
+        whole = build / f"{name}-cuda-ops.shard"
+        compile_model(model, "cuda", whole, CompileOptions(shards=1, profile=str(profile), precision=args.precision))
+        measured = load_profile("cuda", profile)
+        measured.facts["op_seconds"] = {**measured.facts.get("op_seconds", {}), **measure_ops(whole)}
+        measured.save(profile)
         runs = {}
         for k in [int(s) for s in args.stages.split(",")]:
             bundle = build / f"{name}-cuda{k}-{args.precision}.shard"

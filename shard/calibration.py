@@ -26,7 +26,7 @@ from shard.errors import ShardError
 
 RANDOM_SAMPLES = 8
 RANDOM_WARNING = ("no --calib file: {n} seeded random samples stand in (unit normals, ids of 0 and 1); "
-                  "ranges measured on them may not be those of real inputs, so int8 scales and range "
+                  "ranges measured on them may not be those of real inputs, so int8 and fp8 scales and range "
                   "sandwiches can be off. Pass --calib FILE.npz with real samples.")
 
 

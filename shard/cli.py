@@ -454,6 +454,8 @@ def probe_command(
     on_board: bool = typer.Option(False, help="Also run each clean point on NPU core 0 with rknn-toolkit-lite2 "
                                               "(on an RK3588 board); a failure there is class `board`."),
     list_families: bool = typer.Option(False, "--list", help="List the families and exit."),
+    ops: Optional[Path] = typer.Option(None, "--ops", help="--target cuda: also time every distinct op of this "
+                                                           "thor/cuda bundle on the GPU (added to --out)."),
 ) -> None:
     """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
     from shard.probes.cache import default_cache_dir
@@ -473,7 +475,7 @@ def probe_command(
         raise ShardError("--jobs and --max-size must be at least 1")
     out = out or Path(f"{target}.profile.json")
     if target == "cuda":   # a GPU: measured rates and bandwidth, no compiler limits to search
-        return probe_gpu(out)
+        return probe_gpu(out, ops)
     cache = default_cache_dir() if cache_dir is None else cache_dir
     started = time.perf_counter()
     with progress_bar() as progress:
@@ -503,11 +505,18 @@ def probe_command(
     console.print(f"profile: {out}")
 
 
-def probe_gpu(out: Path) -> None:
-    from shard.probes.cuda import probe_cuda
+def probe_gpu(out: Path, ops: Path | None) -> None:
+    from shard.probes.cuda import measure_ops, probe_cuda
+    from shard.profile import load_profile
 
     with progress_bar() as progress:
-        profile = probe_cuda(progress)
+        profile = load_profile("cuda", out) if ops and out.exists() else probe_cuda(progress)
+        if ops:
+            measured = measure_ops(ops, progress)
+            profile.facts["op_seconds"] = {**profile.facts.get("op_seconds", {}), **measured}
+            profile.facts["op_seconds_source"] = (f"shard probe --target cuda --ops: each op of {ops.name} alone, "
+                                                  f"captured in a CUDA graph and replayed")
+            console.print(f"{len(measured)} distinct ops of {ops} timed")
     f = profile.facts
     console.print(f"{f['gpu']}: {f['sms']} SMs, DRAM {f['bandwidth_gbs']:.0f} GB/s, shortest kernel "
                   f"{1e6 * f['min_kernel_s']:.2f} us")
@@ -570,7 +579,7 @@ def zoo_export(
     name: str = typer.Argument(..., help="A name from `shard zoo list`."),
     output: Path = typer.Option(..., "--output", "-o", help="The ONNX file to write."),
     layers: Optional[int] = typer.Option(None, help="Encoder layers [default: the real model's]."),
-    image_size: Optional[int] = typer.Option(None, help="Input image side, a multiple of the patch (16; 14 for so400m)."),
+    image_size: Optional[int] = typer.Option(None, help="Input image side, at least one patch (16; 14 for so400m)."),
     outliers: float = typer.Option(0.0, help="Plant a massive-activation channel of this magnitude."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
 ) -> None:

@@ -57,7 +57,11 @@ def load_profile(target: str, path: str | Path | None = None) -> Profile:
         except (OSError, json.JSONDecodeError) as exc:
             raise ShardError(f"{path}: cannot read profile ({exc})") from None
     else:
-        data = json.loads(resources.files("shard.targets").joinpath("profiles").joinpath(f"{target}.json").read_text())
+        shipped = resources.files("shard.targets").joinpath("profiles").joinpath(f"{target}.json")
+        if not shipped.is_file():
+            raise ShardError(f"no profile ships for {target}: measure this machine's GPU with `shard probe --target "
+                             f"{target} -o {target}.profile.json` and pass --profile {target}.profile.json")
+        data = json.loads(shipped.read_text())
     profile = Profile.from_dict(data)
     if profile.target != target:
         raise ShardError(f"profile {path} is for {profile.target}, not {target}")

@@ -25,6 +25,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from shard.errors import ModelError
 from shard.calibration import calibration_samples, collect_stats, run_each
 from shard.graph import tensor_spec
 from shard.passes import PassContext, register
@@ -67,6 +68,9 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     found = linears(graph)
     if not found:
         return graph, {"changes": []}
+    if graph.opset < 19:
+        raise ModelError(f"--precision fp8 needs opset 19 (QuantizeLinear to FP8); the onnx version converter could "
+                         f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = gs.export_onnx(graph.copy(), do_type_check=False)
     stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}))

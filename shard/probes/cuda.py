@@ -5,13 +5,17 @@ Measured with torch on the current device, CUDA events around CUDA-graph replays
 DRAM bandwidth (a device-to-device copy, bytes read plus written), the rate of square matrix
 products per precision and size (fp16, bf16; fp8 through torch._scaled_mm where the GPU has it),
 the peak of each, and the time of the shortest kernel (an add of one element), which is what every
-small op costs however few bytes it moves.
+small op costs however few bytes it moves. With `--ops BUNDLE`, also every distinct op of a thor or
+cuda bundle's stages, each kernel captured alone and replayed (the cost model then sums measured
+kernels instead of guessing their efficiency).
 """
 
 from __future__ import annotations
 
 import datetime
 from typing import Callable
+
+from pathlib import Path
 
 from shard.profile import Profile
 
@@ -99,3 +103,41 @@ def probe_cuda(progress: Callable[[str, int, int], None] = lambda *a: None) -> P
     }
     return Profile(target="cuda", cores=1, toolkit=f"torch {torch.__version__} (CUDA {torch.version.cuda})",
                    facts=facts)
+
+
+def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None) -> dict[str, float]:
+    """{op signature (shard.targets.gpu.roofline.op_signature): seconds} for every distinct op of the
+    bundle's stages, as the cuda executor runs it: the op's torch form captured alone in a CUDA graph."""
+    import numpy as np
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    from shard.bundle import read_manifest
+    from shard.runtime.executors.gpu import require_cuda
+    from shard.runtime.executors.torch_graph import TorchGraph
+    from shard.targets.gpu.roofline import op_signature
+
+    torch = require_cuda("shard probe --target cuda --ops", "run it on the machine whose GPU the profile is for")
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    seconds: dict[str, float] = {}
+    for k, shard in enumerate(manifest.shards):
+        progress(f"ops of {shard.name}", k, len(manifest.shards))
+        model = onnx.load(str(bundle / shard.onnx))
+        graph = TorchGraph(model, "cuda", shard.name)
+        nodes = {t.name: n for n in gs.import_onnx(model).nodes for t in n.outputs}
+        env = dict(graph.values)
+        for spec in shard.inputs:
+            value = np.random.default_rng(0).standard_normal(spec.shape) if spec.dtype.startswith(("float", "bfloat")) \
+                else np.zeros(spec.shape)
+            env[spec.name] = torch.from_numpy(value).to("cuda", getattr(torch, spec.dtype))
+        with torch.no_grad():
+            for fn, ins, outs in graph.steps:
+                args = [env[i] if i else None for i in ins]
+                signature = op_signature(nodes[outs[0]])
+                if signature not in seconds:
+                    seconds[signature] = time_graph(torch, lambda: fn(*args))
+                results = fn(*args)
+                env.update(zip(outs, results if isinstance(results, tuple) else (results,)))
+    progress("ops", len(manifest.shards), len(manifest.shards))
+    return seconds

@@ -17,7 +17,7 @@ class ZooModel:
     image_size: int
     build: Callable  # (layers, image_size) -> torch.nn.Module taking pixel_values
     residual_writer: str  # a Linear whose output is added to the residual stream in the first layer ("" if none)
-    patch: int = 16       # the image side must be a multiple of this
+    patch: int = 16       # the patch side; a remainder of the image side is dropped (so400m: 384 = 27 x 14 + 6)
 
 
 def _siglip(layers: int, image_size: int, hidden=768, heads=12, mlp=3072, patch=16):
@@ -84,8 +84,9 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
     spec = get_model(name)
     layers = layers or spec.layers
     image_size = image_size or spec.image_size
-    if layers < 1 or image_size < spec.patch or image_size % spec.patch:
-        raise ShardError(f"need --layers >= 1 and --image-size a multiple of {spec.patch} (got {layers}, {image_size})")
+    if layers < 1 or image_size < spec.patch:
+        raise ShardError(f"need --layers >= 1 and --image-size of at least one patch, {spec.patch} "
+                         f"(got {layers}, {image_size})")
     torch.manual_seed(seed)
     model = spec.build(layers, image_size).eval()
     if outliers and not spec.residual_writer:

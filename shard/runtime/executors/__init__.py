@@ -42,14 +42,15 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest,
         from shard.runtime.executors.rknn_board import RknnBoardExecutor
         return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core))
     if backend in STAGE_BACKENDS:
-        from shard.runtime.host import step_inputs
+        from shard.runtime.host import step_inputs, step_outputs
 
         leaving = {t.name for t in manifest.outputs} | {n for step in manifest.host_post for n in step_inputs(step)}
+        entering = {t.name for t in manifest.inputs} | {n for step in manifest.host_pre for n in step_outputs(step)}
         if backend == "cuda":
             from shard.runtime.executors.cuda import CudaExecutor
-            return _each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving))
+            return _each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
         from shard.runtime.executors.tensorrt import TensorRTExecutor
-        return _each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving))
+        return _each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering))
     raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
 
 

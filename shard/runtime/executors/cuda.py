@@ -16,7 +16,7 @@ from shard.runtime.executors.torch_graph import TorchGraph
 
 class CudaExecutor(StreamExecutor):
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
-                 graphs: bool = True):
+                 graphs: bool = True, entering: set[str] = frozenset()):
         if device == "cuda":
             require_cuda()
 
@@ -25,4 +25,4 @@ class CudaExecutor(StreamExecutor):
             order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
             return lambda inputs: graph(*[inputs[k] for k in order])
 
-        super().__init__(bundle, shards, leaving, make_stage, device, graphs)
+        super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering)

@@ -24,7 +24,7 @@ def import_tensorrt():
 
 
 class TensorRTExecutor(StreamExecutor):
-    def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str]):
+    def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], entering: set[str] = frozenset()):
         trt = import_tensorrt()
         torch = require_cuda()
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -52,7 +52,7 @@ class TensorRTExecutor(StreamExecutor):
                 return outputs
             return run
 
-        super().__init__(bundle, shards, leaving, make_stage)
+        super().__init__(bundle, shards, leaving, make_stage, entering=entering)
 
     def close(self) -> None:
         super().close()

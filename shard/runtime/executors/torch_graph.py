@@ -230,12 +230,33 @@ def _conv(g, node, attrs):
     def run(x, w, b=None):
         rank = w.dim() - 2
         p = pads or [0] * (2 * rank)
+        if rank == 2 and group == 1 and not any(p) and list(w.shape[2:]) == list(_pair(strides)) \
+                and _pair(dilations) == [1, 1]:
+            return patches(x, w, b)
         conv = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]
         if p[:rank] == p[rank:]:
             return conv(x, w, b, strides, p[:rank], dilations, group)
         flat = [v for k in reversed(range(rank)) for v in (p[k], p[k + rank])]
         return conv(F.pad(x, flat), w, b, strides, 0, dilations, group)
     return run
+
+
+def _pair(value) -> list[int]:
+    return list(value) if isinstance(value, (list, tuple)) else [value, value]
+
+
+def patches(x, w, b):
+    """A convolution whose kernel is its stride (a ViT's patch embedding) as one matrix product over
+    the patches: measured on an H100, cuDNN took 89.5 us for SigLIP-so400m's 14x14 stride-14 fp16
+    convolution, a 1.9 GFLOP product that takes about 5."""
+    n, c, height, width = x.shape
+    out, _, ph, pw = w.shape
+    h, v = height // ph, width // pw
+    x = x[:, :, :h * ph, :v * pw].reshape(n, c, h, ph, v, pw).permute(0, 2, 4, 1, 3, 5).reshape(n * h * v, c * ph * pw)
+    y = x @ w.reshape(out, c * ph * pw).t()
+    if b is not None:
+        y = y + b
+    return y.reshape(n, h, v, out).permute(0, 3, 1, 2)
 
 
 @lowering("MaxPool", "AveragePool")

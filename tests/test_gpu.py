@@ -1,0 +1,281 @@
+"""GPU targets (thor, cuda) on this CPU machine: the stage files' types and Q/DQ, their numerics in
+onnxruntime and in the cuda executor's torch form (run on the CPU), the roofline, the stage cuts,
+and the engine precision check on engine information in TensorRT's JSON format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from conftest import DATA, mlp_chain, run_ort, shard_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+from shard.compiler import CompileOptions, compile_model
+from shard.passes import PassContext, run_pipeline
+from shard.passes.canonicalize import prepare_model
+from shard.profile import load_profile
+from shard.targets.gpu import MIN_OPSET, PIPELINE
+
+torch = pytest.importorskip("torch")
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def gpu_graph(model: onnx.ModelProto, precision: str = "fp16", until: str | None = None, **options):
+    ctx = PassContext(profile=load_profile("thor"), options=CompileOptions(precision=precision, **options))
+    model, _ = prepare_model(model, MIN_OPSET)   # as compile does: opset 19, where FP8 Q/DQ exists
+    graph = run_pipeline(gs.import_onnx(model), ctx, pipeline=PIPELINE, until=until)
+    return graph, ctx
+
+
+def float_types(graph: gs.Graph) -> dict[str, str]:
+    out = {}
+    for name, tensor in graph.tensors().items():
+        try:
+            out[name] = np.dtype(tensor.dtype).name if tensor.dtype is not None else "?"
+        except TypeError:
+            out[name] = str(tensor.dtype)
+    return out
+
+
+# strong_types
+
+
+def test_strong_types_makes_every_inner_float_fp16_and_keeps_the_edges():
+    model = mlp_chain(3)
+    graph, ctx = gpu_graph(model, until="fp8_linears")
+    types = float_types(graph)
+    edges = {"x", "y"}
+    assert {types[n] for n in edges} == {"float32"}
+    inner = {n: t for n, t in types.items() if n not in edges and t.startswith("float")}
+    assert inner and set(inner.values()) == {"float16"}, inner
+    assert ctx.reports["strong_types"]["edge_casts"] == 2
+    x = np.random.default_rng(0).standard_normal((1, 8, 16)).astype(np.float32)
+    want = run_ort(model, {"x": x})[0]
+    got = run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]
+    assert got.dtype == np.float32
+    assert cosine(want, got) > 0.9999
+
+
+def test_strong_types_saturates_mask_constants_and_keeps_resize_scales():
+    mask = helper.make_tensor("mask", TensorProto.FLOAT, [1, 4], [0, -3.4e38, 0, -3.4e38])
+    scales = helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Add", ["x", "mask"], ["s"], name="mask_add"),
+         helper.make_node("Softmax", ["s"], ["p"], name="softmax"),
+         helper.make_node("Reshape", ["p", "shape"], ["p4"], name="to4d"),
+         helper.make_node("Resize", ["p4", "", "scales"], ["y"], name="up", mode="nearest")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 2, 8])],
+        [mask, scales, helper.make_tensor("shape", TensorProto.INT64, [4], [1, 1, 1, 4])]),
+        opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    graph, ctx = gpu_graph(model, until="fp8_linears")
+    assert ctx.reports["strong_types"]["saturated_constants"] == 2
+    assert np.asarray(graph.tensors()["scales"].values).dtype == np.float32
+    x = np.array([[1.0, 2.0, 3.0, 4.0]], np.float32)
+    got = run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]
+    np.testing.assert_allclose(got, run_ort(model, {"x": x})[0], atol=1e-3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(blocks=st.integers(1, 3), width=st.sampled_from([8, 16, 24]), seed=st.integers(0, 1000))
+def test_strong_types_on_random_chains(blocks, width, seed):
+    model = mlp_chain(blocks, width, seed)
+    graph, _ = gpu_graph(model, until="fp8_linears")
+    x = np.random.default_rng(seed).standard_normal((1, 8, width)).astype(np.float32)
+    assert cosine(run_ort(model, {"x": x})[0], run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]) > 0.999
+
+
+# fp8_linears
+
+
+def test_fp8_linears_quantize_every_linear_and_keep_the_model():
+    model = mlp_chain(2)   # unit-normal weights: all four linears in FP8 keep cosine 0.9986
+    graph, ctx = gpu_graph(model, precision="fp8", until="stages", min_cosine=0.995)
+    report = ctx.reports["fp8_linears"]
+    assert {c["node"] for c in report["changes"]} == {"fc1_0", "fc2_0", "fc1_1", "fc2_1"}
+    assert report["rounds"][-1]["cosine"] >= 0.995 and report["fp8_linear_macs"] == 1.0
+    for node in graph.nodes:
+        if node.op == "MatMul":   # both operands come out of a DequantizeLinear, the weight from an FP8 constant
+            assert [t.inputs[0].op for t in node.inputs] == ["DequantizeLinear"] * 2
+            weight = node.inputs[1].inputs[0].inputs[0]
+            assert isinstance(weight, gs.Constant) and weight.dtype == onnx.TensorProto.FLOAT8E4M3FN
+    assert sum(n.op == "QuantizeLinear" for n in graph.nodes) == 4   # one per activation, none for weights
+    x = np.random.default_rng(1).standard_normal((1, 8, 16)).astype(np.float32)
+    assert cosine(run_ort(model, {"x": x})[0], run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]) > 0.995
+
+
+def test_fp8_linears_move_linears_back_to_fp16_until_the_cosine_holds():
+    graph, ctx = gpu_graph(mlp_chain(2), precision="fp8", until="stages", min_cosine=1.0)
+    rounds = ctx.reports["fp8_linears"]["rounds"]
+    assert [r["fp16_share_of_linears"] for r in rounds][0] == 0.0 and rounds[-1]["fp8_linear_macs"] == 0.0
+    assert len(rounds) > 2 and not any(n.op == "QuantizeLinear" for n in graph.nodes)
+    assert any("every linear stays fp16" in w for w in ctx.warnings)
+
+
+# stages and the roofline
+
+
+def test_stages_balance_predicted_time_and_never_cut_an_fp8_tensor():
+    graph, ctx = gpu_graph(mlp_chain(6), precision="fp8", shards=3)
+    plans = ctx.plan
+    assert len(plans) == 3
+    for plan in plans:
+        for t in (*plan.inputs, *plan.outputs):
+            assert t.dtype in (np.float16, np.float32) and not (t.inputs and t.inputs[0].op == "DequantizeLinear")
+    predicted = [s["predicted_s"] for s in ctx.reports["stages"]["stages"]]
+    assert max(predicted) < 1.6 * min(predicted)
+
+
+def test_roofline_uses_measured_kernels_where_the_profile_has_them():
+    from shard.targets.gpu.roofline import measured_rate, node_cost, op_signature
+
+    facts = json.loads((DATA / "h100.cuda.profile.json").read_text())["facts"]
+    graph, _ = gpu_graph(mlp_chain(1, 64), until="fp8_linears")
+    matmul = next(n for n in graph.nodes if n.op == "MatMul")
+    cost = node_cost(matmul, facts)
+    assert cost.flops == 2 * 8 * 64 * 128 and cost.weight_bytes == 64 * 128 * 2
+    assert cost.floor_s == max(cost.compute_s, cost.memory_s) and cost.predicted_s >= facts["min_kernel_s"]
+    measured = {**facts, "op_seconds": {op_signature(matmul): 1e-3}}
+    assert node_cost(matmul, measured).predicted_s == 1e-3
+    low, high = measured_rate(facts, "fp16", 1e8), measured_rate(facts, "fp16", 1e11)
+    assert 0 < low < high <= facts["peak_tflops"]["fp16"] * 1e12
+
+
+# the cuda executor's torch form, on the CPU
+
+
+@pytest.fixture(scope="module")
+def vit_bundles(tmp_path_factory):
+    from shard.zoo import export_model
+
+    root = tmp_path_factory.mktemp("thor")
+    model = export_model("vit-tiny", root / "vit.onnx", layers=3)
+    bundles = {p: compile_model(model, "thor", root / f"vit-{p}.shard",
+                                CompileOptions(precision=p, shards=2)).bundle for p in ("fp16", "fp8")}
+    return model, bundles
+
+
+def test_thor_bundle_holds_typed_stages_and_a_recipe(vit_bundles):
+    from shard.bundle import read_manifest
+
+    model, bundles = vit_bundles
+    for precision, bundle in bundles.items():
+        manifest = read_manifest(bundle)
+        assert manifest.target == "thor" and [s.core for s in manifest.shards] == [0, 1]
+        assert manifest.build["tensorrt"]["strongly_typed"] and manifest.build["precision"] == precision
+        ops = {n.op_type for s in manifest.shards for n in onnx.load(str(bundle / s.onnx)).graph.node}
+        assert ("QuantizeLinear" in ops) == (precision == "fp8")
+        if precision == "fp8":
+            assert all(s.build_options["fp8_nodes"] for s in manifest.shards)
+
+
+def test_thor_bundle_verifies_in_onnxruntime(vit_bundles):
+    from shard.verifier import verify_bundle
+
+    model, bundles = vit_bundles
+    for bundle in bundles.values():
+        report = verify_bundle(bundle, model, backend="cpu")
+        assert report.outputs[0].cosine >= 0.999, report.outputs
+        assert len(report.shards) == 2   # each stage checked alone too: cuts only at the model's own tensors
+
+
+def test_torch_form_of_each_stage_matches_onnxruntime(vit_bundles):
+    from shard.bundle import read_manifest
+    from shard.runtime import random_inputs
+    from shard.runtime.executors.cuda import CudaExecutor
+
+    model, bundles = vit_bundles
+    for precision, bundle in bundles.items():
+        manifest = read_manifest(bundle)
+        x = random_inputs(manifest.inputs)
+        want = run_ort(onnx.load(str(model)), x)[0]
+        executor = CudaExecutor(Path(bundle), manifest.shards, {t.name for t in manifest.outputs}, device="cpu")
+        tensors = dict(x)
+        for shard in manifest.shards:
+            tensors.update(executor.run(shard, tensors))
+        got = tensors["last_hidden_state"]
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32
+        assert cosine(want, got) > (0.9999 if precision == "fp16" else 0.999), precision
+        assert isinstance(executor.run(manifest.shards[0], x)[manifest.shards[0].outputs[0].name], torch.Tensor)
+
+
+def test_cpu_executor_runs_qdq_stages_as_written(vit_bundles):
+    """onnxruntime's Q/DQ propagation quantized the other readers of a Reshape's input: ViT-tiny's FP8
+    stages fell from cosine 0.99965 to 0.931 in the cpu executor."""
+    import onnxruntime as ort
+
+    from shard.bundle import read_manifest
+    from shard.runtime import random_inputs
+    from shard.runtime.executors.cpu import CpuExecutor
+
+    bundle = vit_bundles[1]["fp8"]
+    shard = read_manifest(bundle).shards[0]
+    x = random_inputs(shard.inputs)
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    path, name = str(bundle / shard.onnx), shard.outputs[0].name
+    exact = ort.InferenceSession(path, plain, providers=["CPUExecutionProvider"]).run([name], x)[0]
+    propagated = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run([name], x)[0]
+    ours = CpuExecutor(bundle, [shard]).run(shard, x)[name]
+    assert cosine(propagated, exact) < 0.999 < 0.99999 < cosine(ours, exact), (cosine(propagated, exact),
+                                                                              cosine(ours, exact))
+
+
+def test_patch_convolution_as_one_product():
+    from shard.runtime.executors.torch_graph import patches
+
+    x, w, b = torch.randn(2, 3, 390, 384), torch.randn(8, 3, 14, 14), torch.randn(8)
+    torch.testing.assert_close(patches(x, w, b), torch.nn.functional.conv2d(x, w, b, 14), atol=1e-3, rtol=1e-4)
+
+
+def test_inspect_thor_prints_the_stage_roofline(vit_bundles, tmp_path):
+    model, _ = vit_bundles
+    res = shard_cli("inspect", model, "--target", "thor")
+    assert res.returncode == 0, res.stderr
+    assert "pipeline stages" in res.stdout and "floor ms" in res.stdout and "shard_001" in res.stdout
+
+
+# engines: the precision check, and a clear refusal without TensorRT
+
+
+@pytest.mark.parametrize("fixture, problems, unseen", [("fp8_good", 0, 0), ("fp8_fallback", 3, 0),
+                                                       ("fp8_myelin", 0, 2), ("names_only", 1, 0)])
+def test_engine_precision_check(fixture, problems, unseen):
+    """Engine information in TensorRT's DETAILED JSON layout (the developer guide's engine inspector
+    examples), written for these cases: a good FP8 engine, one whose FP8 requests came out FP16 and
+    FP32, one fused into a Myelin region, and one built without detailed verbosity."""
+    from shard.targets.gpu.engines import check_engine
+
+    info = json.loads((DATA / "engines" / f"{fixture}.json").read_text())
+    result = check_engine(info, "shard_000", "fp8", ["fc1_0", "fc2_0"])
+    assert len(result.problems) == problems, result.problems
+    assert len(result.unseen) == unseen
+    if fixture == "fp8_fallback":
+        text = " ".join(result.problems)
+        assert "'fc1_0'" in text and "FP16" in text and "fc2_0" in text and "FP32" in text
+
+
+@pytest.mark.parametrize("args", [["build-engines", "{bundle}"], ["run", "{bundle}", "--backend", "tensorrt"]])
+def test_tensorrt_missing_is_one_line(vit_bundles, args):
+    _, bundles = vit_bundles
+    res = shard_cli(*[a.format(bundle=bundles["fp16"]) for a in args])
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "TensorRT" in errors[0], res.stderr
+
+
+def test_cuda_without_a_profile_says_how_to_make_one(tmp_path):
+    onnx.save(mlp_chain(1), str(tmp_path / "m.onnx"))
+    res = shard_cli("compile", tmp_path / "m.onnx", "--target", "cuda")
+    assert res.returncode == 1 and "shard probe --target cuda" in res.stderr
