@@ -18,7 +18,7 @@ import numpy as np
 
 from shard.bundle import ShardSpec
 from shard.errors import RunError
-from shard.runtime.executors import edge_input
+from shard.runtime.executors import edge_input, to_host
 
 Stage = Callable[[list], list]   # fixed input buffers -> output tensors (the same buffers every call)
 
@@ -36,9 +36,9 @@ def require_cuda(who: str = "the cuda and tensorrt backends", instead: str = "ru
     try:
         import torch
     except ImportError:
-        raise RunError(f"{who} need torch with CUDA: pip install torch") from None
+        raise RunError(f"{who}: torch with CUDA is required (pip install torch)") from None
     if not torch.cuda.is_available():
-        raise RunError(f"{who} need an NVIDIA GPU: torch.cuda.is_available() is False here; {instead}")
+        raise RunError(f"{who}: no NVIDIA GPU here (torch.cuda.is_available() is False); {instead}")
     return torch
 
 
@@ -116,8 +116,7 @@ class StreamExecutor:
         self.prepared.clear()
 
 
-def to_numpy(value, spec=None) -> np.ndarray:
-    """A copy in numpy (a page-locked buffer is reused by the next frame)."""
-    array = np.array(value.detach().cpu().numpy())
-    return array.reshape(spec.shape).astype(spec.dtype, copy=False) if spec is not None else array
+def to_numpy(value, spec) -> np.ndarray:
+    """A copy in numpy, in the manifest's shape and type (a page-locked buffer is reused by the next frame)."""
+    return np.array(to_host(value)).reshape(spec.shape).astype(spec.dtype, copy=False)
 

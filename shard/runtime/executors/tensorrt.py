@@ -14,12 +14,12 @@ from shard.errors import RunError
 from shard.runtime.executors.gpu import StreamExecutor, require_cuda
 
 
-def import_tensorrt():
+def import_tensorrt(who: str = "the tensorrt backend"):
     try:
         import tensorrt
     except ImportError:
-        raise RunError("the tensorrt backend needs TensorRT's Python package (on Thor: JetPack's python3-libnvinfer; "
-                       "elsewhere NVIDIA's tensorrt wheel); without it run the bundle with --backend cuda") from None
+        raise RunError(f"{who} needs TensorRT's Python package (on Thor: JetPack's python3-libnvinfer; elsewhere "
+                       f"NVIDIA's tensorrt wheel); without it run the bundle with --backend cuda") from None
     return tensorrt
 
 

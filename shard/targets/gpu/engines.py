@@ -92,8 +92,8 @@ def import_builder():
     from shard.runtime.executors.gpu import require_cuda
     from shard.runtime.executors.tensorrt import import_tensorrt
 
-    trt = import_tensorrt()
-    require_cuda()
+    trt = import_tensorrt("shard build-engines")
+    require_cuda("shard build-engines", "engines are built on the device that runs them")
     return trt
 
 
