@@ -594,7 +594,16 @@ def zoo_export(
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
+def terminate(signum, frame) -> None:
+    """SIGTERM, raised where the process is as Ctrl-C would be: every command cleans up as it does then
+    (a compile removes its staging folder and kills its toolkit workers)."""
+    raise KeyboardInterrupt()
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         app()
     except ShardError as exc:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -122,7 +124,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
     # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
     #    so the final rename is atomic); logs live outside it so a failure keeps them.
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
     logs = Path(tempfile.mkdtemp(prefix=f"shard-logs-{output.stem}-"))
     datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
                         set(options.promote or ())) if quantized else None
@@ -228,7 +230,7 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
 
     output = Path(output) if output else default_output(Path(model))
     check_output_path(output)
-    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-", dir=output.parent))
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
     rounds, best, ranking, samples = [], None, None, []
     try:
         for k, share in enumerate(MIXED_ROUNDS):
@@ -634,9 +636,12 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     try:
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)
-    finally:
-        if ops is not None:
-            ops.close()
+    except BaseException:
+        if ops is not None:   # interrupted or failed: the workers go at once, not after their build
+            ops.close(kill=True)
+        raise
+    if ops is not None:
+        ops.close()
     return graph, ctx
 
 
@@ -677,11 +682,38 @@ def save_onnx(model, path: Path) -> None:
 
 
 def check_output_path(output: Path) -> None:
-    """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists."""
+    """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists; remove
+    what compiles of the same output that no longer run left beside it."""
     if output.exists() and not (output / MANIFEST).is_file():
         raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
     if not output.parent.is_dir():
         raise ShardError(f"{output.parent}: no such directory for the bundle")
+    remove_stale_staging(output)
+
+
+STAGING = re.compile(r"^\.(?P<name>.+)\.(tmp|mixed|old)-(?P<pid>\d+)(-|$)")
+
+
+def remove_stale_staging(output: Path) -> list[Path]:
+    """Staging folders of `output` (.NAME.tmp-PID-*, .NAME.mixed-PID-*, .NAME.old-PID) whose compile
+    process is gone: what a compile killed outright (SIGKILL, a power cut) could not remove itself."""
+    removed = []
+    for path in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
+        match = STAGING.match(path.name)
+        if match and match["name"] == output.name and not process_alive(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # someone else's
+    return True
 
 
 def replace_dir(staging: Path, output: Path) -> None:

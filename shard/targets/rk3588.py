@@ -89,6 +89,9 @@ class Rk3588Target:
                 pool.kill_all()
                 raise failed.exception()
             return [f.result() for f in futures]
+        except BaseException:   # SIGINT or SIGTERM (shard.cli): the builds under way end now, not when done
+            pool.kill_all()
+            raise
         finally:
             executor.shutdown(wait=True, cancel_futures=True)
             pool.close()

@@ -1,0 +1,83 @@
+"""A compile stopped half-way leaves nothing behind: no bundle, no staging folder, no toolkit worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shard.compiler import remove_stale_staging
+
+pytestmark = pytest.mark.toolkit
+
+
+def children_running(parent: int, needle: str) -> list[int]:
+    """Live processes whose parent is `parent` and whose command line holds `needle` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state, ppid, ...
+        if int(fields[1]) == parent and fields[0] != "Z" and needle in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from shard.zoo import export_model
+
+    # two SigLIP layers at 512: each shard's vendor build takes seconds, long enough to stop one mid-way
+    return export_model("siglip-base-512", tmp_path_factory.mktemp("interrupt") / "s2.onnx", layers=2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
+    out = tmp_path / "s2.shard"
+    proc = subprocess.Popen([sys.executable, "-m", "shard", "compile", str(model), "-o", str(out), "--no-cache"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers: list[int] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        workers = children_running(proc.pid, "rknn_worker")
+        staging = list(tmp_path.glob(".s2.shard.tmp-*"))
+        if workers and staging and list((staging[0] / "shards").glob("*.onnx")):
+            break   # shards written, vendor builds under way
+        time.sleep(0.2)
+    assert workers and proc.poll() is None, "the compile never reached its vendor builds"
+    proc.send_signal(signum)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr.read()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def test_a_later_compile_removes_what_a_killed_one_left(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".m.shard.tmp-{dead.pid}-abc123"
+    (left / "shards").mkdir(parents=True)
+    ours = tmp_path / f".m.shard.tmp-{os.getpid()}-def456"   # a live compile's: kept
+    ours.mkdir()
+    other = tmp_path / f".n.shard.tmp-{dead.pid}-abc123"     # another output's: kept
+    other.mkdir()
+    assert remove_stale_staging(tmp_path / "m.shard") == [left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name, other.name])
