@@ -24,6 +24,8 @@ toolkit_app = typer.Typer(help="The vendor toolkit environments (rknn-toolkit2 l
 zoo_app = typer.Typer(help="Real architectures with seeded random weights, exported offline.", no_args_is_help=True)
 app.add_typer(toolkit_app, name="toolkit")
 app.add_typer(zoo_app, name="zoo")
+cache_app = typer.Typer(help="The caches of vendor builds and probe points.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
 # Piped output (logs, CI) gets wide tables rather than rich's default of 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -529,6 +531,41 @@ def probe_gpu(out: Path, ops: Path | None) -> None:
     console.print(table)
     profile.save(out)
     console.print(f"profile: {out} (use it with --target cuda --profile {out})")
+
+
+def cache_folders() -> dict[str, tuple[Path, str]]:
+    """{cache: (folder, glob of one entry)}."""
+    from shard.probes.cache import default_cache_dir as probe_cache
+    from shard.targets.build_cache import default_cache_dir as build_cache
+
+    return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), "**/*.json")}
+
+
+@cache_app.command("info")
+def cache_info() -> None:
+    """Where the caches are and what they hold (vendor builds by content; probe points by toolkit and target)."""
+    from shard.targets.build_cache import folder_size
+
+    table = Table(title="shard caches")
+    for col in ("cache", "folder", "entries", "MB"):
+        table.add_column(col, justify="right" if col in ("entries", "MB") else "left")
+    for name, (folder, entry) in cache_folders().items():
+        entries, size = folder_size(folder, entry)
+        table.add_row(name, str(folder), str(entries), f"{size / 1e6:.1f}")
+    console.print(table)
+    console.print("builds: $SHARD_BUILD_CACHE, probes: $SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
+
+
+@cache_app.command("clear")
+def cache_clear(builds: bool = typer.Option(True, "--builds/--no-builds", help="Remove the vendor builds."),
+                probes: bool = typer.Option(True, "--probes/--no-probes", help="Remove the probe points.")) -> None:
+    """Remove cached vendor builds and probe points (the next compile or probe builds again)."""
+    from shard.targets.build_cache import clear_folder
+
+    for name, (folder, entry) in cache_folders().items():
+        if {"builds": builds, "probes": probes}[name]:
+            entries, size = clear_folder(folder, entry)
+            console.print(f"{name}: removed {entries} entries, {size / 1e6:.1f} MB ({folder})")
 
 
 @toolkit_app.command("install")

@@ -83,3 +83,24 @@ def link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
+
+
+def folder_size(root: Path, entry: str) -> tuple[int, int]:
+    """(entries: files matching the glob `entry`, bytes of every file below, hard links once) of a cache."""
+    if not Path(root).is_dir():
+        return 0, 0
+    seen, total = set(), 0
+    for path in Path(root).rglob("*"):
+        if path.is_file():
+            stat = path.stat()
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
+    return sum(1 for _ in Path(root).glob(entry)), total
+
+
+def clear_folder(root: Path, entry: str) -> tuple[int, int]:
+    """Remove a cache folder; returns what it held (entries, bytes)."""
+    held = folder_size(root, entry)
+    shutil.rmtree(root, ignore_errors=True)
+    return held
