@@ -62,21 +62,6 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
         raise ShardError(f"--input-shape {text!r}: expected NAME=D0,D1,... such as pixel_values=1,3,224,224") from None
 
 
-def parse_input_files(items: list[str]) -> dict:
-    import numpy as np
-
-    arrays = {}
-    for text in items:
-        name, sep, path = text.partition("=")
-        if not sep:
-            raise ShardError(f"--input {text!r}: expected NAME=FILE.npy")
-        try:
-            arrays[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ShardError(f"--input {name}: cannot read {path} as .npy ({exc})") from None
-    return arrays
-
-
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
@@ -243,7 +228,8 @@ def print_compile_report(report: dict) -> None:
 @app.command("run")
 def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
-    input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy; seeded random inputs if absent."),
+    input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy (FILE.npy for a model with one input); "
+                                                              "seeded random inputs if absent."),
     backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board (RK3588), cuda (any NVIDIA GPU "
                                                      "with torch) or tensorrt (engines from build-engines) "
                                                      "[default: sim for rk3588, cuda for thor and cuda]."),
@@ -260,6 +246,7 @@ def run_command(
 ) -> None:
     """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
+    from shard.runtime.__main__ import read_inputs, save_outputs
 
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
@@ -268,7 +255,7 @@ def run_command(
         progress(f"load ({backend or 'default backend'})", 0, 1)
         session = Session(bundle, backend, parse_cores(cores), schedule, timeout)
         try:
-            given = parse_input_files(input) if input else None
+            given = read_inputs(input, [t.name for t in session.manifest.inputs]) if input else None
             inputs = (given or random_inputs(session.manifest.inputs, seed + t) for t in range(frames))
             started = time.perf_counter()
             if stream:
@@ -299,11 +286,8 @@ def run_command(
         console.print(f"trace: {session.write_trace(trace)} (open in ui.perfetto.dev)")
     for name, array in outputs.items():
         console.print(f"output {name}: shape {list(array.shape)} {array.dtype}")
-        if save:
-            import numpy as np
-
-            save.mkdir(parents=True, exist_ok=True)
-            np.save(save / f"{name.replace('/', '_')}.npy", array)
+    if save:
+        save_outputs(outputs, save)
     if stream:
         console.print(f"{frames} frames in {wall:.2f} s: {frames / wall:.2f} frames/s")
     else:
@@ -416,6 +400,21 @@ def inspect_command(
     counts = {k: sum(1 for f in result.findings if f.kind == k) for k in order}
     console.print(f"{counts['rewrite']} rewrites, {counts['not fixed']} over a limit and not fixed, "
                   f"{counts['cpu']} ops that would run on the CPU")
+
+
+@app.command("pack")
+def pack_command(bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
+                 output: Optional[Path] = typer.Option(None, "--output", "-o", help="The pack [default: BUNDLE's "
+                                                                                    "name .tar.gz]."),
+                 with_onnx: bool = typer.Option(False, "--with-onnx", help="Also the shard ONNX files, so the pack "
+                                                                          "runs anywhere with --backend cpu.")) -> None:
+    """One .tar.gz with what a board needs: the artifacts, the manifest, the host steps, the runtime
+    itself, run.py and a README. The same bundle packs to the same bytes."""
+    from shard.pack import pack_bundle
+
+    path = pack_bundle(bundle, output or bundle.with_name(f"{bundle.stem}.tar.gz"), with_onnx)
+    console.print(f"pack: {path} ({path.stat().st_size / 1e6:.1f} MB); on the board: tar xzf {path.name} && "
+                  f"python {path.name[:-len('.tar.gz')]}/run.py --input x.npy")
 
 
 @app.command("build-engines")

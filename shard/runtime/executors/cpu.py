@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from shard.bundle import ShardSpec
+from shard.errors import RunError
 from shard.runtime.executors import edge_input, outputs_by_name
 
 
@@ -14,6 +15,10 @@ class CpuExecutor:
     def __init__(self, bundle: Path, shards: list[ShardSpec], threads: int = 1):
         import onnxruntime as ort
 
+        missing = [s.name for s in shards if s.onnx is None]
+        if missing:
+            raise RunError(f"shards {', '.join(missing)} have no ONNX file here (a pack made without --with-onnx): "
+                           f"the cpu executor cannot run them; pack again with --with-onnx, or run on the board")
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

@@ -1,0 +1,110 @@
+"""pack: a bundle as one .tar.gz holding what a board needs and nothing else.
+
+    NAME/bundle/     the manifest, the compiled artifacts, the host steps' tables (and, with
+                     --with-onnx, the shard ONNX files, so the cpu executor runs it anywhere)
+    NAME/shard/      the runtime package itself (numpy-only; executors import their library lazily)
+    NAME/run.py      python run.py --input x.npy
+    NAME/README.txt
+
+Reproducible: entries sorted, times, owners and modes fixed, gzip without a timestamp, so the same
+bundle packs to the same bytes. The packed manifest drops what a board never reads (build logs,
+quantization samples) and the ONNX files unless asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import tarfile
+from pathlib import Path
+
+import shard
+from shard.bundle import MANIFEST, read_manifest
+from shard.errors import ShardError
+from shard.runtime.host import step_files
+
+RUNTIME = ("__init__.py", "bundle.py", "errors.py", "runtime")   # what `import shard.runtime` needs
+LEFT_OUT = ("rknn_sim.py",)   # the simulator executor needs the x86 toolkit environment, never on a board
+
+RUN_PY = '''"""Run this pack's model with the runtime beside it: python run.py --help"""
+import sys
+from pathlib import Path
+
+here = Path(__file__).resolve().parent
+sys.path.insert(0, str(here))
+from shard.runtime.__main__ import main  # noqa: E402
+
+sys.exit(main([str(here / "bundle"), *sys.argv[1:]]))
+'''
+
+README = '''{name}: {source}, compiled by shard {version} for {target}.
+
+On the board (RK3588, Python 3.8+):
+    pip install rknn-toolkit-lite2 numpy
+    python run.py --input x.npy                 # one input; NAME=x.npy for several
+    python run.py --input x.npy --save out/     # outputs as out/NAME.npy
+Anywhere else{onnx_note}:
+    pip install numpy onnxruntime
+    python run.py --backend cpu
+As a library: sys.path.insert(0, "{name}"); import shard.runtime; shard.runtime.load("{name}/bundle").run(inputs)
+Or, with the runtime installed: python -m shard.runtime {name}.tar.gz
+
+Inputs: {inputs}
+Outputs: {outputs}
+Shards: {shards}
+'''
+
+
+def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False) -> Path:
+    """Write the pack; returns its path (`output`, which must end in .tar.gz)."""
+    bundle, output = Path(bundle), Path(output)
+    if not output.name.endswith(".tar.gz"):
+        raise ShardError(f"{output}: a pack is a .tar.gz file")
+    manifest = read_manifest(bundle)
+    name = output.name[: -len(".tar.gz")]
+    files: dict[str, bytes] = {}
+    shards = []
+    for spec in manifest.shards:
+        keep_onnx = with_onnx or spec.artifact is None   # a GPU stage's ONNX is what the cuda executor runs
+        for rel in (spec.artifact, spec.onnx if keep_onnx else None):
+            if rel:
+                files[f"bundle/{rel}"] = (bundle / rel).read_bytes()
+                data = bundle / f"{rel}.data"   # external weights of a large shard
+                if data.exists():
+                    files[f"bundle/{rel}.data"] = data.read_bytes()
+        shards.append(dataclasses.replace(spec, onnx=spec.onnx if keep_onnx else None, log=None, dataset=[]))
+    for step in manifest.host_pre + manifest.host_post:
+        for rel in step_files(step):
+            files[f"bundle/{rel}"] = (bundle / rel).read_bytes()
+    files[f"bundle/{MANIFEST}"] = dataclasses.replace(manifest, shards=shards).to_json().encode()
+    package = Path(shard.__file__).parent
+    for entry in RUNTIME:
+        for path in ([package / entry] if entry.endswith(".py") else sorted((package / entry).rglob("*.py"))):
+            if path.name not in LEFT_OUT:
+                files[f"shard/{path.relative_to(package)}"] = path.read_bytes()
+    files["run.py"] = RUN_PY.encode()
+    files["README.txt"] = README.format(
+        name=name, source=manifest.source.get("name", "?"), version=shard.__version__, target=manifest.target,
+        onnx_note="" if with_onnx or manifest.target != "rk3588" else " (this pack has no ONNX: pack with --with-onnx)",
+        inputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.inputs),
+        outputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.outputs),
+        shards=len(manifest.shards)).encode()
+    write_tar_gz(output, {f"{name}/{rel}": data for rel, data in files.items()})
+    return output
+
+
+def write_tar_gz(path: Path, files: dict[str, bytes]) -> None:
+    """Sorted entries, fixed metadata, no gzip timestamp: equal inputs give equal bytes."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in sorted(files):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mtime, info.mode = len(files[rel]), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(files[rel]))
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(raw.getvalue())
+    tmp.replace(path)

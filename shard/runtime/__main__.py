@@ -1,0 +1,118 @@
+"""Run a bundle or a pack with nothing but the runtime (numpy and the executor's library):
+
+    python -m shard.runtime model.shard --input x.npy --save out/
+    python -m shard.runtime model.tar.gz                      # a pack from `shard pack`
+    python run.py --input pixel_values=x.npy                  # inside an unpacked pack
+
+Without --backend: board where rknn-toolkit-lite2 is installed (an RK3588), tensorrt or cuda on a GPU
+for thor and cuda bundles, else the cpu executor (onnxruntime), which needs the shards' ONNX files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shard.bundle import Manifest, read_manifest
+from shard.errors import RunError, ShardError
+
+
+def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
+    """--input NAME=FILE.npy (repeatable), or --input FILE.npy for a model with one input."""
+    arrays = {}
+    for text in items:
+        name, sep, path = text.partition("=")
+        if not sep:
+            if len(names) != 1:
+                raise RunError(f"--input {text!r}: expected NAME=FILE.npy (the inputs: {', '.join(names)})")
+            name, path = names[0], text
+        try:
+            arrays[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise RunError(f"--input {name}: cannot read {path} as .npy ({exc})") from None
+    return arrays
+
+
+def save_outputs(outputs: dict[str, np.ndarray], folder: Path) -> list[Path]:
+    """Each output as FOLDER/NAME.npy ('/' in a name becomes '_')."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, array in outputs.items():
+        paths.append(folder / f"{name.replace('/', '_')}.npy")
+        np.save(paths[-1], array)
+    return paths
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def pick_backend(manifest: Manifest) -> str:
+    if manifest.target == "rk3588" and installed("rknnlite"):
+        return "board"
+    if manifest.target in ("thor", "cuda"):
+        if installed("tensorrt") and all(s.artifact for s in manifest.shards):
+            return "tensorrt"
+        if installed("torch"):
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda"
+    return "cpu"
+
+
+def unpack(path: Path, into: Path) -> Path:
+    """The bundle inside a pack (NAME/bundle), extracted into `into`."""
+    with tarfile.open(path) as tar:
+        tar.extractall(into, filter="data")
+    found = sorted(into.glob("*/bundle/manifest.json"))
+    if not found:
+        raise RunError(f"{path}: not a shard pack (no NAME/bundle/manifest.json inside)")
+    return found[0].parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    from shard.runtime import Session, random_inputs
+
+    ap = argparse.ArgumentParser(prog="python -m shard.runtime", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("bundle", help="a bundle directory or a pack (.tar.gz)")
+    ap.add_argument("--input", "-i", action="append", default=[], help="NAME=FILE.npy, or FILE.npy for one input "
+                                                                        "[default: seeded random inputs]")
+    ap.add_argument("--backend", help="board, cpu, cuda or tensorrt [default: what this machine has]")
+    ap.add_argument("--repeat", type=int, default=1, help="frames to run one after another")
+    ap.add_argument("--save", type=Path, help="write the last frame's outputs here as NAME.npy")
+    args = ap.parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shard-pack-") as tmp:
+            path = Path(args.bundle)
+            bundle = unpack(path, Path(tmp)) if path.is_file() else path
+            manifest = read_manifest(bundle)
+            backend = args.backend or pick_backend(manifest)
+            given = read_inputs(args.input, [t.name for t in manifest.inputs])
+            with Session(bundle, backend) as session:
+                started = time.perf_counter()
+                for _ in range(max(1, args.repeat)):
+                    outputs = session.run(given or random_inputs(manifest.inputs))
+                wall = time.perf_counter() - started
+            print(f"{bundle.parent.name or bundle.name}: {len(manifest.shards)} shards on {backend}, "
+                  f"{1000 * wall / max(1, args.repeat):.1f} ms per frame")
+            for name, array in outputs.items():
+                print(f"output {name}: shape {list(array.shape)} {array.dtype}")
+            if args.save:
+                save_outputs(outputs, args.save)
+    except ShardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
