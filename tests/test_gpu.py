@@ -279,3 +279,19 @@ def test_cuda_without_a_profile_says_how_to_make_one(tmp_path):
     onnx.save(mlp_chain(1), str(tmp_path / "m.onnx"))
     res = shard_cli("compile", tmp_path / "m.onnx", "--target", "cuda")
     assert res.returncode == 1 and "shard probe --target cuda" in res.stderr
+
+
+def test_strong_types_casts_a_float64_output_back_to_float64():
+    """Found on the onnx package's pytorch-operator models (add_broadcast: double inputs): the output's
+    Cast said float32 and onnxruntime refused the stage."""
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["y"], name="add")], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.DOUBLE, [2, 3]),
+                               helper.make_tensor_value_info("b", TensorProto.DOUBLE, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    typed, _ = gpu_graph(model, until="fp8_linears")
+    feeds = {"a": np.arange(6.0).reshape(2, 3), "b": np.array([0.5, 1.5, 2.5])}
+    got = run_ort(gs.export_onnx(typed), feeds, optimize=False)[0]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, feeds["a"] + feeds["b"])

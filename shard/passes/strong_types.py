@@ -60,8 +60,8 @@ def strong_types(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 
 
 def cast_edges(graph: gs.Graph) -> int:
-    """A Cast to fp16 behind each float32 graph input and one back to float32 before each float32
-    output; returns how many."""
+    """A Cast to fp16 behind each float32 (or float64) graph input and one back to its own type before
+    each such output; returns how many."""
     count = 0
     for tensor in [t for t in graph.inputs if is_float32(t)]:
         half = gs.Variable(f"{tensor.name}/fp16", dtype=np.float16, shape=tensor.shape)
@@ -76,7 +76,7 @@ def cast_edges(graph: gs.Graph) -> int:
         half = gs.Variable(f"{tensor.name}/fp16", dtype=np.float16, shape=tensor.shape)
         replace_uses(tensor, half)
         producer.outputs[producer.outputs.index(tensor)] = half
-        graph.nodes.append(gs.Node("Cast", f"{tensor.name}/to_fp32", {"to": onnx.TensorProto.FLOAT},
-                                   inputs=[half], outputs=[tensor]))
+        to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))   # float32, or float64 as it was
+        graph.nodes.append(gs.Node("Cast", f"{tensor.name}/to_fp32", {"to": to}, inputs=[half], outputs=[tensor]))
         count += 1
     return count

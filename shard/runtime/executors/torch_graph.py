@@ -72,7 +72,7 @@ class TorchGraph:
                         if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() < 4096:
                             self.host[name] = value.cpu().numpy()
                 else:
-                    self.steps.append((fn, list(node.input), list(node.output)))
+                    self.steps.append((fn if self._on_gpu() else on_cpu(fn), list(node.input), list(node.output)))
 
     def __call__(self, *args):
         env = dict(self.values)
@@ -84,6 +84,11 @@ class TorchGraph:
             else:
                 env[outs[0]] = results
         return [env[o] for o in self.outputs]
+
+    def _on_gpu(self) -> bool:
+        import torch
+
+        return torch.device(self.device).type == "cuda"
 
     def _ints(self, node: onnx.NodeProto, index: int) -> list[int] | None:
         """A constant int input (a shape, axes, bounds), read at load."""
@@ -112,6 +117,24 @@ class TorchGraph:
             raise RunError(f"the cuda executor has no torch form of ONNX op {node.op_type} ({node.name!r}, stage "
                            f"{self.name}); run this bundle with --backend cpu")
         return make(self, node, attrs)
+
+
+def on_cpu(fn: Callable) -> Callable:
+    """fn, with its fp16 tensors taken through fp32 where torch has no fp16 kernel on the CPU
+    (avg_pool3d, for one): the CPU runs stage files only to check them."""
+    def run(*args):
+        import torch
+
+        try:
+            return fn(*args)
+        except (NotImplementedError, RuntimeError) as exc:
+            if "Half" not in str(exc):
+                raise
+            widened = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.float16 else a for a in args]
+            out = fn(*widened)
+            narrow = lambda t: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+            return tuple(narrow(t) for t in out) if isinstance(out, tuple) else narrow(out)
+    return run
 
 
 LOWERINGS: dict[str, Callable] = {}
@@ -156,10 +179,15 @@ def _unary(g, node, attrs):
             "Sign": torch.sign}[node.op_type]
 
 
-@lowering("Gelu", "LeakyRelu", "HardSigmoid", "HardSwish", "Elu", "Clip")
+@lowering("Gelu", "LeakyRelu", "HardSigmoid", "HardSwish", "Elu", "Clip", "Selu", "PRelu")
 def _activation(g, node, attrs):
     F = _torch().nn.functional
     torch = _torch()
+    if node.op_type == "PRelu":
+        return lambda x, slope: torch.where(x >= 0, x, x * slope)
+    if node.op_type == "Selu":
+        alpha, gamma = attrs.get("alpha", 1.67326319217681884765625), attrs.get("gamma", 1.05070102214813232421875)
+        return lambda x: gamma * torch.where(x > 0, x, alpha * (torch.exp(x) - 1))
     if node.op_type == "Gelu":
         return lambda x: F.gelu(x, approximate=attrs.get("approximate", b"none").decode()
                                 if isinstance(attrs.get("approximate"), bytes) else attrs.get("approximate", "none"))
@@ -257,6 +285,58 @@ def patches(x, w, b):
     if b is not None:
         y = y + b
     return y.reshape(n, h, v, out).permute(0, 3, 1, 2)
+
+
+@lowering("ConvTranspose")
+def _conv_transpose(g, node, attrs):
+    F = _torch().nn.functional
+    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID") or "output_shape" in attrs:
+        raise RunError(f"the cuda executor takes ConvTranspose with explicit pads only ({node.name!r}, stage {g.name})")
+    pads = attrs.get("pads")
+    strides, dilations, group = attrs.get("strides", 1), attrs.get("dilations", 1), attrs.get("group", 1)
+    extra = attrs.get("output_padding", 0)
+
+    def run(x, w, b=None):
+        rank = w.dim() - 2
+        p = pads or [0] * (2 * rank)
+        if p[:rank] != p[rank:]:
+            raise RunError(f"the cuda executor takes ConvTranspose with symmetric pads only ({node.name!r})")
+        conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[rank - 1]
+        return conv(x, w, b, strides, p[:rank], extra, group, dilations)
+    return run
+
+
+@lowering("InstanceNormalization")
+def _instance_norm(g, node, attrs):
+    F = _torch().nn.functional
+    eps = attrs.get("epsilon", 1e-5)
+    return lambda x, scale, bias: F.instance_norm(x, weight=scale, bias=bias, eps=eps)
+
+
+@lowering("Pad")
+def _pad(g, node, attrs):
+    F = _torch().nn.functional
+    pads = attrs.get("pads") or g._ints(node, 1)
+    value = g._scalar(node, 2) if len(node.input) > 2 else attrs.get("value", 0.0)
+    axes = g._ints(node, 3)
+    mode = attrs.get("mode", b"constant")
+    mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[mode.decode() if isinstance(mode, bytes)
+                                                                               else mode]
+
+    def run(x, *_):
+        rank = x.dim()
+        dims = [a % rank for a in axes] if axes else list(range(rank))
+        begin = {d: pads[i] for i, d in enumerate(dims)}
+        end = {d: pads[len(dims) + i] for i, d in enumerate(dims)}
+        padded = [d for d in dims if begin[d] or end[d]]
+        if not padded:
+            return x
+        # torch lists pads from the last dimension backwards, down to the first one padded
+        flat = [v for d in range(rank - 1, min(padded) - 1, -1) for v in (begin.get(d, 0), end.get(d, 0))]
+        if mode == "constant":
+            return F.pad(x, flat, value=float(value or 0.0))
+        return F.pad(x, flat, mode=mode)
+    return run
 
 
 @lowering("MaxPool", "AveragePool")
