@@ -331,8 +331,10 @@ def _pad(g, node, attrs):
         padded = [d for d in dims if begin[d] or end[d]]
         if not padded:
             return x
-        # torch lists pads from the last dimension backwards, down to the first one padded
-        flat = [v for d in range(rank - 1, min(padded) - 1, -1) for v in (begin.get(d, 0), end.get(d, 0))]
+        # torch lists pads from the last dimension backwards, down to the first one padded; its reflect
+        # and replicate modes want at least the dimensions after batch and channel
+        low = min(padded) if mode == "constant" or rank < 3 else min(min(padded), rank - 2)
+        flat = [v for d in range(rank - 1, low - 1, -1) for v in (begin.get(d, 0), end.get(d, 0))]
         if mode == "constant":
             return F.pad(x, flat, value=float(value or 0.0))
         return F.pad(x, flat, mode=mode)
@@ -510,6 +512,17 @@ def _gather(g, node, attrs):
     return run
 
 
+@lowering("GatherElements")
+def _gather_elements(g, node, attrs):
+    torch = _torch()
+    axis = attrs.get("axis", 0)
+
+    def run(x, idx):
+        dim = axis % x.dim()
+        return torch.gather(x, dim, idx.long().remainder(x.shape[dim]))   # negative indices count from the end
+    return run
+
+
 @lowering("Expand")
 def _expand(g, node, attrs):
     torch = _torch()
@@ -588,15 +601,43 @@ def _dequantize(g, node, attrs):
 @lowering("Resize")
 def _resize(g, node, attrs):
     F = _torch().nn.functional
-    mode = attrs.get("mode", b"nearest")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
+    text = lambda key, default: (lambda v: v.decode() if isinstance(v, bytes) else v)(attrs.get(key, default))  # noqa: E731
+    mode, transform = text("mode", "nearest"), text("coordinate_transformation_mode", "half_pixel")
+    nearest = text("nearest_mode", "round_prefer_floor")
     sizes = g._ints(node, 3)
     scales = g.values.get(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     factors = [float(v) for v in scales.float().cpu()][2:] if scales is not None and scales.numel() else None
+    if mode == "nearest":
+        torch_mode = {("asymmetric", "floor"): "nearest", ("half_pixel", "round_prefer_ceil"): "nearest-exact",
+                      ("pytorch_half_pixel", "round_prefer_ceil"): "nearest-exact"}.get((transform, nearest))
+        align = None
+    else:
+        torch_mode = {"linear": "bilinear", "cubic": "bicubic"}.get(mode)
+        align = {"align_corners": True, "half_pixel": False, "pytorch_half_pixel": False}.get(transform)
+        if mode == "cubic" and attrs.get("cubic_coeff_a", -0.75) != -0.75:
+            torch_mode = None
+    if torch_mode is None or (mode != "nearest" and align is None):
+        raise RunError(f"the cuda executor has no torch form of Resize mode {mode}, {transform}, {nearest} "
+                       f"({node.name!r}, stage {g.name}); run this bundle with --backend cpu")
 
     def run(x, *_):
         kwargs = {"size": sizes[2:]} if sizes else {"scale_factor": factors}
-        if mode == "nearest":
-            return F.interpolate(x, mode="nearest", **kwargs)
-        return F.interpolate(x, mode="bilinear" if x.dim() == 4 else "linear", align_corners=False, **kwargs)
+        if torch_mode == "bilinear" and x.dim() == 3:
+            return F.interpolate(x, mode="linear", align_corners=align, **kwargs)
+        return F.interpolate(x, mode=torch_mode, align_corners=align, **kwargs)
+    return run
+
+
+@lowering("CumSum")
+def _cumsum(g, node, attrs):
+    torch = _torch()
+    axis = g._ints(node, 1)[0]
+    exclusive, reverse = attrs.get("exclusive", 0), attrs.get("reverse", 0)
+
+    def run(x, _):
+        y = torch.flip(x, [axis]) if reverse else x
+        y = torch.cumsum(y, axis)
+        if exclusive:
+            y = y - (torch.flip(x, [axis]) if reverse else x)
+        return torch.flip(y, [axis]) if reverse else y
     return run
