@@ -67,7 +67,9 @@ def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
     target: str = typer.Option("rk3588", "--target", "-t", help="rk3588, thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
-    input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512."),
+    input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
+                                                                    "buckets: input_ids=1,64|1,128|1,256 (a variant "
+                                                                    "each; inputs run on the smallest that fits)."),
     shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; thor and cuda: "
                                                     "pipeline stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
@@ -110,8 +112,8 @@ def compile_command(
     """Compile MODEL into a bundle of shards for TARGET."""
     from shard.compiler import CompileOptions, compile_model
 
-    options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape), shards=shards,
-                             max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
+    fixed, buckets = parse_shapes(input_shape)
+    options = CompileOptions(input_shapes=fixed, buckets=buckets, shards=shards, max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline,
@@ -119,8 +121,36 @@ def compile_command(
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
-    print_compile_report(result.report)
+    for name, report in result.report.get("buckets", {"": result.report}).items():
+        if name:
+            console.rule(f"bucket {name}: {', '.join(f'{k}={list(v)}' for k, v in bucket_inputs(result.bundle, name))}")
+        print_compile_report(report)
     console.print(f"bundle: {result.bundle}")
+
+
+def bucket_inputs(bundle: Path, name: str):
+    from shard.runtime.buckets import read_buckets
+
+    return next(b for b in read_buckets(bundle).buckets if b.name == name).inputs.items()
+
+
+def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
+    """--input-shape NAME=1,128 fixes a shape; NAME=1,64|1,128|1,256 makes buckets, the k-th of every
+    bucketed input together (all with the same count)."""
+    fixed, choices = {}, {}
+    for text in items:
+        name, sep, dims = text.rpartition("=")
+        shapes = [parse_shape(f"{name}={part}")[1] for part in dims.split("|")] if sep else [parse_shape(text)]
+        if len(shapes) == 1:
+            fixed[name] = shapes[0]
+        else:
+            choices[name] = shapes
+    counts = {len(v) for v in choices.values()}
+    if len(counts) > 1:
+        raise ShardError("--input-shape: every bucketed input needs the same number of shapes (the k-th of each "
+                         f"make bucket k); got {', '.join(f'{n}: {len(v)}' for n, v in choices.items())}")
+    buckets = [{name: shapes[k] for name, shapes in choices.items()} for k in range(counts.pop())] if counts else []
+    return fixed, buckets
 
 
 def describe_step(step: dict) -> str:
@@ -250,6 +280,10 @@ def run_command(
 
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
+    from shard.runtime.buckets import is_bucketed
+
+    if is_bucketed(bundle):
+        return run_buckets(bundle, input, backend, repeat, seed, save)
     frames = stream or repeat
     with progress_bar() as progress:
         progress(f"load ({backend or 'default backend'})", 0, 1)
@@ -294,6 +328,34 @@ def run_command(
         console.print(f"{1000 * wall / frames:.1f} ms per run")
 
 
+def run_buckets(bundle: Path, input: list[str], backend: str | None, repeat: int, seed: int, save: Path | None) -> None:
+    """`shard run` on a bundle of shape buckets: each frame on the smallest bucket its inputs fit."""
+    from shard.runtime import load, random_inputs
+    from shard.runtime.__main__ import read_inputs, save_outputs
+
+    with load(bundle, backend=backend) as session:
+        largest = session.spec.buckets[-1]
+        names = list(largest.inputs)
+        given = read_inputs(input, names) if input else None
+        if given is None:   # seeded inputs of the largest bucket's shapes
+            from shard.bundle import TensorSpec
+
+            dtypes = {t.name: t.dtype for t in session.session(largest).manifest.inputs}
+            given = random_inputs([TensorSpec(n, s, dtypes[n]) for n, s in largest.inputs.items()], seed)
+        bucket = session.pick(given)
+        started = time.perf_counter()
+        for _ in range(repeat):
+            outputs = session.run(given)
+        wall = time.perf_counter() - started
+    console.print(f"bucket {bucket.name} ({', '.join(f'{k}={v}' for k, v in bucket.inputs.items())}) for inputs "
+                  f"{', '.join(f'{k}={list(v.shape)}' for k, v in given.items())}")
+    for name, array in outputs.items():
+        console.print(f"output {name}: shape {list(array.shape)} {array.dtype}")
+    if save:
+        save_outputs(outputs, save)
+    console.print(f"{1000 * wall / repeat:.1f} ms per run")
+
+
 def parse_cores(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -317,9 +379,32 @@ def verify_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
 ) -> None:
     """Check a bundle against the original model: end to end, and each shard fed the reference's tensors
-    (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops)."""
-    from dataclasses import asdict
+    (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops).
+    A bundle of shape buckets is checked bucket by bucket."""
+    from shard.runtime.buckets import is_bucketed, read_buckets
 
+    if not is_bucketed(bundle):
+        reports = {"": verify_one(bundle, reference, backend, min_cosine, seed, inputs)}
+    else:
+        reports = {}
+        for b in read_buckets(bundle).buckets:
+            console.rule(f"bucket {b.name}: {', '.join(f'{k}={v}' for k, v in b.inputs.items())}")
+            reports[b.name] = verify_one(bundle / b.name, reference, backend, min_cosine, seed, inputs)
+    if json_out:
+        from dataclasses import asdict
+
+        data = {name: {**asdict(r), "passed": r.passed} for name, r in reports.items()}
+        json_out.write_text(json.dumps(data[""] if "" in data else data, indent=2) + "\n")
+    worst = min(c.cosine for r in reports.values() for c in r.outputs)
+    if not all(r.passed for r in reports.values()):
+        err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
+        raise typer.Exit(1)
+    console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}"
+                  + (f" on every bucket ({len(reports)})" if len(reports) > 1 else ""))
+
+
+def verify_one(bundle: Path, reference: Path, backend, min_cosine: float, seed: int, inputs: Path | None):
+    """verify_bundle with its tables printed."""
     from shard.bundle import read_manifest
     from shard.calibration import load_samples
     from shard.verifier import verify_bundle
@@ -350,13 +435,7 @@ def verify_command(
         console.print(f"[yellow]warning[/]: {shard} not checked alone: {why}")
     if not report.reference_is_source:
         console.print("[yellow]warning[/]: the reference is not the model this bundle was compiled from (sha256 differs)")
-    if json_out:
-        json_out.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2) + "\n")
-    worst = min(c.cosine for c in report.outputs)
-    if not report.passed:
-        err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
-        raise typer.Exit(1)
-    console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}")
+    return report
 
 
 @app.command("inspect")

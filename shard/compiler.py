@@ -61,6 +61,7 @@ class CompileOptions:
     calib: str | None = None        # calibration samples (.npz, shard.calibration); seeded random without
     min_cosine: float = 0.999       # mixed: the simulator cosine on the calibration samples to reach
     promote: tuple[str, ...] | None = None   # mixed: linears kept in fp16 (None: search, compile_mixed)
+    buckets: list[dict[str, tuple[int, ...]]] = field(default_factory=list)   # input shapes per bucket
 
 
 @dataclass
@@ -79,6 +80,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
     options = options or CompileOptions()
     check_options(options)
+    if options.buckets:
+        return compile_buckets(model, target, output, options, progress)
     if options.precision == "mixed" and options.promote is None:
         return compile_mixed(model, target, output, options, progress)
     model = Path(model)
@@ -266,6 +269,37 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return CompileResult(bundle=output, manifest=read_manifest(output), report=report)
+
+
+def compile_buckets(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
+                    progress: Progress) -> CompileResult:
+    """One bundle per bucket of input shapes (shard.runtime.buckets), smallest first, in one folder
+    with buckets.json; written whole or not at all."""
+    from dataclasses import replace
+
+    from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
+
+    output = Path(output) if output else default_output(Path(model))
+    check_output_path(output)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+    staging.chmod(0o755)
+    ordered = sorted(options.buckets, key=lambda shapes: sum(int(np.prod(s)) for s in shapes.values()))
+    try:
+        results, buckets = [], []
+        for k, shapes in enumerate(ordered):
+            step = lambda what, done, total, k=k: progress(f"bucket {k + 1}/{len(ordered)}: {what}", done, total)  # noqa: E731
+            result = compile_model(model, target, staging / f"b{k}",
+                                   replace(options, buckets=[], input_shapes={**options.input_shapes, **shapes}), step)
+            results.append(result)
+            buckets.append(Bucket(f"b{k}", {t.name: t.shape for t in result.manifest.inputs},
+                                  {t.name: t.shape for t in result.manifest.outputs}))
+        (staging / BUCKETS).write_text(Buckets(buckets, crop=crop_axes(buckets)).to_json())
+        replace_dir(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return CompileResult(bundle=output, manifest=results[-1].manifest,
+                         report={"buckets": {b.name: r.report for b, r in zip(buckets, results)}})
 
 
 def promote_share(ranking: list[dict], share: float) -> list[str]:
@@ -684,7 +718,7 @@ def save_onnx(model, path: Path) -> None:
 def check_output_path(output: Path) -> None:
     """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists; remove
     what compiles of the same output that no longer run left beside it."""
-    if output.exists() and not (output / MANIFEST).is_file():
+    if output.exists() and not ((output / MANIFEST).is_file() or (output / "buckets.json").is_file()):
         raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
     if not output.parent.is_dir():
         raise ShardError(f"{output.parent}: no such directory for the bundle")

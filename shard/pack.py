@@ -61,6 +61,9 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     bundle, output = Path(bundle), Path(output)
     if not output.name.endswith(".tar.gz"):
         raise ShardError(f"{output}: a pack is a .tar.gz file")
+    if (bundle / "buckets.json").is_file():
+        raise ShardError(f"{bundle}: a bundle of shape buckets is packed bucket by bucket for now: "
+                         f"shard pack {bundle}/b0 -o ..., and so on")
     manifest = read_manifest(bundle)
     name = output.name[: -len(".tar.gz")]
     files: dict[str, bytes] = {}

@@ -191,7 +191,12 @@ def default_backend(manifest: Manifest) -> str:
 def load(bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
          schedule: str | None = None, timeout: float | None = None) -> Session:
     """Open a bundle for running; backend is cpu, sim (rknn simulator), board (on an RK3588), cuda (any
-    NVIDIA GPU with torch) or tensorrt (engines from `shard build-engines`)."""
+    NVIDIA GPU with torch) or tensorrt (engines from `shard build-engines`). A bundle of shape buckets
+    gives a BucketedSession (shard.runtime.buckets): each input runs on the smallest bucket it fits."""
+    from shard.runtime.buckets import BucketedSession, is_bucketed
+
+    if is_bucketed(bundle):
+        return BucketedSession(bundle, backend=backend, cores=cores, schedule=schedule, timeout=timeout)
     return Session(bundle, backend, cores, schedule, timeout)
 
 
