@@ -295,3 +295,33 @@ def test_strong_types_casts_a_float64_output_back_to_float64():
     got = run_ort(gs.export_onnx(typed), feeds, optimize=False)[0]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, feeds["a"] + feeds["b"])
+
+
+def test_strong_types_folds_batchnorm_statistics_fp16_cannot_hold():
+    """PP-OCRv4's detector: running variances of 1e7-1e8 saturated at 65504 in fp16, cosine 0.005."""
+    rng = np.random.default_rng(0)
+    var = rng.uniform(1e7, 1e8, 4).astype(np.float32)
+    params = {"gamma": rng.uniform(0.7, 1.1, 4), "beta": rng.uniform(-0.4, 0.4, 4),
+              "mean": rng.uniform(-500, 300, 4), "var": var}
+    graph = helper.make_graph([helper.make_node("BatchNormalization", ["x", *params], ["y"], name="bn")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [onnx.numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in params.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    typed, ctx = gpu_graph(model, until="fp8_linears")
+    assert ctx.reports["strong_types"]["batchnorms_folded"] == 1
+    assert ctx.reports["strong_types"]["saturated_constants"] == 0 and not ctx.warnings
+    x = (rng.standard_normal((1, 4, 8, 8)) * np.sqrt(var)[None, :, None, None]).astype(np.float32)
+    assert cosine(run_ort(model, {"x": x})[0], run_ort(gs.export_onnx(typed), {"x": x}, optimize=False)[0]) > 0.9999
+
+
+def test_strong_types_warns_of_a_constant_past_fp16():
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "big"], ["y"], name="scale_up")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+                              [onnx.numpy_helper.from_array(np.full(4, 1e5, np.float32), "big")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    _, ctx = gpu_graph(model, until="fp8_linears")
+    assert any("big" in w and "scale_up" in w for w in ctx.warnings)

@@ -151,6 +151,13 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         report["constant_folding"] = f"stopped: {folding_failed}"
     if unknown_shapes(graph):
         report["shapes_from_onnxruntime"] = infer_shapes_by_running(graph)
+        if not folding_failed:   # the Shape ops those shapes make constant (PP-OCR's classifier: a Reshape's)
+            try:
+                toposort(graph).fold_constants(fold_shapes=True, error_ok=True).cleanup()
+                toposort(graph)
+            except Exception as exc:  # noqa: BLE001 - as above
+                report["constant_folding"] = f"stopped: {type(exc).__name__}: {exc}"
+            report["nodes_after"] = len(graph.nodes)
     unknown = [t.name for t in graph.outputs if not is_static(t.shape)]
     if unknown:
         raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}, "
