@@ -107,23 +107,10 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     graph = gs.import_onnx(proto)
     del proto
 
-    # 0. The model as it came goes to the vendor now, while the passes run: the longest build, and it
-    #    needs nothing they make (quantized builds wait for the calibration samples).
-    early = start_vendor_alone(tgt, as_it_came, output, options, progress) \
-        if as_it_came is not None and options.precision not in QUANTIZED and hasattr(tgt, "start_builds") else None
-    if early is not None:
-        as_it_came = None
-
     # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph is
     #    kept so each rewritten shard can also be built as the vendor would take it.
-    try:
-        graph, ctx = run_passes(graph, tgt, profile, options, progress,
-                                snapshot=("canonicalize",) if tgt.vendor else (),
-                                until="slow_paths" if options.vendor_only else None)
-    except BaseException:
-        if early is not None:
-            early.discard()
-        raise
+    graph, ctx = run_passes(graph, tgt, profile, options, progress, snapshot=("canonicalize",) if tgt.vendor else (),
+                            until="slow_paths" if options.vendor_only else None)
     ctx.reports["canonicalize"]["prepared"] = prepared
     plans = ctx.plan or []
     canonical = ctx.snapshots.pop("canonicalize", None)
@@ -140,11 +127,11 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
     # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
     #    so the final rename is atomic); logs live outside it so a failure keeps them.
-    staging, logs = (early.staging, early.logs) if early else scratch_folders(output)
+    staging, logs = scratch_folders(output)
     datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
                         set(options.promote or ())) if quantized else None
     try:
-        (staging / "shards").mkdir(exist_ok=True)
+        (staging / "shards").mkdir()
         jobs = write_jobs(staging, logs, tgt, plans, originals, as_it_came, opset, progress, datasets)
         del as_it_came
         build = tgt.build_options(options)
@@ -157,16 +144,11 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
                 done.append(result)
                 progress(step, len(done), len(jobs))
 
-            if not batch:
-                return {}
             progress(step, len(done), len(jobs))
             cache = default_cache_dir() if options.build_cache else None
             return {b.name: b for b in tgt.compile_shards(batch, build, options.jobs, options.timeout, on_done, cache)}
 
         builds = compile_jobs(jobs, "compile shards")
-        if early is not None:
-            jobs.insert(0, early.job)
-            builds[VENDOR_ALONE] = early.wait(progress)
         t_build = time.monotonic() - t0 - t_passes
 
         # 3. Keep the better build of each shard (rewritten or not; edges as they were or in the
@@ -216,8 +198,6 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     except BaseException:
-        if early is not None:
-            early.builds.kill()
         if datasets:
             shutil.rmtree(datasets.root, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
@@ -238,43 +218,6 @@ def scratch_folders(output: Path) -> tuple[Path, Path]:
     for folder in (staging, logs):
         folder.chmod(0o755)  # mkdtemp makes them private; a bundle is an ordinary directory
     return staging, logs
-
-
-@dataclass
-class EarlyBuild:
-    """The vendor alone's build, started before the passes (its scratch folders are the compile's)."""
-
-    job: ShardJob
-    builds: object           # the target's Builds handle
-    staging: Path
-    logs: Path
-
-    def wait(self, progress: Progress) -> ShardBuild:
-        progress("the model as it came, vendor alone", 0, 1)
-        build = self.builds.wait()[0]
-        progress("the model as it came, vendor alone", 1, 1)
-        return build
-
-    def discard(self) -> None:
-        """The passes failed or were stopped: end the build, remove its folders (logs too, being empty of use)."""
-        self.builds.kill()
-        shutil.rmtree(self.staging, ignore_errors=True)
-        shutil.rmtree(self.logs, ignore_errors=True)
-
-
-def start_vendor_alone(tgt, model: onnx.ModelProto, output: Path, options: CompileOptions,
-                       progress: Progress) -> EarlyBuild:
-    staging, logs = scratch_folders(output)
-    try:
-        (staging / "shards").mkdir()
-        job = write_job(staging, logs, tgt, VENDOR_ALONE, model)
-        cache = default_cache_dir() if options.build_cache else None
-        builds = tgt.start_builds([job], tgt.build_options(options), 1, options.timeout, lambda build: None, cache)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(logs, ignore_errors=True)
-        raise
-    return EarlyBuild(job, builds, staging, logs)
 
 
 PRECISIONS = ("fp16", "int8", "mixed", "fp8")

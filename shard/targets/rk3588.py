@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -65,12 +64,6 @@ class Rk3588Target:
                        on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
         """Build every shard, `workers` at a time, each worker process reused for many builds; jobs
         start in the order given (put the longest first). Builds seen before come from `cache`."""
-        return self.start_builds(jobs, build, workers, timeout, on_done, cache).wait()
-
-    def start_builds(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                     on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> Builds:
-        """compile_shards, started in the background: the compile builds the model as it came while
-        its passes run (the longest build, and it needs nothing the passes make)."""
         workers = max(1, min(workers, len(jobs)))
         pool = WorkerPool(find_python(self.name), jobs[0].log.parent, workers)
         store = BuildCache(cache, self.name, installed_label(self.name), build) if cache else None
@@ -88,35 +81,20 @@ class Rk3588Target:
             return result
 
         executor = ThreadPoolExecutor(max_workers=workers)
-        return Builds(pool, executor, [executor.submit(build_one, job) for job in jobs])
-
-
-@dataclass
-class Builds:
-    """Vendor builds under way: `wait` for their results, or `kill` them."""
-
-    pool: WorkerPool
-    executor: ThreadPoolExecutor
-    futures: list
-
-    def wait(self) -> list[ShardBuild]:
+        futures = [executor.submit(build_one, job) for job in jobs]
         try:
-            wait(self.futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in self.futures if f.done() and f.exception()), None)
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception()), None)
             if failed is not None:  # a bug or an interrupt, not a failed build: stop the others
+                pool.kill_all()
                 raise failed.exception()
-            return [f.result() for f in self.futures]
+            return [f.result() for f in futures]
         except BaseException:   # SIGINT or SIGTERM (shard.cli): the builds under way end now, not when done
-            self.kill()
+            pool.kill_all()
             raise
         finally:
-            self.executor.shutdown(wait=True, cancel_futures=True)
-            self.pool.close()
-
-    def kill(self) -> None:
-        self.pool.kill_all()
-        self.executor.shutdown(wait=True, cancel_futures=True)
-        self.pool.close()
+            executor.shutdown(wait=True, cancel_futures=True)
+            pool.close()
 
 
 BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")
