@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from shard.probes.cuda import measure_ops, probe_cuda
+    from shard.probes.cuda import add_measured_ops, probe_cuda
     from shard.profile import load_profile
     from shard.zoo import export_model
 
@@ -118,7 +118,7 @@ def main() -> None:
         whole = build / f"{name}-cuda-ops.shard"
         compile_model(model, "cuda", whole, CompileOptions(shards=1, profile=str(profile), precision=args.precision))
         measured = load_profile("cuda", profile)
-        measured.facts["op_seconds"] = {**measured.facts.get("op_seconds", {}), **measure_ops(whole)}
+        add_measured_ops(measured, whole)
         measured.save(profile)
         runs = {}
         for k in [int(s) for s in args.stages.split(",")]:

@@ -277,11 +277,10 @@ def run_command(
     """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
     from shard.runtime.__main__ import read_inputs, save_outputs
+    from shard.runtime.buckets import is_bucketed
 
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
-    from shard.runtime.buckets import is_bucketed
-
     if is_bucketed(bundle):
         return run_buckets(bundle, input, backend, repeat, seed, save)
     frames = stream or repeat
@@ -586,17 +585,13 @@ def probe_command(
 
 
 def probe_gpu(out: Path, ops: Path | None) -> None:
-    from shard.probes.cuda import measure_ops, probe_cuda
+    from shard.probes.cuda import add_measured_ops, probe_cuda
     from shard.profile import load_profile
 
     with progress_bar() as progress:
         profile = load_profile("cuda", out) if ops and out.exists() else probe_cuda(progress)
         if ops:
-            measured = measure_ops(ops, progress)
-            profile.facts["op_seconds"] = {**profile.facts.get("op_seconds", {}), **measured}
-            profile.facts["op_seconds_source"] = (f"shard probe --target cuda --ops: each op of {ops.name} alone, "
-                                                  f"captured in a CUDA graph and replayed")
-            console.print(f"{len(measured)} distinct ops of {ops} timed")
+            console.print(f"{add_measured_ops(profile, ops, progress)} distinct ops of {ops} timed")
     f = profile.facts
     console.print(f"{f['gpu']}: {f['sms']} SMs, DRAM {f['bandwidth_gbs']:.0f} GB/s, shortest kernel "
                   f"{1e6 * f['min_kernel_s']:.2f} us")

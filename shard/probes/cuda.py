@@ -141,3 +141,13 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
                 env.update(zip(outs, results if isinstance(results, tuple) else (results,)))
     progress("ops", len(manifest.shards), len(manifest.shards))
     return seconds
+
+
+def add_measured_ops(profile: Profile, bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None
+                     ) -> int:
+    """measure_ops into the profile's facts (kept beside the ops measured before); returns how many."""
+    measured = measure_ops(bundle, progress)
+    profile.facts["op_seconds"] = {**profile.facts.get("op_seconds", {}), **measured}
+    profile.facts["op_seconds_source"] = ("shard probe --target cuda --ops: each op of a bundle alone, captured in "
+                                          "a CUDA graph and replayed")
+    return len(measured)
