@@ -62,6 +62,7 @@ def test_prelu_selu_instance_norm():
     check(one_op("PRelu", [("x", [1, 3, 6, 7])], [1, 3, 6, 7], {"s": np.array([[[0.1]], [[0.2]], [[0.3]]], np.float32)}),
           {"x": x4})
     check(one_op("Selu", [("x", [1, 3, 6, 7])], [1, 3, 6, 7]), {"x": x4})
+    check(one_op("Shrink", [("x", [1, 3, 6, 7])], [1, 3, 6, 7], lambd=0.7, bias=0.2), {"x": x4})
     check(one_op("InstanceNormalization", [("x", [1, 3, 6, 7])], [1, 3, 6, 7],
                  {"s": np.array([1.0, 2.0, 0.5], np.float32), "b": np.array([0.0, 1.0, -1.0], np.float32)}), {"x": x4})
 

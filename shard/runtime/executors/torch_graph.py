@@ -179,10 +179,13 @@ def _unary(g, node, attrs):
             "Sign": torch.sign}[node.op_type]
 
 
-@lowering("Gelu", "LeakyRelu", "HardSigmoid", "HardSwish", "Elu", "Clip", "Selu", "PRelu")
+@lowering("Gelu", "LeakyRelu", "HardSigmoid", "HardSwish", "Elu", "Clip", "Selu", "PRelu", "Shrink")
 def _activation(g, node, attrs):
     F = _torch().nn.functional
     torch = _torch()
+    if node.op_type == "Shrink":
+        lambd, bias = attrs.get("lambd", 0.5), attrs.get("bias", 0.0)
+        return lambda x: torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, torch.zeros_like(x)))
     if node.op_type == "PRelu":
         return lambda x, slope: torch.where(x >= 0, x, x * slope)
     if node.op_type == "Selu":
