@@ -260,6 +260,20 @@ def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, 
     return [m for m in models if not wanted or m[0] in wanted]
 
 
+def exported_models(which: str, only: list[str] | None, folder: Path):
+    """(name, family, path) of each model of the set, written when its turn comes; an exporter's failure
+    is printed and the model skipped (it is not shard's)."""
+    for name, family, make in corpus(which, only, folder):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                path = make()
+        except Exception as exc:  # noqa: BLE001 - an exporter's failure is not shard's
+            print(f"{name:44} {family:18} export failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        yield name, family, path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="all", choices=["all", "onnx", "transformers", "packaged", "ci"])
@@ -272,16 +286,8 @@ def main() -> None:
     quiet_graphsurgeon()
     rows = []
     with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
-        models = corpus(args.set, args.only.split(",") if args.only else None, Path(folder))
         print(f"{'model':44} {'family':18} {'shard':>24} {'vendor alone':>24} verdict")
-        for name, family, make in models:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    path = make()
-            except Exception as exc:  # noqa: BLE001 - an exporter's failure is not shard's
-                print(f"{name:44} {family:18} export failed: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
+        for name, family, path in exported_models(args.set, args.only.split(",") if args.only else None, Path(folder)):
             row = evaluate(name, family, path, args.jobs)
             rows.append(row)
             if path.is_relative_to(Path(folder)):

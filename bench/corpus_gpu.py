@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from corpus import PACKAGED, corpus
+from corpus import PACKAGED, exported_models
 
 MIN_COSINE = 0.999
 
@@ -100,14 +100,7 @@ def main() -> None:
     quiet_graphsurgeon()
     rows = []
     with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
-        for name, family, make in corpus(args.set, args.only.split(",") if args.only else None, Path(folder)):
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    path = make()
-            except Exception as exc:  # noqa: BLE001 - an exporter's failure is not shard's
-                print(f"{name:44} export failed: {type(exc).__name__}: {str(exc)[:100]}")
-                continue
+        for name, family, path in exported_models(args.set, args.only.split(",") if args.only else None, Path(folder)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 row = evaluate(name, path, args.precision)
