@@ -7,8 +7,12 @@ Each "core" is one onnxruntime session per shard with one intra-op thread (what 
     model with one thread, alternated run by run, medians compared: overhead = bundle / whole.
 (b) run_stream throughput with 1, 2 and 3 cores, each schedule: streamN = frames/s on N cores /
     frames/s on one.
+    Beside each: the rate the compile report's model predicts (shard.runtime.scheduler.predict_stream)
+    from each shard's time alone on one core.
 (c) the machine's own ceiling: N whole-model sessions in N threads at once vs one alone.
-Ends with: RESULT overhead=... stream2=... stream3=... cores=... schedule=... (--schedule picks which)
+Ends with: RESULT overhead=... stream2=... stream3=... predicted3=... pred_error3=... cores=... schedule=...
+(--schedule picks which; predicted3 as a multiple of one core's measured rate, pred_error3 = |measured -
+predicted| / measured on 3 cores)
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import onnxruntime as ort
 import shard
 from shard.bundle import read_manifest
 from shard.runtime import random_inputs
-from shard.runtime.scheduler import DEFAULT_SCHEDULE, SCHEDULES
+from shard.runtime.scheduler import DEFAULT_SCHEDULE, SCHEDULES, predict_stream
 
 
 def whole_model_session(model: Path) -> ort.InferenceSession:
@@ -79,6 +83,8 @@ def main() -> None:
         for _ in range(args.runs):
             bundle_s.append(timed(lambda: session.run(frames[0])))
             whole_s.append(timed(lambda: whole.run([out_name], frames[0])))
+        timings = session.timings
+        shard_s = [statistics.median(timings[s.name].seconds) for s in manifest.shards]   # each alone, one core
     whole = None  # free the whole-model session before the streams
     overhead = statistics.median(bundle_s) / statistics.median(whole_s)
     print(f"(a) latency, median of {args.runs}: bundle on 1 core {1000 * statistics.median(bundle_s):.0f} ms, "
@@ -86,16 +92,23 @@ def main() -> None:
 
     rates = {(1, "any"): stream_rate(args.bundle, [0], frames, "round-robin")}
     print_rate("(b) run_stream", 1, "one core", rates[(1, "any")], rates[(1, "any")][0])
+    predicted = {}
     for n in (2, 3):
         for schedule in SCHEDULES:
             rates[(n, schedule)] = stream_rate(args.bundle, list(range(n)), frames, schedule)
             print_rate("(b) run_stream", n, schedule, rates[(n, schedule)], rates[(1, "any")][0])
+            # the report's model (shard.runtime.scheduler.predict_stream) fed each shard's time alone
+            predicted[(n, schedule)] = predict_stream(manifest.shards, shard_s, list(range(n)), schedule)[1]
+            print(f"    predicted from each shard's time alone: {predicted[(n, schedule)]:.3f} frames/s "
+                  f"(measured / predicted {rates[(n, schedule)][0] / predicted[(n, schedule)]:.2f})")
     for n in (2, 3):
         print(f"(c) machine ceiling: {n} whole-model sessions in {n} threads at once: "
               f"{parallel_whole_models(args.model, frames[0], n):.2f}x one alone")
     base = rates[(1, "any")][0]
+    measured3, predicted3 = rates[(3, args.schedule)][0], predicted[(3, args.schedule)]
     print(f"RESULT overhead={overhead:.3f} stream2={rates[(2, args.schedule)][0] / base:.2f} "
-          f"stream3={rates[(3, args.schedule)][0] / base:.2f} cores={os.cpu_count()} schedule={args.schedule}")
+          f"stream3={measured3 / base:.2f} predicted3={predicted3 / base:.2f} "
+          f"pred_error3={abs(measured3 - predicted3) / measured3:.2f} cores={os.cpu_count()} schedule={args.schedule}")
 
 
 def print_rate(label: str, cores: int, schedule: str, measured: tuple[float, list], base: float) -> None:

@@ -215,6 +215,12 @@ def print_compile_report(report: dict) -> None:
                       f"({100 * r['fp16_share_of_linears']:g} % of their MACs at most): simulator cosine "
                       f"{r['cosine']:.5f}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
                       f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
+    predicted = report.get("predicted")
+    if predicted:
+        console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): one frame "
+                      f"{1e3 * predicted['latency_s']:.1f} ms; run_stream "
+                      + ", ".join(f"{fps:.1f}" for fps in predicted["stream_fps"].values())
+                      + f" frames/s on {'/'.join(map(str, predicted['stream_fps']))} cores")
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")

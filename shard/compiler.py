@@ -432,6 +432,7 @@ class BundleWriter:
             host_pre=host_pre, host_post=host_post, shards=specs)
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
+        report["predicted"] = npu_prediction(manifest, report["shards"], self.profile)
         vendor = self.builds.get(VENDOR_ALONE)
         report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
                       versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
@@ -797,6 +798,22 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
                        if by_dtype else None},
             "seconds": {k: round(v, 2) for k, v in seconds.items()},
             "builds": {"total": len(builds), "from_cache": sum(b.cached for b in builds.values())}}
+
+
+def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None:
+    """One frame's NPU time and run_stream's frames/s on 1..cores cores, from each shard's estimated
+    cycles at the NPU clock (its MACs at the fp16 peak where the vendor gives none), through the
+    scheduler's own policy (shard.runtime.scheduler.predict_stream). Host steps not counted."""
+    from shard.passes.partition import npu_seconds_per_mac
+    from shard.runtime.scheduler import predict_stream
+
+    clock, per_mac = profile.facts.get("npu_clock_hz"), npu_seconds_per_mac(profile.facts)
+    if not clock or not manifest.shards:
+        return None
+    seconds = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
+    return {"shard_seconds": seconds, "latency_s": predict_stream(manifest.shards, seconds, [0])[0],
+            "stream_fps": {n: predict_stream(manifest.shards, seconds, list(range(n)))[1]
+                           for n in range(1, profile.cores + 1)}}
 
 
 def cycle_note(change: dict) -> str:

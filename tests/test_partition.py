@@ -67,3 +67,21 @@ def test_a_narrow_head_does_not_take_every_cut_from_the_backbone():
     prefix = np.cumsum(costs)
     shares = np.diff([0, *[prefix[c] for c in cuts], prefix[-1]])
     assert len(cuts) == 2 and min(shares) >= prefix[-1] / 3 * 0.7, shares
+
+
+def test_shards_predicted_over_the_job_limit_are_split():
+    """One shard is one NPU job, which the driver kills after job_timeout_s: a profile whose limit is
+    tiny makes partition cut more, each shard predicted under a quarter of the limit."""
+    from dataclasses import replace
+
+    from shard.passes.partition import JOB_MARGIN, npu_seconds_per_mac
+
+    base = load_profile("rk3588")
+    total = sum(n.macs for n in plan(mlp_chain(6), shards=1).plan) * npu_seconds_per_mac(base.facts)
+    tight = replace(base, facts={**base.facts, "job_timeout_s": total / (3 * JOB_MARGIN)})
+    ctx = PassContext(profile=tight, options=CompileOptions(shards=1))
+    run_pipeline(gs.import_onnx(mlp_chain(6)), ctx)
+    report = ctx.reports["partition"]
+    assert len(ctx.plan) == 3 and report["requested"] == 3
+    assert max(report["predicted_s"]) <= report["job_limit_s"] * (1 + 1e-9)
+    assert not ctx.warnings

@@ -94,6 +94,11 @@ def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     assert result.report["totals"]["regtask_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
     tiling = result.report["passes"]["tile_attention"]
     assert tiling["found"] == 3 and tiling["changes"] == []  # auto: every attention builds clean whole
+    predicted = result.report["predicted"]   # from the estimated cycles at 1 GHz, through the scheduler's policy
+    cycles = [s["diagnostics"]["estimated_cycles"] for s in result.report["shards"]]
+    assert predicted["latency_s"] == sum(cycles) / 1e9
+    fps = predicted["stream_fps"]
+    assert fps[1] * 0.99 <= 1e9 / sum(cycles) and fps[1] < fps[2] < fps[3] <= 3 * fps[1]
     report = shard.verify(result.bundle, onnx_path, backend="sim")
     assert report.passed and report.outputs[0].cosine >= 0.9999
     assert set(report.shards) == {"shard_000", "shard_001", "shard_002"}

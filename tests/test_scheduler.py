@@ -201,3 +201,22 @@ def test_cli_stream_prints_throughput_utilisation_and_writes_the_trace(diamond, 
 def test_cli_refuses_bad_scheduling_options(diamond, args, message):
     out = shard_cli("run", diamond, "--backend", "cpu", *args)
     assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_predicted_stream_follows_the_cores_and_the_policy():
+    from shard.bundle import ShardSpec, TensorSpec
+    from shard.runtime.scheduler import predict_stream
+
+    edge = lambda n: TensorSpec(n, [1], "float32")  # noqa: E731
+    chain = [ShardSpec(f"s{k}", "", None, None, [edge(f"e{k}")], [edge(f"e{k + 1}")], k, "fp16", macs=1)
+             for k in range(3)]
+    for cores, rate in (([0], 1 / 3), ([0, 1], 2 / 3), ([0, 1, 2], 1.0)):
+        latency, fps = predict_stream(chain, [1.0, 1.0, 1.0], cores, "balanced")
+        assert latency == 3.0 and 0.98 * rate <= fps <= rate + 1e-9
+    # round-robin on the manifest's cores: the slowest shard's core sets the pace
+    assert abs(predict_stream(chain, [1.0, 2.0, 1.0], [0, 1, 2], "round-robin")[1] - 0.5) < 0.01
+    # two independent tiles and their join: on two cores one frame takes 1 + 1, not 1 + 1 + 1
+    tiles = [ShardSpec("a", "", None, None, [edge("x")], [edge("ya")], 0, "fp16", macs=1),
+             ShardSpec("b", "", None, None, [edge("x")], [edge("yb")], 1, "fp16", macs=1),
+             ShardSpec("join", "", None, None, [edge("ya"), edge("yb")], [edge("y")], 0, "fp16", macs=1)]
+    assert predict_stream(tiles, [1.0, 1.0, 1.0], [0, 1], "balanced")[0] == 2.0

@@ -15,6 +15,7 @@ from shard.passes import PassContext, register
 
 
 MIN_SHARD_MACS = 100_000_000  # about 0.2 ms of one core at its fp16 peak (512 MACs a cycle, 1 GHz)
+JOB_MARGIN = 0.25             # a shard's predicted NPU time stays under this share of the driver's job limit
 
 
 @dataclass
@@ -148,6 +149,11 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     max_ops = getattr(opts, "max_ops", None)
     if max_ops:
         shards = max(shards, math.ceil(n / max_ops))
+    # The driver kills a job after job_timeout_s: no shard may come near it (one shard is one job).
+    per_mac = npu_seconds_per_mac(ctx.profile.facts)
+    limit = ctx.profile.facts.get("job_timeout_s")
+    if per_mac and limit:
+        shards = max(shards, math.ceil(sum(costs) * per_mac / (limit * JOB_MARGIN)))
     dag = build_dataflow(graph)
     if not nx.is_directed_acyclic_graph(dag):
         raise ModelError("the graph has a cycle")
@@ -157,5 +163,20 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     live = live_bytes_after(graph, dag, set(canonical.tensors()) if canonical is not None else None)
     cuts = choose_cuts(costs, live, min(shards, n))
     ctx.plan = shard_boundaries(graph, cuts)
-    return graph, {"requested": shards, "shards": len(ctx.plan),
-                   "cut_bytes": [live[c] for c in cuts], "macs": [p.macs for p in ctx.plan]}
+    report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts],
+              "macs": [p.macs for p in ctx.plan]}
+    if per_mac and limit:
+        predicted = [p.macs * per_mac for p in ctx.plan]
+        report.update(predicted_s=predicted, job_limit_s=limit * JOB_MARGIN)
+        over = [p.name for p, s in zip(ctx.plan, predicted) if s > limit * JOB_MARGIN]
+        if over:
+            ctx.warnings.append(f"partition: {', '.join(over)} predicted over {JOB_MARGIN:g} of the NPU's "
+                                f"{limit:g} s job limit (no cheaper cut was found); the board may kill them")
+    return graph, report
+
+
+def npu_seconds_per_mac(facts: dict) -> float | None:
+    """One core at its fp16 peak (the profile's MACs a cycle and clock): the floor a shard's NPU time is
+    predicted by before any build (the vendor's cycle estimate replaces it after)."""
+    rate = facts.get("macs_per_cycle_fp16", 0) * facts.get("npu_clock_hz", 0)
+    return 1.0 / rate if rate else None
