@@ -539,6 +539,9 @@ def probe_command(
     on_board: bool = typer.Option(False, help="Also run each clean point on NPU core 0 with rknn-toolkit-lite2 "
                                               "(on an RK3588 board); a failure there is class `board`."),
     list_families: bool = typer.Option(False, "--list", help="List the families and exit."),
+    diff: Optional[tuple[str, str]] = typer.Option(None, "--diff", help="A B: the limits and facts that differ "
+                                                                        "between two profiles (files, or shipped "
+                                                                        "ones by target name), and exit."),
     ops: Optional[Path] = typer.Option(None, "--ops", help="--target cuda: also time every distinct op of this "
                                                            "thor/cuda bundle on the GPU (added to --out)."),
 ) -> None:
@@ -547,6 +550,8 @@ def probe_command(
     from shard.probes.families import FAMILIES
     from shard.probes.runner import merge_into, probe
 
+    if diff:
+        return print_profile_diff(*diff)
     if list_families:
         table = Table(title="probe families")
         for col in ("family", "graph (N is swept)", "settings", "kind"):
@@ -588,6 +593,27 @@ def probe_command(
     console.print(f"{len(searches)} limits, {builds} builds, {cached} points from the cache ({cache}); "
                   f"{time.perf_counter() - started:.1f} s")
     console.print(f"profile: {out}")
+
+
+def print_profile_diff(a_spec: str, b_spec: str) -> None:
+    """`shard probe --diff A B`: what a user checks after a toolkit upgrade or on a new chip."""
+    from shard.profile import diff_profiles, profile_at
+
+    a, b = profile_at(a_spec), profile_at(b_spec)
+    limits, facts = diff_profiles(a, b)
+    table = Table(title=f"limits that differ: A = {a_spec} ({a.target}, {a.toolkit}), B = {b_spec} ({b.target}, "
+                        f"{b.toolkit})")
+    for col in ("limit", "A", "B", "A's evidence", "B's evidence"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("A", "B") else "left")
+    show = lambda lim: "-" if lim is None else f"{lim.value} ({lim.failure})"  # noqa: E731
+    for d in limits:
+        table.add_row(d.name, show(d.a), show(d.b), d.a.evidence if d.a else "not probed",
+                      d.b.evidence if d.b else "not probed")
+    console.print(table)
+    for name, (x, y) in facts.items():
+        console.print(f"fact {name}: A {x!r}, B {y!r}")
+    same = len({*a.limits, *b.limits}) - len(limits)
+    console.print(f"{len(limits)} limits differ, {same} agree; {len(facts)} facts differ")
 
 
 def probe_gpu(out: Path, ops: Path | None) -> None:

@@ -66,3 +66,35 @@ def load_profile(target: str, path: str | Path | None = None) -> Profile:
     if profile.target != target:
         raise ShardError(f"profile {path} is for {profile.target}, not {target}")
     return profile
+
+
+@dataclass
+class LimitDiff:
+    name: str
+    a: Limit | None
+    b: Limit | None
+
+
+def diff_profiles(a: Profile, b: Profile) -> tuple[list[LimitDiff], dict[str, tuple]]:
+    """The limits whose largest legal value or failure differ between two profiles (one side may lack
+    it), and the facts that differ ({name: (a's, b's)}; sources aside)."""
+    limits = [LimitDiff(name, a.limits.get(name), b.limits.get(name)) for name in sorted({*a.limits, *b.limits})]
+    changed = [d for d in limits if d.a is None or d.b is None or (d.a.value, d.a.failure) != (d.b.value, d.b.failure)]
+    facts = {k: (a.facts.get(k), b.facts.get(k)) for k in sorted({*a.facts, *b.facts})
+             if not k.endswith("_source") and a.facts.get(k) != b.facts.get(k)}
+    if a.cores != b.cores:
+        facts["cores"] = (a.cores, b.cores)
+    return changed, facts
+
+
+def profile_at(spec: str) -> Profile:
+    """A profile file, or the shipped profile of a target named so."""
+    path = Path(spec)
+    if path.is_file():
+        try:
+            return Profile.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise ShardError(f"{path}: cannot read profile ({exc})") from None
+    if path.suffix == ".json":
+        raise ShardError(f"{path}: no such profile file")
+    return load_profile(spec)
