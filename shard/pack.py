@@ -40,7 +40,7 @@ sys.exit(main([str(here / "bundle"), *sys.argv[1:]]))
 
 README = '''{name}: {source}, compiled by shard {version} for {target}.
 
-On the board (RK3588, Python 3.8+):
+On the board (RK3588, Python 3.9+):
     pip install rknn-toolkit-lite2 numpy
     python run.py --input x.npy                 # one input; NAME=x.npy for several
     python run.py --input x.npy --save out/     # outputs as out/NAME.npy

@@ -71,7 +71,14 @@ def pick_backend(manifest: Manifest) -> str:
 def unpack(path: Path, into: Path) -> Path:
     """The bundle inside a pack (NAME/bundle), extracted into `into`."""
     with tarfile.open(path) as tar:
-        tar.extractall(into, filter="data")
+        try:
+            tar.extractall(into, filter="data")
+        except TypeError:   # a Python without extraction filters (before 3.9.17): check the names ourselves
+            root = into.resolve()
+            for member in tar.getmembers():
+                if not member.isfile() or not (root / member.name).resolve().is_relative_to(root):
+                    raise RunError(f"{path}: not a shard pack (entry {member.name!r})") from None
+            tar.extractall(into)
     found = sorted(into.glob("*/bundle/manifest.json"))
     if not found:
         raise RunError(f"{path}: not a shard pack (no NAME/bundle/manifest.json inside)")
