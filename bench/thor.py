@@ -27,18 +27,13 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import onnx
 
 from shard.bundle import TensorSpec
 from shard.calibration import run_each
 from shard.compiler import CompileOptions, compile_model
 from shard.runtime import Session, random_inputs
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
+from shard.verifier import compare
 
 
 def stage_seconds(session: Session, repeats: int = 20) -> dict[str, float]:
@@ -64,7 +59,7 @@ def stage_seconds(session: Session, repeats: int = 20) -> dict[str, float]:
 def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: int) -> dict:
     with Session(bundle, backend="cuda") as session:
         outputs = session.run(x)   # warm
-        worst = min(cosine(reference[t.name], outputs[t.name]) for t in session.manifest.outputs)
+        worst = min(compare(t.name, reference[t.name], outputs[t.name]).cosine for t in session.manifest.outputs)
         latencies = []
         for _ in range(latency_runs):
             started = time.perf_counter()

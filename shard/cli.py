@@ -121,17 +121,19 @@ def compile_command(
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
-    for name, report in result.report.get("buckets", {"": result.report}).items():
-        if name:
-            console.rule(f"bucket {name}: {', '.join(f'{k}={list(v)}' for k, v in bucket_inputs(result.bundle, name))}")
-        print_compile_report(report)
+    if "buckets" in result.report:
+        from shard.runtime.buckets import read_buckets
+
+        for bucket in read_buckets(result.bundle).buckets:
+            console.rule(bucket_title(bucket))
+            print_compile_report(result.report["buckets"][bucket.name])
+    else:
+        print_compile_report(result.report)
     console.print(f"bundle: {result.bundle}")
 
 
-def bucket_inputs(bundle: Path, name: str):
-    from shard.runtime.buckets import read_buckets
-
-    return next(b for b in read_buckets(bundle).buckets if b.name == name).inputs.items()
+def bucket_title(bucket) -> str:
+    return f"bucket {bucket.name}: {', '.join(f'{k}={v}' for k, v in bucket.inputs.items())}"
 
 
 def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
@@ -393,7 +395,7 @@ def verify_command(
     else:
         reports = {}
         for b in read_buckets(bundle).buckets:
-            console.rule(f"bucket {b.name}: {', '.join(f'{k}={v}' for k, v in b.inputs.items())}")
+            console.rule(bucket_title(b))
             reports[b.name] = verify_one(bundle / b.name, reference, backend, min_cosine, seed, inputs)
     if json_out:
         from dataclasses import asdict

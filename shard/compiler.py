@@ -28,6 +28,7 @@ from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality
+from shard.precision import MIXED_ROUNDS, promote_share
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.runtime.host import step_files
@@ -222,7 +223,6 @@ def scratch_folders(output: Path) -> tuple[Path, Path]:
 
 PRECISIONS = ("fp16", "int8", "mixed", "fp8")
 QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
-MIXED_ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # shares of the linears' MACs moved to fp16, round by round
 
 
 def compile_mixed(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
@@ -306,18 +306,6 @@ def compile_buckets(model: str | Path, target: str, output: str | Path | None, o
         raise
     return CompileResult(bundle=output, manifest=results[-1].manifest,
                          report={"buckets": {b.name: r.report for b, r in zip(buckets, results)}})
-
-
-def promote_share(ranking: list[dict], share: float) -> list[str]:
-    """The most sensitive linears (ranking order) whose MACs make up at most `share` of the total."""
-    total = sum(c["macs"] for c in ranking) or 1
-    promoted, macs = [], 0
-    for candidate in ranking:
-        if macs + candidate["macs"] > share * total + 1e-9:
-            break
-        promoted.append(candidate["node"])
-        macs += candidate["macs"]
-    return promoted
 
 
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
@@ -725,7 +713,9 @@ def save_onnx(model, path: Path) -> None:
 def check_output_path(output: Path) -> None:
     """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists; remove
     what compiles of the same output that no longer run left beside it."""
-    if output.exists() and not ((output / MANIFEST).is_file() or (output / "buckets.json").is_file()):
+    from shard.runtime.buckets import is_bucketed
+
+    if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output)):
         raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
     if not output.parent.is_dir():
         raise ShardError(f"{output.parent}: no such directory for the bundle")

@@ -55,6 +55,21 @@ def dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def numpy_dtype(tensor: gs.Tensor) -> np.dtype | None:
+    """A tensor's numpy dtype; None where it is unknown or an ONNX-only type numpy has not (FP8)."""
+    try:
+        return np.dtype(tensor.dtype) if tensor.dtype is not None else None
+    except TypeError:
+        return None
+
+
+def float_ranks(graph: gs.Graph) -> dict[str, int]:
+    """{float tensor a node makes: its rank}, from the shapes canonicalize left on the graph (so range
+    statistics need no shape inference over a copy of the model)."""
+    return {t.name: len(t.shape) if t.shape is not None else -1 for t in graph.tensors().values()
+            if isinstance(t, gs.Variable) and t.inputs and (d := numpy_dtype(t)) is not None and d.kind == "f"}
+
+
 def is_static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) and d >= 0 for d in shape)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import shard
 from shard.bundle import MANIFEST, read_manifest
 from shard.errors import ShardError
+from shard.runtime.buckets import is_bucketed
 from shard.runtime.host import step_files
 
 RUNTIME = ("__init__.py", "bundle.py", "errors.py", "runtime")   # what `import shard.runtime` needs
@@ -61,7 +62,7 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     bundle, output = Path(bundle), Path(output)
     if not output.name.endswith(".tar.gz"):
         raise ShardError(f"{output}: a pack is a .tar.gz file")
-    if (bundle / "buckets.json").is_file():
+    if is_bucketed(bundle):
         raise ShardError(f"{bundle}: a bundle of shape buckets is packed bucket by bucket for now: "
                          f"shard pack {bundle}/b0 -o ..., and so on")
     manifest = read_manifest(bundle)

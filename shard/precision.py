@@ -23,6 +23,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 LINEAR_OPS = ("MatMul", "Gemm", "Conv")
+MIXED_ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # shares of the linears' MACs moved to fp16, round by round
 
 
 def is_linear(node: gs.Node) -> bool:
@@ -42,6 +43,19 @@ def float16_names(nodes: list[gs.Node], promoted: set[str] = frozenset(), inputs
             continue
         names += [node.name, *(t.name for t in node.outputs if t.name)]
     return sorted(set(names))
+
+
+def promote_share(ranking: list[dict], share: float) -> list[str]:
+    """The first linears of `ranking` ({"node", "macs"}, most sensitive first) whose MACs make up at most
+    `share` of the total: the ones a round of mixed precision (int8 or fp8) moves to fp16."""
+    total = sum(c["macs"] for c in ranking) or 1
+    promoted, macs = [], 0
+    for candidate in ranking:
+        if macs + candidate["macs"] > share * total + 1e-9:
+            break
+        promoted.append(candidate["node"])
+        macs += candidate["macs"]
+    return promoted
 
 
 @dataclass

@@ -52,10 +52,7 @@ class Profile:
 def load_profile(target: str, path: str | Path | None = None) -> Profile:
     """The profile at `path`, else the one shipped for `target`."""
     if path is not None:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ShardError(f"{path}: cannot read profile ({exc})") from None
+        data = read_profile_json(Path(path))
     else:
         shipped = resources.files("shard.targets").joinpath("profiles").joinpath(f"{target}.json")
         if not shipped.is_file():
@@ -87,14 +84,16 @@ def diff_profiles(a: Profile, b: Profile) -> tuple[list[LimitDiff], dict[str, tu
     return changed, facts
 
 
+def read_profile_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ShardError(f"{path}: cannot read profile ({exc})") from None
+
+
 def profile_at(spec: str) -> Profile:
-    """A profile file, or the shipped profile of a target named so."""
+    """A profile file (of any target), or the shipped profile of a target named so."""
     path = Path(spec)
-    if path.is_file():
-        try:
-            return Profile.from_dict(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise ShardError(f"{path}: cannot read profile ({exc})") from None
-    if path.suffix == ".json":
-        raise ShardError(f"{path}: no such profile file")
+    if path.suffix == ".json" or path.is_file():
+        return Profile.from_dict(read_profile_json(path))
     return load_profile(spec)

@@ -25,29 +25,23 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from shard.errors import ModelError
 from shard.calibration import calibration_samples, collect_stats, run_each
-from shard.graph import tensor_spec
+from shard.errors import ModelError
+from shard.graph import float_ranks, tensor_spec
 from shard.passes import PassContext, register
 from shard.passes.partition import estimate_macs
+from shard.precision import MIXED_ROUNDS, is_linear, promote_share
 
 E4M3_MAX = 448.0
-ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # shares of the linears' MACs moved back to fp16, round by round
 CHECK_SAMPLES = 4                       # calibration samples the cosine is measured on
 FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 
 def linears(graph: gs.Graph) -> list[tuple[gs.Node, int]]:
     """(node, axis of its weight's output channels) for each product of an activation and a 2-D constant."""
-    found = []
-    for node in graph.nodes:
-        if node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
-            continue
-        x, w = node.inputs[0], node.inputs[1]
-        if isinstance(x, gs.Variable) and isinstance(w, gs.Constant) and len(w.shape) == 2 \
-                and not node.attrs.get("transA", 0):
-            found.append((node, 0 if node.op == "Gemm" and node.attrs.get("transB", 0) else 1))
-    return found
+    return [(node, 0 if node.op == "Gemm" and node.attrs.get("transB", 0) else 1) for node in graph.nodes
+            if is_linear(node) and node.op != "Conv" and len(node.inputs[1].shape) == 2
+            and not node.attrs.get("transA", 0)]
 
 
 def fp8_constant(name: str, values: np.ndarray) -> gs.Constant:
@@ -63,6 +57,8 @@ def fp8_variable(name: str, shape) -> gs.Variable:
 
 @register("fp8_linears")
 def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
+    from shard.verifier import compare   # here: every compile imports the passes, few take this one
+
     if getattr(ctx.options, "precision", "fp16") != "fp8":
         return graph, {"skipped": f"precision {getattr(ctx.options, 'precision', 'fp16')}"}
     found = linears(graph)
@@ -73,30 +69,27 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                          f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = gs.export_onnx(graph.copy(), do_type_check=False)
-    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}))
+    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph))
     check = samples[:CHECK_SAMPLES]
     outputs = [t.name for t in graph.outputs]
     expected = list(run_each(model, check, outputs, optimize=False))
     del model
-    found.sort(key=lambda item: (estimate_macs(item[0]), item[0].name))   # promoted to fp16 first
-    total = sum(estimate_macs(node) for node, _ in found) or 1
+    macs = {node.name: estimate_macs(node) for node, _ in found}
+    # the smallest first: each adds about the same E4M3 noise, so the FP8 FLOPs kept are the most
+    order = [{"node": n, "macs": m} for n, m in sorted(macs.items(), key=lambda item: (item[1], item[0]))]
+    total = sum(macs.values()) or 1
     kept = {id(node): list(node.inputs) for node, _ in found}
     rounds, changes = [], []
-    for share in ROUNDS:
-        promoted, macs = [], 0
-        for node, _ in found:
-            if macs + estimate_macs(node) > share * total + 1e-9:
-                break
-            promoted.append(node.name)
-            macs += estimate_macs(node)
+    for share in MIXED_ROUNDS:
+        promoted = promote_share(order, share)
         if rounds and promoted == rounds[-1]["promoted"]:
             continue
         restore(graph, found, kept)
         changes = quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(promoted)], stats)
         got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
-        cosine = min(cosine_of(e[name], g[name]) for e, g in zip(expected, got) for name in outputs)
+        cosine = min(compare(name, e[name], g[name]).cosine for e, g in zip(expected, got) for name in outputs)
         rounds.append({"fp16_share_of_linears": share, "promoted": promoted, "cosine": cosine,
-                       "fp8_linear_macs": 1 - macs / total})
+                       "fp8_linear_macs": 1 - sum(macs[n] for n in promoted) / total})
         if cosine >= getattr(ctx.options, "min_cosine", 0.999):
             break
     if not changes:
@@ -114,11 +107,6 @@ def restore(graph: gs.Graph, found: list, kept: dict) -> None:
         for k, tensor in enumerate(kept[id(node)]):
             node.inputs[k] = tensor
     graph.cleanup()
-
-
-def cosine_of(expected: np.ndarray, got: np.ndarray) -> float:
-    a, b = np.asarray(expected, np.float64).ravel(), np.asarray(got, np.float64).ravel()
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
 
 
 def quantize_linears(graph: gs.Graph, found: list, stats: dict) -> list[dict]:

@@ -36,7 +36,7 @@ import math
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.graph import tensor_spec
+from shard.graph import float_ranks, tensor_spec
 from shard.passes import PassContext, register
 
 MASK_FLOOR = -1e4     # a value below this in a mask is the exporter's minus infinity, not a logit
@@ -101,12 +101,6 @@ def fp16_safe_absmax(profile) -> float | None:
     if limit is None or not limit.value:
         return None
     return 2.0 * limit.value / float(profile.facts.get("fp16_range_margin", 4.0))
-
-
-def float_ranks(graph: gs.Graph) -> dict[str, int]:
-    """{float tensor a node makes: its rank}, from the shapes canonicalize left on the graph."""
-    return {t.name: len(t.shape) if t.shape is not None else -1 for t in graph.tensors().values()
-            if isinstance(t, gs.Variable) and t.inputs and is_float(t)}
 
 
 def export(graph: gs.Graph):

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import networkx as nx
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
+from shard.graph import numpy_dtype
 from shard.passes import PassContext, register
 from shard.passes.partition import build_dataflow, choose_cuts, live_bytes_after, shard_boundaries
 from shard.targets.gpu.roofline import node_cost, stage_cost
@@ -29,10 +29,8 @@ def cuttable(tensor: gs.Tensor) -> bool:
     each stage alone): not FP8, not what a DequantizeLinear made of it."""
     if tensor.inputs and tensor.inputs[0].op in ("QuantizeLinear", "DequantizeLinear"):
         return False
-    try:
-        return tensor.dtype is not None and np.dtype(tensor.dtype).kind in "fiub"
-    except TypeError:
-        return False   # fp8, an ONNX-only type: numpy cannot hold it between stages
+    dtype = numpy_dtype(tensor)   # None for fp8, an ONNX-only type: numpy cannot hold it between stages
+    return dtype is not None and dtype.kind in "fiub"
 
 
 @register("stages")

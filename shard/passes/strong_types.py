@@ -18,7 +18,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
-from shard.graph import replace_uses
+from shard.graph import numpy_dtype, replace_uses
 from shard.passes import PassContext, register
 
 FLOAT = (np.float32, np.float64)
@@ -28,10 +28,9 @@ MASK_SENTINEL = 1e30   # -3.4e38 and the like: a mask's "minus infinity", which 
 
 
 def is_float32(tensor: gs.Tensor) -> bool:
-    try:
-        return tensor.dtype is not None and np.dtype(tensor.dtype).type in FLOAT
-    except TypeError:
-        return False   # an ONNX-only type (fp8)
+    """float32 or float64: what becomes fp16 (fp8, an ONNX-only type, has no numpy dtype)."""
+    dtype = numpy_dtype(tensor)
+    return dtype is not None and dtype.type in FLOAT
 
 
 @register("strong_types")

@@ -1,13 +1,13 @@
 """Shape buckets: one bundle holding a compiled variant per input shape (`--input-shape
 input_ids=1,64|1,128|1,256`), since the NPU compilers take static shapes only.
 
-    model.shard/buckets.json      which inputs each bucket takes, pad values, which output axes to crop
+    model.shard/buckets.json      which inputs each bucket takes, which output axes to crop
     model.shard/b0/, b1/, ...     one ordinary bundle per bucket
 
-An input runs on the smallest bucket it fits: padded up to it (with the input's pad value, 0 by
-default, so an attention mask masks the padding out), run, and each output cut back along the axes
-that follow a padded input axis. Models without an attention mask see the padding: their outputs at
-real positions can change, which `shard verify` on the bucket shows. Standard library and numpy.
+An input runs on the smallest bucket it fits: padded up to it with 0 (so an attention mask masks
+the padding out), run, and each output cut back along the axes that follow a padded input axis.
+Models without an attention mask see the padding: their outputs at real positions can change,
+which `shard verify` on the bucket shows. Standard library and numpy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 from shard.errors import BundleError, RunError
 
 BUCKETS = "buckets.json"
+PAD_VALUE = 0   # ids, masks and features alike: a 0 in the attention mask hides the padding
 SCHEMA_VERSION = 1
 
 
@@ -35,7 +36,6 @@ class Bucket:
 @dataclass
 class Buckets:
     buckets: list[Bucket]                   # smallest first
-    pad_values: dict[str, float] = field(default_factory=dict)
     crop: dict[str, dict[str, list]] = field(default_factory=dict)   # output: {axis: [input, axis]}
     schema_version: int = SCHEMA_VERSION
 
@@ -102,7 +102,7 @@ class BucketedSession:
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         bucket = self.pick(inputs)
-        padded = {name: pad_to(np.asarray(value), bucket.inputs[name], self.spec.pad_values.get(name, 0))
+        padded = {name: pad_to(np.asarray(value), bucket.inputs[name], PAD_VALUE)
                   for name, value in inputs.items()}
         outputs = self.session(bucket).run(padded)
         self.runs[bucket.name] += 1

@@ -78,6 +78,14 @@ def upward_ranks(shards: list[ShardSpec], users: list[list[int]]) -> list[float]
     return rank
 
 
+def take_task(ready: dict[int | None, list[_Task]], core: int) -> _Task | None:
+    """The task `core` runs next: the better of its own queue's head and the shared queue's."""
+    own, shared = ready[core], ready[None]
+    if own and (not shared or own[0] < shared[0]):
+        return heapq.heappop(own)
+    return heapq.heappop(shared) if shared else None
+
+
 def core_for(schedule: str, shards: list[ShardSpec], cores: list[int], frame: int, k: int) -> int | None:
     """The core task (frame, shard k) must run on, or None where any core may take it."""
     if schedule == "balanced":
@@ -183,10 +191,7 @@ class Scheduler:
                        _Task(frame, -self.rank[k], k))
 
     def _pick(self, core: int) -> _Task | None:
-        own, shared = self._ready[core], self._ready[None]
-        if own and (not shared or own[0] < shared[0]):
-            return heapq.heappop(own)
-        return heapq.heappop(shared) if shared else None
+        return take_task(self._ready, core)
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -271,42 +276,38 @@ def predict_stream(shards: list[ShardSpec], seconds: list[float], cores: list[in
 
     def simulate(count: int) -> list[float]:
         ready: dict[int | None, list[_Task]] = {c: [] for c in [*cores, None]}
-        waiting = {}
-        left = {}
+        waiting: dict[int, list[int]] = {}
+        left: dict[int, int] = {}
         finish: dict[int, float] = {}
-        free_at = {c: 0.0 for c in cores}
         running: list[tuple[float, int, int, int]] = []   # (end, core, frame, shard)
-        submitted, now = 0, 0.0
+        busy: set[int] = set()
+        submitted, oldest, now = 0, 0, 0.0
+
+        def make_ready(frame: int, k: int) -> None:   # as Scheduler._make_ready
+            heapq.heappush(ready[core_for(schedule, shards, cores, frame, k)], _Task(frame, -rank[k], k))
 
         def submit() -> None:
             nonlocal submitted
-            waiting[submitted] = [len(d) for d in deps]
-            left[submitted] = len(shards)
+            waiting[submitted], left[submitted] = [len(d) for d in deps], len(shards)
             for k, w in enumerate(waiting[submitted]):
                 if w == 0:
-                    heapq.heappush(ready[core_for(schedule, shards, cores, submitted, k)],
-                                   _Task(submitted, -rank[k], k))
+                    make_ready(submitted, k)
             submitted += 1
 
         while submitted < min(depth, count):
             submit()
-        oldest = 0
         while oldest < count:
             for core in cores:   # every idle core takes what the Scheduler's _pick would give it
-                if free_at[core] <= now and not any(r[1] == core for r in running):
-                    own, shared = ready[core], ready[None]
-                    task = heapq.heappop(own) if own and (not shared or own[0] < shared[0]) else \
-                        heapq.heappop(shared) if shared else None
-                    if task is not None:
-                        end = now + seconds[task.shard]
-                        heapq.heappush(running, (end, core, task.frame, task.shard))
-            end, core, frame, k = heapq.heappop(running)
-            now = free_at[core] = end
+                if core not in busy and (task := take_task(ready, core)) is not None:
+                    busy.add(core)
+                    heapq.heappush(running, (now + seconds[task.shard], core, task.frame, task.shard))
+            now, core, frame, k = heapq.heappop(running)
+            busy.discard(core)
             left[frame] -= 1
             for j in users[k]:
                 waiting[frame][j] -= 1
                 if waiting[frame][j] == 0:
-                    heapq.heappush(ready[core_for(schedule, shards, cores, frame, j)], _Task(frame, -rank[j], j))
+                    make_ready(frame, j)
             if left[frame] == 0:
                 finish[frame] = now
             while oldest in finish:   # run_stream takes the oldest frame, then reads the next input

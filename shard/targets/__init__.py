@@ -69,6 +69,17 @@ class Target(Protocol):
         ...
 
 
+def write_logs_only(jobs: list[ShardJob], note: str, on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
+    """compile_shards of a target whose shard files are themselves what runs (cpu) or what the device
+    builds (thor, cuda): each job's log says so, nothing is built here."""
+    results = []
+    for job in jobs:
+        job.log.write_text(note + "\n")
+        results.append(ShardBuild(name=job.name, seconds=0.0))
+        on_done(results[-1])
+    return results
+
+
 def get_target(name: str) -> Target:
     from shard.targets.cpu import CpuTarget
     from shard.targets.gpu import GpuTarget

@@ -6,7 +6,7 @@ from typing import Callable
 
 from shard.passes import PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
-from shard.targets import ShardBuild, ShardJob
+from shard.targets import ShardBuild, ShardJob, write_logs_only
 
 
 class CpuTarget:
@@ -36,9 +36,4 @@ class CpuTarget:
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None], cache=None) -> list[ShardBuild]:
-        results = []
-        for job in jobs:
-            job.log.write_text("cpu target: the shard ONNX file is run as is by onnxruntime\n")
-            results.append(ShardBuild(name=job.name, seconds=0.0))
-            on_done(results[-1])
-        return results
+        return write_logs_only(jobs, "cpu target: the shard ONNX file is run as is by onnxruntime", on_done)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from shard.targets import ShardBuild, ShardJob
+from shard.targets import ShardBuild, ShardJob, write_logs_only
 
 PIPELINE = ("canonicalize", "strong_types", "fp8_linears", "stages")
 MIN_OPSET = 19            # QuantizeLinear takes FP8 from opset 19
@@ -57,10 +57,5 @@ class GpuTarget:
 
     def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
                        on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
-        results = []
-        for job in jobs:
-            job.log.write_text(f"{self.name}: stage ONNX written; its TensorRT engine is built on the device "
-                               f"by `shard build-engines` with the recipe in the manifest\n")
-            results.append(ShardBuild(name=job.name, seconds=0.0))
-            on_done(results[-1])
-        return results
+        return write_logs_only(jobs, f"{self.name}: stage ONNX written; its TensorRT engine is built on the "
+                                     f"device by `shard build-engines` with the recipe in the manifest", on_done)

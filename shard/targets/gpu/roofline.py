@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.graph import is_static
+from shard.graph import is_static, numpy_dtype
 from shard.passes.partition import estimate_macs
 
 PRODUCTS = ("MatMul", "Gemm", "Conv")
@@ -52,21 +52,18 @@ class Cost:
 def tensor_bytes(tensor: gs.Tensor) -> float:
     if not is_static(tensor.shape) or tensor.dtype is None:
         return 0.0
-    try:
-        itemsize = np.dtype(tensor.dtype).itemsize
-    except TypeError:  # fp8 constants graphsurgeon keeps as ONNX types: one byte each
-        itemsize = 1
-    return float(np.prod(tensor.shape, dtype=np.int64)) * itemsize
+    dtype = numpy_dtype(tensor)   # None: fp8 constants graphsurgeon keeps as ONNX types, one byte each
+    return float(np.prod(tensor.shape, dtype=np.int64)) * (dtype.itemsize if dtype is not None else 1)
 
 
 def node_precision(node: gs.Node) -> str:
     if node.op in PRODUCTS and all(t.inputs and t.inputs[0].op == "DequantizeLinear" for t in node.inputs[:2]):
         return "fp8"
     out = node.outputs[0] if node.outputs else None
-    try:
-        return FLOAT_NAMES.get(np.dtype(out.dtype).name, "fp32") if out is not None and out.dtype else "fp32"
-    except TypeError:
-        return "fp8"
+    if out is None or out.dtype is None:
+        return "fp32"
+    dtype = numpy_dtype(out)
+    return FLOAT_NAMES.get(dtype.name, "fp32") if dtype is not None else "fp8"
 
 
 def weight_of(tensor: gs.Tensor) -> gs.Constant | None:
