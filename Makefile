@@ -1,6 +1,7 @@
 # `make test` and `make demo` create everything they need first: the project venv (.venv) and the
-# rknn-toolkit2 environment (`shard toolkit install rk3588`, in ~/.cache/shard/toolkits unless
-# SHARD_TOOLKIT_HOME says otherwise). On a machine where plain pip picks a CUDA build of torch,
+# rknn-toolkit2 environment (`shard toolkit install rk3588`, one for every Rockchip chip, in
+# ~/.cache/shard/toolkits unless SHARD_TOOLKIT_HOME says otherwise). `make demo TARGET=rk3576`
+# compiles and verifies the demo for another chip. On a machine where plain pip picks a CUDA build of torch,
 # run with TORCH_INDEX_URL set to PyTorch's CPU wheel index.
 
 PYTHON ?= python3.11
@@ -9,6 +10,9 @@ BIN := $(VENV)/bin
 TORCH_INDEX_URL ?=
 export SHARD_TORCH_INDEX_URL ?= $(TORCH_INDEX_URL)
 DEMO := build/siglip-base-512
+# Any Rockchip chip with fp16 (rk3588, rk3576, rk3568, rk3566, rk3562, rk2118, rv1126b): its shipped profile.
+TARGET ?= rk3588
+DEMO_BUNDLE := $(DEMO)$(if $(filter rk3588,$(TARGET)),,-$(TARGET)).shard
 
 .PHONY: test demo demo-tiles toolkit bench corpus fidelity clean
 
@@ -19,16 +23,16 @@ $(BIN)/shard: pyproject.toml
 	touch $@
 
 toolkit: $(BIN)/shard
-	$(BIN)/shard toolkit install rk3588
+	$(BIN)/shard toolkit install $(TARGET)
 
 test: toolkit
 	$(BIN)/python -m pytest
 
 demo: toolkit
 	mkdir -p build
-	$(BIN)/shard zoo export siglip-base-512 -o $(DEMO).onnx
-	$(BIN)/shard compile $(DEMO).onnx --target rk3588 -o $(DEMO).shard
-	$(BIN)/shard verify $(DEMO).shard --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
+	test -f $(DEMO).onnx || $(BIN)/shard zoo export siglip-base-512 -o $(DEMO).onnx
+	$(BIN)/shard compile $(DEMO).onnx --target $(TARGET) -o $(DEMO_BUNDLE)
+	$(BIN)/shard verify $(DEMO_BUNDLE) --reference $(DEMO).onnx --backend sim --min-cosine 0.9999
 
 # The same model with every attention cut into query tiles (nano-tiling), checked on the simulator.
 demo-tiles: toolkit

@@ -71,7 +71,7 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, subpro
 VENDOR_BUILD = """
 import sys, time
 from pathlib import Path
-from shard.targets.rk3588 import Rk3588Target
+from shard.targets.rknn import Rk3588Target
 from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker
 onnx, log = sys.argv[1], sys.argv[2]

@@ -1,12 +1,12 @@
-"""How fast `shard probe` finds a limit, cold and from its cache, measured in one run.
+"""How long a full `shard probe` takes per chip, cold and from its cache, measured in one run.
 
-    python bench/probe.py [--families add-width] [--jobs 2]
+    python bench/probe.py [--targets rk3588,rk3576,...] [--families add-width,...] [--jobs 2] [--out-dir DIR]
 
-Runs `shard probe --families F` twice against a fresh cache directory: the first run builds every
-point, the second is served from the cache. Prints each run's wall time (the whole command) and
-the limit found for the first family's first setting.
-Ends with: RESULT add_width=... builds=... all_builds=... seconds=... cached_seconds=...
-(builds: of the first setting, h1; all_builds and seconds: the whole command, every setting)
+For each target, runs `shard probe --target T` twice against a fresh cache directory: the first run
+builds every point, the second is served from the cache. Prints, per chip, the limits found, the
+builds and the wall time (the whole command) of each run; with --out-dir, keeps each chip's profile
+there (T.json) as the cold run wrote it.
+Ends with one line per chip: RESULT target=... limits=... builds=... seconds=... cached_builds=... cached_seconds=...
 """
 
 from __future__ import annotations
@@ -14,38 +14,57 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shard.targets.rknn import CHIPS  # noqa: E402
 
-def probe(families: str, jobs: int, cache: Path, out: Path) -> float:
+
+def probe(target: str, families: str | None, jobs: int, cache: Path, out: Path) -> tuple[float, int]:
+    """(seconds, new builds) of one `shard probe` run."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "shard", "probe", "--families", families, "--jobs", str(jobs),
-                    "--cache-dir", str(cache), "-o", str(out), "--replace"], check=True, capture_output=True)
-    return time.perf_counter() - started
+    cmd = [sys.executable, "-m", "shard", "probe", "--target", target, "--jobs", str(jobs), "--cache-dir", str(cache),
+           "-o", str(out), "--replace"] + (["--families", families] if families else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{target}: shard probe failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    builds = re.search(r"(\d+) limits, (\d+) builds", done.stdout)
+    return time.perf_counter() - started, int(builds[2]) if builds else -1
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="add-width")
+    ap.add_argument("--targets", default=",".join(CHIPS))
+    ap.add_argument("--families", default=None, help="[default: all]")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args()
-    print(f"machine: {os.cpu_count()} cores; families: {args.families}; jobs: {args.jobs}")
-    with tempfile.TemporaryDirectory() as tmp:
-        cache, out = Path(tmp) / "cache", Path(tmp) / "profile.json"
-        cold = probe(args.families, args.jobs, cache, out)
-        limits = json.loads(out.read_text())["limits"]
-        warm = probe(args.families, args.jobs, cache, out)
-    builds = {name: int(lim["source"].split(", ")[1].split()[0]) for name, lim in limits.items()}
-    for name, lim in limits.items():
-        print(f"{name}: {lim['value']} (first failing {lim['failing']}, {lim['failure']}), {builds[name]} builds")
-    print(f"cold: {cold:.1f} s, {sum(builds.values())} builds; from the cache: {warm:.1f} s")
-    first = next(iter(limits))
-    print(f"RESULT {first.split('@')[0].replace('-', '_')}={limits[first]['value']} builds={builds[first]} "
-          f"all_builds={sum(builds.values())} seconds={cold:.1f} cached_seconds={warm:.1f}")
+    print(f"machine: {os.cpu_count()} cores; families: {args.families or 'all'}; jobs: {args.jobs}", flush=True)
+    results = []
+    for target in args.targets.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            cache, out = Path(tmp) / "cache", Path(tmp) / f"{target}.json"
+            cold, builds = probe(target, args.families, args.jobs, cache, out)
+            profile = json.loads(out.read_text())
+            warm, cached_builds = probe(target, args.families, args.jobs, cache, Path(tmp) / "again.json")
+            if args.out_dir:
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copy(out, args.out_dir / f"{target}.json")
+        limits = profile["limits"]
+        facts = profile["facts"]
+        print(f"{target}: {len(limits)} limits, cores {profile['cores']}, fp16 {facts.get('fp16')}, "
+              f"peak MACs/cycle fp16 {facts.get('macs_per_cycle_fp16')} int8 {facts.get('macs_per_cycle_int8')}, "
+              f"quantized {facts.get('quantized_dtypes')}; cold {cold:.1f} s ({builds} builds), "
+              f"from the cache {warm:.1f} s ({cached_builds} builds)", flush=True)
+        results.append(f"RESULT target={target} limits={len(limits)} builds={builds} seconds={cold:.1f} "
+                       f"cached_builds={cached_builds} cached_seconds={warm:.1f}")
+    print("\n".join(results))
 
 
 if __name__ == "__main__":

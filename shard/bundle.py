@@ -61,6 +61,11 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
+    @property
+    def rknn(self) -> bool:
+        """Built by rknn-toolkit2 for a Rockchip chip (its shards are .rknn files)."""
+        return "target_platform" in self.build.get("config", {})
+
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
         tensors = lambda items: [TensorSpec(**t) for t in items]  # noqa: E731

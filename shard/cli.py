@@ -65,7 +65,7 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
-    target: str = typer.Option("rk3588", "--target", "-t", help="rk3588, thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
+    target: str = typer.Option("rk3588", "--target", "-t", help="A Rockchip chip (rk3588, rk3576, rk3568, rk3566, rk3562, rk2118, rv1126b; rv1106 and rv1103 in int8), thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
@@ -204,6 +204,10 @@ def print_compile_report(report: dict) -> None:
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")
     t = report["totals"]
+    if "profile" in report:
+        p = report["profile"]
+        console.print(f"target {p['target']} ({p['cores']} NPU core{'s' * (p['cores'] > 1)}), profile {p['file']}: "
+                      f"{p['toolkit'] or 'no toolkit'}" + (f", probed {p['probed']}" if p["probed"] else ""))
     console.print(f"{t['shards']} {report.get('precision', 'fp16')} shards, {t['regtask_lines']} REGTASK lines, "
                   f"{t['cpu_ops']} ops on the CPU, "
                   f"{t['single_core_fallbacks']} single-core fallbacks, "
@@ -268,9 +272,9 @@ def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy (FILE.npy for a model with one input); "
                                                               "seeded random inputs if absent."),
-    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board (RK3588), cuda (any NVIDIA GPU "
+    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board (a Rockchip board), cuda (any NVIDIA GPU "
                                                      "with torch) or tensorrt (engines from build-engines) "
-                                                     "[default: sim for rk3588, cuda for thor and cuda]."),
+                                                     "[default: sim for Rockchip chips, cuda for thor and cuda]."),
     repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
     stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
     cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
@@ -376,7 +380,7 @@ def parse_cores(text: str | None) -> list[int] | None:
 def verify_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
     reference: Path = typer.Option(..., "--reference", "-r", help="The original ONNX model."),
-    backend: Optional[str] = typer.Option(None, help="cpu, sim, cuda or tensorrt [default: sim for rk3588, cuda for "
+    backend: Optional[str] = typer.Option(None, help="cpu, sim, cuda or tensorrt [default: sim for Rockchip chips, cuda for "
                                                      "thor and cuda]."),
     min_cosine: float = typer.Option(0.999, help="Fail (exit 1) if an output's cosine is below this."),
     seed: int = typer.Option(0, help="Seed of the random inputs."),
@@ -448,7 +452,7 @@ def verify_one(bundle: Path, reference: Path, backend, min_cosine: float, seed: 
 @app.command("inspect")
 def inspect_command(
     model: Path = typer.Argument(..., help="An ONNX model."),
-    target: str = typer.Option("rk3588", help="rk3588, thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
+    target: str = typer.Option("rk3588", help="A Rockchip chip (rk3588, rk3576, rk3568, rk3566, rk3562, rk2118, rv1126b; rv1106 and rv1103 in int8), thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
     profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
@@ -524,8 +528,10 @@ def build_engines_command(bundle: Path = typer.Argument(..., help="A bundle from
 
 @app.command("probe")
 def probe_command(
-    target: str = typer.Option("rk3588", help="The target whose compiler is probed; cuda measures the GPU at hand "
-                                              "(bandwidth, matrix-product rates) for the roofline."),
+    target: str = typer.Option("rk3588", help="The chip whose compiler is probed (any Rockchip chip the toolkit "
+                                              "builds for: its peak rates, quantized dtypes and limits; int8-only "
+                                              "chips in int8); cuda measures the GPU at hand (bandwidth, "
+                                              "matrix-product rates) for the roofline."),
     families: Optional[str] = typer.Option(None, help="Comma-separated families [default: all]; see --list."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Builds at a time (one toolkit worker each)."),
     max_size: Optional[int] = typer.Option(None, help="Probe no size above this (caps every family)."),
@@ -539,7 +545,7 @@ def probe_command(
                                                 "exceed the peak rate by this factor."),
     timeout: float = typer.Option(300.0, help="Seconds one probe build may take; past it the point fails (timeout)."),
     on_board: bool = typer.Option(False, help="Also run each clean point on NPU core 0 with rknn-toolkit-lite2 "
-                                              "(on an RK3588 board); a failure there is class `board`."),
+                                              "(on a board of the target chip); a failure there is class `board`."),
     list_families: bool = typer.Option(False, "--list", help="List the families and exit."),
     diff: Optional[tuple[str, str]] = typer.Option(None, "--diff", help="A B: the limits and facts that differ "
                                                                         "between two profiles (files, or shipped "
@@ -548,7 +554,7 @@ def probe_command(
                                                            "thor/cuda bundle on the GPU (added to --out)."),
 ) -> None:
     """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
-    from shard.probes.cache import default_cache_dir
+    from shard.toolkit.cache import default_cache_dir
     from shard.probes.families import FAMILIES
     from shard.probes.runner import merge_into, probe
 
@@ -607,7 +613,12 @@ def print_profile_diff(a_spec: str, b_spec: str) -> None:
                         f"{b.toolkit})")
     for col in ("limit", "A", "B", "A's evidence", "B's evidence"):
         table.add_column(col, overflow="fold", justify="right" if col in ("A", "B") else "left")
-    show = lambda lim: "-" if lim is None else f"{lim.value} ({lim.failure})"  # noqa: E731
+    from shard.probes.runner import compact
+
+    def show(lim) -> str:
+        if lim is None:
+            return "-"
+        return f"{lim.value} ({lim.failure})" if lim.passing is None else f"passes at {compact(lim.passing)} ({lim.failure})"
     for d in limits:
         table.add_row(d.name, show(d.a), show(d.b), d.a.evidence if d.a else "not probed",
                       d.b.evidence if d.b else "not probed")
@@ -642,7 +653,7 @@ def probe_gpu(out: Path, ops: Path | None) -> None:
 
 def cache_folders() -> dict[str, tuple[Path, str]]:
     """{cache: (folder, glob of one entry)}."""
-    from shard.probes.cache import default_cache_dir as probe_cache
+    from shard.toolkit.cache import default_cache_dir as probe_cache
     from shard.targets.build_cache import default_cache_dir as build_cache
 
     return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), "**/*.json")}

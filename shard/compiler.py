@@ -27,7 +27,7 @@ from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line
                                per_axis, prune_host_steps, vendor_model, verdict)
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
-from shard.passes.fit import Legality
+from shard.passes.fit import Legality, OneOpBuilds
 from shard.precision import MIXED_ROUNDS, promote_share
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
@@ -90,9 +90,13 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     tgt = get_target(target)
     check_output_path(output)
     tgt.check_environment()               # a missing toolkit fails before minutes of work
-    if options.precision != "fp16" and options.precision not in tgt.precisions:
-        raise ShardError(f"--precision {options.precision}: target {target} builds {', '.join(tgt.precisions)}")
+    if options.precision not in tgt.precisions and (options.precision != "fp16" or tgt.vendor):  # cpu: fp32 as asked
+        raise ShardError(f"--precision {options.precision}: target {target} builds {', '.join(tgt.precisions)}"
+                         + (" (pass --precision int8 with --calib FILE.npz)" if "fp16" not in tgt.precisions else ""))
     profile = load_profile(target, options.profile)
+    if options.precision in QUANTIZED and "w8a8" not in profile.facts.get("quantized_dtypes", ["w8a8"]):
+        raise ShardError(f"--precision {options.precision}: the {target} profile's probe found no int8 (w8a8) "
+                         f"build: {profile.facts.get('quantized_dtypes_source', '')}")
     quiet_graphsurgeon()
     t0 = time.monotonic()
 
@@ -415,13 +419,18 @@ class BundleWriter:
         inputs = ctx.model_inputs or [tensor_spec(t) for t in self.graph.inputs]
         manifest = Manifest(
             target=self.target, source=self.source, shard_version=__version__,
-            profile={"file": "profile.json", "target": self.profile.target, "toolkit": self.profile.toolkit},
+            profile={"file": "profile.json", "target": self.profile.target, "toolkit": self.profile.toolkit,
+                     "cores": self.profile.cores},
             build=self.build, inputs=inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in self.graph.outputs],
             host_pre=host_pre, host_post=host_post, shards=specs)
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
         report["predicted"] = npu_prediction(manifest, report["shards"], self.profile)
         vendor = self.builds.get(VENDOR_ALONE)
+        dates = sorted({lim.date for lim in self.profile.limits.values() if lim.date})
+        report["profile"] = {"target": self.profile.target, "file": str(self.options.profile or "shipped"),
+                             "toolkit": self.profile.toolkit, "cores": self.profile.cores,
+                             "probed": dates[-1] if dates else None}
         report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
                       versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
@@ -661,7 +670,7 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     single ops and small regions (cached builds), and its workers stop when the passes end."""
     ops = tgt.pass_toolkit(profile, options)
     ctx = PassContext(profile=profile, options=options, ops=ops,
-                      legality=Legality(profile, ops) if profile.limits else None)
+                      legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
     try:
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)
@@ -678,7 +687,7 @@ def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob], undone: set[str])
     """Read the kept shard builds' layer tables: did the attention tiles stay apart? (Tilings undone
     in favour of an unrewritten shard have nothing to confirm.)"""
     from shard.passes.tile_attention import confirm_tiles
-    from shard.targets.rknn_log import parse_build_log
+    from shard.toolkit.log import parse_build_log
 
     changes = [c for c in reports.get("tile_attention", {}).get("changes", []) if c["node"] not in undone]
     if not changes:

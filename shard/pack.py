@@ -90,7 +90,7 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     files["run.py"] = RUN_PY.encode()
     files["README.txt"] = README.format(
         name=name, source=manifest.source.get("name", "?"), version=shard.__version__, target=manifest.target,
-        onnx_note="" if with_onnx or manifest.target != "rk3588" else " (this pack has no ONNX: pack with --with-onnx)",
+        onnx_note="" if with_onnx or not manifest.rknn else " (this pack has no ONNX: pack with --with-onnx)",
         inputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.inputs),
         outputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.outputs),
         shards=len(manifest.shards)).encode()

@@ -17,12 +17,14 @@ class Limit:
     """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
 
     value: int
-    failure: str                   # how the first size past it fails (see shard.probes.classify); none
+    failure: str                   # how the first size past it fails (see shard.toolkit.classify); none
     evidence: str
     source: str
     toolkit: str = ""              # the toolkit version it was measured with
     date: str = ""                 # when
     failing: int | None = None     # the smallest size that failed
+    passing: list[int] | None = None   # a family probed as a set (not monotone): every size that passed;
+                                       # then a size is legal if it is in here, not if it is <= value
 
 
 @dataclass
@@ -46,7 +48,12 @@ class Profile:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """As JSON; a limit not probed as a set is written without `passing`."""
+        data = self.to_dict()
+        for lim in data["limits"].values():
+            if lim["passing"] is None:
+                del lim["passing"]
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def load_profile(target: str, path: str | Path | None = None) -> Profile:
@@ -73,10 +80,11 @@ class LimitDiff:
 
 
 def diff_profiles(a: Profile, b: Profile) -> tuple[list[LimitDiff], dict[str, tuple]]:
-    """The limits whose largest legal value or failure differ between two profiles (one side may lack
-    it), and the facts that differ ({name: (a's, b's)}; sources aside)."""
+    """The limits whose largest legal value, failure or passing set differ between two profiles (one
+    side may lack it), and the facts that differ ({name: (a's, b's)}; sources aside)."""
     limits = [LimitDiff(name, a.limits.get(name), b.limits.get(name)) for name in sorted({*a.limits, *b.limits})]
-    changed = [d for d in limits if d.a is None or d.b is None or (d.a.value, d.a.failure) != (d.b.value, d.b.failure)]
+    verdict = lambda lim: (lim.value, lim.failure, lim.passing)  # noqa: E731
+    changed = [d for d in limits if d.a is None or d.b is None or verdict(d.a) != verdict(d.b)]
     facts = {k: (a.facts.get(k), b.facts.get(k)) for k in sorted({*a.facts, *b.facts})
              if not k.endswith("_source") and a.facts.get(k) != b.facts.get(k)}
     if a.cores != b.cores:

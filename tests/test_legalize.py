@@ -194,9 +194,14 @@ def test_patch_conv_becomes_host_patches_and_a_matmul(tmp_path, save):
     assert json.loads((disabled.bundle / "manifest.json").read_text())["host_pre"] == []
 
 
-@pytest.mark.parametrize("stride, rewritten", [(4, False), (8, True)])
-def test_only_strides_past_the_profile_are_rewritten(tmp_path, save, stride, rewritten):
-    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7, "slow", "synthetic", "test")})
+@pytest.mark.parametrize("passing", [None, [2, 3, 4, 5, 6, 7, 12, 14, 16]])
+@pytest.mark.parametrize("stride", [4, 8, 16])
+def test_only_strides_the_profile_marks_slow_are_rewritten(tmp_path, save, stride, passing):
+    """A limit found by the search: strides past 7 are slow. A swept limit (not monotone): strides
+    outside its passing set are slow, 16 among them or not as measured."""
+    profile = Profile("cpu", 1, "test", {"conv-stride@cin16": Limit(7 if passing is None else 16, "slow", "synthetic",
+                                                                    "test", failing=8, passing=passing)})
+    rewritten = stride > 7 if passing is None else stride not in passing
     profile.save(tmp_path / "p.json")
     result = shard.compile(save(patch_embed_model(k=stride)), "cpu", tmp_path / "c.shard",
                            CompileOptions(profile=str(tmp_path / "p.json")))

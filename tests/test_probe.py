@@ -10,10 +10,10 @@ from conftest import DATA, shard_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard.probes.cache import PointCache
-from shard.probes.classify import classify_build, classify_numeric
-from shard.probes.search import Point, find_boundary
-from shard.targets.rknn_log import parse_build_log
+from shard.toolkit.cache import PointCache
+from shard.toolkit.classify import classify_build, classify_numeric
+from shard.probes.search import Point, find_boundary, sweep
+from shard.toolkit.log import parse_build_log
 
 
 def oracle(boundary: int, calls: list[int]):
@@ -50,6 +50,23 @@ def test_search_reports_no_failure_up_to_the_maximum_and_total_failure():
     assert (broken.largest_ok, broken.smallest_failing) == (None, 1)
     below = find_boundary(oracle(300, []), 1024, 50000)  # the start already fails: search below it
     assert (below.largest_ok, below.smallest_failing) == (300, 301)
+
+
+def test_a_sweep_keeps_the_passing_set_of_a_non_monotone_family():
+    fast = {1, 2, 3, 4, 5, 6, 7, 12, 14}   # conv-stride@cin64 on rk3588, toolkit 2.5.0
+    calls: list[int] = []
+    found = sweep(lambda size: calls.append(size) or Point(size, size in fast, None if size in fast else "slow"),
+                  range(1, 33))
+    assert calls == list(range(1, 33))
+    assert found.passing == sorted(fast) and (found.largest_ok, found.smallest_failing) == (14, 8)
+    from shard.probes.families import FAMILIES
+    from shard.probes.runner import Search, compact, to_limit
+
+    search = Search(FAMILIES["conv-stride"], "cin64", found)
+    limit = to_limit(search, "rknn-toolkit2 2.5.0", "2026-11-26", 4.0)
+    assert limit.passing == sorted(fast) and (limit.value, limit.failing, limit.failure) == (14, 8, "slow")
+    assert "passes at 1-7, 12, 14; fails at 8-11, 13, 15-32" in limit.evidence
+    assert compact([3]) == "3" and compact([]) == ""
 
 
 def test_classifier_on_a_real_regtask_log():
@@ -99,7 +116,7 @@ def test_unknown_family_and_target_are_refused(tmp_path):
     out = shard_cli("probe", "--families", "add-width,bogus-width", "--cache-dir", tmp_path)
     assert out.returncode == 1 and "unknown probe family bogus-width" in out.stderr
     out = shard_cli("probe", "--target", "cpu", "--cache-dir", tmp_path)
-    assert out.returncode == 1 and "no probe families" in out.stderr
+    assert out.returncode == 1 and "probes the Rockchip chips (rk3588, rk3576" in out.stderr
 
 
 @pytest.mark.toolkit
@@ -107,7 +124,7 @@ def test_unknown_family_and_target_are_refused(tmp_path):
                     reason="rknn-toolkit-lite2 is installed (on a board)")
 def test_on_board_probing_says_it_needs_a_board(tmp_path):
     out = shard_cli("probe", "--families", "add-width", "--on-board", "--cache-dir", tmp_path)
-    assert out.returncode == 1 and "rknn-toolkit-lite2 on an RK3588 board" in out.stderr
+    assert out.returncode == 1 and "rknn-toolkit-lite2 on a Rockchip board" in out.stderr
 
 
 @pytest.mark.toolkit
@@ -123,7 +140,9 @@ def test_probe_finds_65536_then_serves_the_cache(tmp_path):
     assert int(h1["source"].split(", ")[1].split()[0]) <= 20  # new builds for this limit
     stride = profile["limits"]["conv-stride@cin16"]
     assert (stride["value"], stride["failing"], stride["failure"]) == (7, 8, "slow")
-    assert "estimated cycles" in stride["evidence"]
+    assert stride["passing"] == [1, 2, 3, 4, 5, 6, 7] and "estimated cycles" in stride["evidence"]
+    wide = profile["limits"]["conv-stride@cin64"]   # not monotone: fast again at 12 and 14
+    assert wide["passing"] == [1, 2, 3, 4, 5, 6, 7, 12, 14] and wide["failing"] == 8
 
     again = shard_cli(*args)
     assert again.returncode == 0, again.stderr
@@ -139,15 +158,20 @@ def test_probe_finds_65536_then_serves_the_cache(tmp_path):
 
 
 @pytest.mark.toolkit
-def test_the_shipped_profile_is_what_the_probe_measures(tmp_path):
-    """Every shipped rk3588 limit comes out of a fresh probe unchanged (a new toolkit fails this)."""
+@pytest.mark.parametrize("chip", ["rk3588", "rk3568"])
+def test_the_shipped_profile_is_what_the_probe_measures(tmp_path, chip):
+    """Every shipped limit and measured rate comes out of a fresh probe unchanged (a new toolkit
+    fails this): rk3588, and rk3568, a chip with a quarter of its fp16 rate."""
     from shard.probes.runner import probe
     from shard.profile import load_profile
 
-    shipped = load_profile("rk3588")
-    fresh, _ = probe("rk3588", jobs=2, cache_dir=tmp_path)
+    shipped = load_profile(chip)
+    fresh, _ = probe(chip, jobs=2, cache_dir=tmp_path)
     assert set(fresh.limits) == set(shipped.limits)
+    for rate in ("macs_per_cycle_fp16", "macs_per_cycle_int8", "quantized_dtypes"):
+        assert fresh.facts[rate] == shipped.facts[rate], rate
     for name, limit in shipped.limits.items():
         got = fresh.limits[name]
-        assert (got.value, got.failing, got.failure) == (limit.value, limit.failing, limit.failure), name
+        assert (got.value, got.failing, got.failure, got.passing) == (limit.value, limit.failing, limit.failure,
+                                                                       limit.passing), name
         assert limit.toolkit == fresh.toolkit and limit.evidence.split(": ")[0] == got.evidence.split(": ")[0]

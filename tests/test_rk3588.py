@@ -127,8 +127,8 @@ def test_each_build_log_holds_its_own_layer_table(tmp_path):
     import onnx
 
     from shard.probes.families import FAMILIES
-    from shard.targets.rk3588 import Rk3588Target
-    from shard.targets.rknn_log import parse_build_log
+    from shard.targets.rknn import Rk3588Target
+    from shard.toolkit.log import parse_build_log
     from shard.toolkit.env import find_python
     from shard.toolkit.worker import ToolkitWorker
 

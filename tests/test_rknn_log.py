@@ -2,7 +2,7 @@
 
 from conftest import DATA
 
-from shard.targets.rknn_log import edge_reshapes, parse_build_log
+from shard.toolkit.log import edge_reshapes, parse_build_log
 
 
 def test_regtask_lines_are_counted_and_quoted():
@@ -37,7 +37,7 @@ def test_cpu_ops_and_colour_codes():
 
 
 def test_ops_the_estimate_leaves_at_zero_are_costed_by_the_bytes_they_move():
-    from shard.targets.rknn_log import unestimated_cost
+    from shard.toolkit.log import unestimated_cost
 
     diag = parse_build_log((DATA / "siglip-512-layer-table.txt").read_text())
     reshape = next(layer for layer in diag.layers if layer.op == "Reshape")
@@ -58,3 +58,15 @@ def test_edge_reshapes_the_vendor_runs_on_the_cpu():
     assert edge_reshapes(layers, {"x": [40]}, {"y": [4, 8]}) == ({}, {})
     # Two edges of one shape: the table cannot say which the row belongs to.
     assert edge_reshapes(layers, {"x": [4, 10], "z": [4, 10]}, {}) == ({}, {})
+
+
+def test_rk3576_layer_table_with_its_sparse_ratio_column():
+    """RK3576 and RV1126B print a SparseRatio column (empty on host rows): once read as no layers
+    at all, so their CPU ops and cycles went unseen. Captured from a toolkit 2.5.0 build on x86."""
+    diag = parse_build_log((DATA / "rk3576-layer-table.txt").read_text())
+    assert [(layer.op, layer.target, layer.cycles, layer.rw_kb) for layer in diag.layers] == [
+        ("InputOperator", "CPU", 0, 0), ("Conv", "NPU", 16007168, 8704), ("Conv", "NPU", 289882, 1953),
+        ("OutputOperator", "CPU", 0, 160)]
+    assert diag.estimated_cycles == 16007168 + 289882 and diag.cpu_ops == []
+    two_cores = "W RKNN: Failed to config layer: 'Conv:/m/c' using 2Core fallback to single core mode"
+    assert parse_build_log(two_cores).single_core_fallbacks == ["Conv:/m/c"]

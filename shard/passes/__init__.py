@@ -31,7 +31,7 @@ class PassContext:
     profile: Profile
     options: object
     legality: object = None          # shard.passes.fit.Legality; None where the target has no limits
-    ops: object = None               # small vendor builds (shard.probes.oneop.ToolkitOps) or None
+    ops: object = None               # small vendor builds (shard.toolkit.ops.ToolkitOps) or None
     reports: dict[str, dict] = field(default_factory=dict)
     host_candidates: set[str] = field(default_factory=set)   # layout nodes that may run on the host
     host_pre: list[dict] = field(default_factory=list)       # set by host_edges

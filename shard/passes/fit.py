@@ -132,3 +132,20 @@ class WidthLimit:
                 return Verdict(False, "regtask", f"{int(np.prod(shape))} elements > {self.elements}")
         return Verdict(True)
 
+
+
+class OneOpBuilds:
+    """Verdicts from one-op vendor builds (`ops`: shard.toolkit.ops.ToolkitOps) where the profile
+    cannot decide: only a hard failure makes an op illegal."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def check(self, spec: OpSpec) -> Verdict:
+        point = self.ops.build(spec.model())
+        where = f"one-op build of {spec.op} {spec.outputs[0]}"
+        if point.ok or point.failure not in HARD_FAILURES:
+            # A CPU placement or a slow estimate in isolation often differs inside the real graph
+            # (the compiler fuses Softmax into its attention kernel): the shard build reports those.
+            return Verdict(True, point.failure, f"{where}: {point.failure or 'clean'}")
+        return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")

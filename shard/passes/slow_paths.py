@@ -18,14 +18,23 @@ import onnx_graphsurgeon as gs
 
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
-from shard.targets.rknn_log import Layer, unestimated_cost
+from shard.toolkit.log import Layer, unestimated_cost
 
 
-def fastest_stride(profile) -> int | None:
-    """The largest stride the profile measured as fast for a patch Conv (None: no such limit)."""
-    values = [lim.value for name, lim in profile.limits.items()
-              if name.startswith("conv-stride@") and lim.failure == "slow"]
-    return min(values) if values else None
+def stride_limits(profile) -> dict:
+    """The profile's patch-Conv stride limits that found slow strides ({name: Limit})."""
+    return {name: lim for name, lim in profile.limits.items() if name.startswith("conv-stride@") and lim.failure == "slow"}
+
+
+def why_slow(limits: dict, stride: int) -> str | None:
+    """Why a patch Conv of this stride is off the fast path, by the first limit that says so (a swept
+    limit: the stride is not among its passing sizes; else it is past the largest); None: fast."""
+    for name, lim in limits.items():
+        if lim.passing is not None and stride not in lim.passing:
+            return f"Conv kernel = stride = {stride}: not among the fast strides of {name} (slow)"
+        if lim.passing is None and stride > lim.value:
+            return f"Conv kernel = stride = {stride} > {lim.value}, the fastest stride ({name}, slow)"
+    return None
 
 
 def patch_conv(node: gs.Node, graph_inputs: set[str]) -> tuple[int, int] | None:
@@ -38,7 +47,7 @@ def patch_conv(node: gs.Node, graph_inputs: set[str]) -> tuple[int, int] | None:
         return None
     k, s = list(node.attrs.get("kernel_shape", [])), list(node.attrs.get("strides", [1, 1]))
     n, c, h, w = (int(d) for d in node.inputs[0].shape)
-    if len(k) != 2 or k != s or k[0] != k[1] or any(node.attrs.get("pads", [0] * 4)) \
+    if len(k) != 2 or k != s or k[0] != k[1] or k[0] < 2 or any(node.attrs.get("pads", [0] * 4)) \
             or any(d != 1 for d in node.attrs.get("dilations", [1, 1])) or node.attrs.get("group", 1) != 1 \
             or h % k[0] or w % k[0]:
         return None
@@ -150,17 +159,17 @@ def cost(point, cycles_per_kb: float | None = None) -> tuple[int, int, float | N
 
 @register("slow_paths")
 def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    limit = fastest_stride(ctx.profile)
+    limits = stride_limits(ctx.profile)
     changes, kept = [], []
-    if limit is None:
+    if not limits:
         return graph, {"changes": changes, "note": "the profile marks no slow Conv stride"}
     graph_inputs = {t.name for t in graph.inputs}
     for node in list(graph.nodes):
         found = patch_conv(node, graph_inputs)
-        if found is None or found[1] <= limit:
+        reason = found and why_slow(limits, found[1])
+        if not reason:
             continue
         k, stride = found
-        reason = f"Conv kernel = stride = {stride} > {limit}, the fastest stride (conv-stride, slow)"
         entry = {"node": node.name, "op": "Conv", "reason": reason}
         if ctx.ops is not None:  # judge both forms by the compiler's own estimate
             before = ctx.ops.build(OpSpec.of(node).model())

@@ -31,6 +31,7 @@ class Family:
     macs: Callable[[int, dict], int] | None = None     # set: the family also looks for slow points
     numeric: bool = False                       # size is an input magnitude; runs in the simulator
     input_range: Callable[[int, dict], float] = field(default=lambda size, s: 1.0)
+    sweep: bool = False                         # not monotone in N: every size from start to max_size is probed
     version: int = 1                            # bump when the builder changes: old cached points are ignored
 
 
@@ -152,8 +153,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            256, 1 << 15),
     Family("conv-stride", f"Conv kernel = stride = N (patches), C->64 channels, on [1,C,{STRIDE_IMAGE},{STRIDE_IMAGE}]",
            lambda n, s: conv(s["cin"], 64, STRIDE_IMAGE, STRIDE_IMAGE, n, n, 0),
-           {"cin16": {"cin": 16}, "cin64": {"cin": 64}}, 1, 64,
-           macs=lambda n, s: conv_macs(s["cin"], 64, STRIDE_IMAGE, STRIDE_IMAGE, n, n, 0)),
+           {"cin16": {"cin": 16}, "cin64": {"cin": 64}}, 1, 32,
+           macs=lambda n, s: conv_macs(s["cin"], 64, STRIDE_IMAGE, STRIDE_IMAGE, n, n, 0), sweep=True),
     # From 3: a 1x1 kernel over 16 channels is itself off the fast path (5.4x the peak rate, measured).
     Family("conv-kernel", "Conv NxN stride 1, 16->16 channels, on [1,16,64,64]",
            lambda n, s: conv(16, 16, 64, 64, n, 1, 0), {"cin16": {}}, 3, 64,

@@ -1,33 +1,26 @@
 """`shard probe`: run the families' searches through the real vendor compiler and write a profile.
 
-Each family@setting is one search (double, then bisect); searches run `jobs` at a time, each build
-in a reused toolkit worker; every point is cached on disk before the search moves on.
+First the chip's peak rates (the compiler's own best cycle estimate over a few dense Convs, per
+precision it builds) and the quantized dtypes it accepts; then each family@setting is one search
+(double, then bisect; or, for a family whose verdict is not monotone in its size, every size in its
+range); searches run `jobs` at a time, each build in a reused toolkit worker; every point is cached
+on disk before the search moves on.
 """
 
 from __future__ import annotations
 
 import datetime
-import shutil
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-import onnx
-
-from shard.errors import RunError, TargetError
-from shard.probes.classify import classify_build, classify_numeric
-from shard.probes.families import Family, limit_name, select
-from shard.probes.search import Boundary, Point, find_boundary
+from shard.errors import ShardError, TargetError
+from shard.probes.families import Family, conv, conv_macs, limit_name, select
+from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
-from shard.runtime.executors.rknn_sim import infer
-from shard.targets.rknn_log import HOST_OPS, parse_build_log
-from shard.toolkit.worker import WorkerFailed, WorkerPool
-from shard.verifier import compare
+from shard.targets.rknn import CHIPS, RknnTarget, chip_facts
 
 DEFAULT_SLOW_FACTOR = 4.0
 BUILD_TIMEOUT_S = 300.0
@@ -44,122 +37,37 @@ class Search:
         return limit_name(self.family, self.setting)
 
 
-def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {i.name: (rng.uniform(-1, 1, [d.dim_value for d in i.type.tensor_type.shape.dim]) * scale).astype(np.float32)
-            for i in model.graph.input}
-
-
-def reference_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
-
-
-class RknnProber:
-    """Probe points for rk3588: a build in the toolkit worker, its log read; optionally a run."""
-
-    def __init__(self, pool: WorkerPool, scratch: Path, build: dict, profile: Profile, slow_factor: float,
-                 timeout: float, board=None):
-        self.pool, self.scratch, self.build, self.timeout = pool, scratch, build, timeout
-        self.macs_per_cycle = float(profile.facts.get("macs_per_cycle_fp16", 512))
-        self.slow_factor = slow_factor
-        self.board = board  # the RKNNLite class when points also run on the board
-
-    def test(self, family: Family, setting: str, size: int) -> Point:
-        params = family.settings[setting]
-        return self.run_model(family.build(size, params), f"{limit_name(family, setting)}-{size}", size,
-                              family.macs(size, params) if family.macs else None,
-                              family.input_range(size, params) if family.numeric else None)
-
-    def run_model(self, model: onnx.ModelProto, stem: str, size: int = 0, macs: int | None = None,
-                  simulate_range: float | None = None) -> Point:
-        """Build one model, classify what the compiler said; simulate it (inputs uniform in
-        +-simulate_range) or run it on the board where asked."""
-        stem = self.scratch / stem
-        onnx_path, log = stem.with_suffix(".onnx"), stem.with_suffix(".log")
-        artifact = stem.with_suffix(".rknn") if self.board else None
-        onnx.save(model, onnx_path)
-        key = stem.name if simulate_range is not None else None
-        try:
-            with self.pool.worker() as worker:
-                try:
-                    answer = worker.request(op="build", onnx=str(onnx_path), rknn=artifact and str(artifact),
-                                            log=str(log), config=self.build["config"], build=self.build["build"],
-                                            keep=key, timeout=self.timeout)
-                except WorkerFailed as exc:
-                    return Point(size, False, "timeout" if exc.timed_out else "crash", f"the build {exc}")
-                diag = parse_build_log(log.read_text(errors="replace"))
-                point = classify_build(size, answer, diag, macs, self.macs_per_cycle, self.slow_factor)
-                point.figures["layers"] = [[layer.op, layer.target, layer.cycles, layer.ddr_cycles, layer.rw_kb]
-                                           for layer in diag.layers if layer.op not in HOST_OPS]
-                if point.ok and key is not None:
-                    point = self._simulate(worker, key, model, simulate_range, point)
-            if point.ok and self.board:
-                point = self._on_board(artifact, model, simulate_range or 1.0, point)
-            return point
-        finally:
-            for path in (onnx_path, log, artifact):
-                if path is not None:
-                    path.unlink(missing_ok=True)
-
-    def _simulate(self, worker, key: str, model: onnx.ModelProto, scale: float, point: Point) -> Point:
-        inputs = probe_inputs(model, scale)
-        work = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=self.scratch))
-        try:
-            got = infer(partial(worker.request, timeout=self.timeout), key, list(inputs.values()), work,
-                        work / "infer.log")[0]
-            worker.request(op="release", key=key, timeout=self.timeout)
-        except (RunError, WorkerFailed) as exc:
-            return Point(point.size, False, "crash", f"simulator: {exc}", point.figures)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        want = reference_outputs(model, inputs)[0]
-        return classify_numeric(point, compare("out", want, got.reshape(want.shape)).cosine)
-
-    def _on_board(self, artifact: Path, model: onnx.ModelProto, scale: float, point: Point) -> Point:
-        rt = self.board()
-        try:
-            if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=self.board.NPU_CORE_0) != 0:
-                return Point(point.size, False, "board", "load_rknn/init_runtime failed on the board", point.figures)
-            inputs = probe_inputs(model, scale)
-            outs = rt.inference(inputs=list(inputs.values()), data_format=["nchw"] * len(inputs))
-            if outs is None:
-                return Point(point.size, False, "board", "inference on the board returned nothing", point.figures)
-        except Exception as exc:  # noqa: BLE001 - any runtime failure on the board is this class
-            return Point(point.size, False, "board", f"{type(exc).__name__}: {exc}", point.figures)
-        finally:
-            rt.release()
-        want = reference_outputs(model, inputs)[0]
-        checked = classify_numeric(point, compare("out", want, np.asarray(outs[0]).reshape(want.shape)).cosine)
-        if not checked.ok:
-            checked.failure = "board"
-        return checked
-
-
 def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_size: int | None = None,
           cache_dir: Path | None = None, read_cache: bool = True, base: Profile | None = None, slow_factor: float = DEFAULT_SLOW_FACTOR,
           timeout: float = BUILD_TIMEOUT_S, on_board: bool = False,
           progress: Callable[..., None] = lambda *a, **k: None) -> tuple[Profile, list[Search]]:
-    """Probe the families on `target`: a profile of their limits (facts and cores from `base`, by
-    default the shipped profile) and the searches with every point they saw."""
-    if target != "rk3588":
-        raise TargetError(f"`shard probe` knows how to probe rk3588; {target!r} has no probe families")
+    """Probe the families on `target`: a profile of their limits and the chip's measured rates (the
+    other facts and cores from `base`, by default the shipped profile, else the chip's table) and
+    the searches with every point they saw. A chip that builds only int8 is probed in int8, without
+    the fp16 range (numeric) families."""
+    if target not in CHIPS:
+        raise TargetError(f"`shard probe` probes the Rockchip chips ({', '.join(CHIPS)}) and cuda; not {target!r}")
+    tgt = RknnTarget(target)
     chosen = select(families)
     board = None
     if on_board:
         from shard.runtime.executors.rknn_board import import_rknnlite
 
         board = import_rknnlite()
-    base = base or load_profile(target)
-    from shard.probes.oneop import ToolkitOps
-    from shard.targets.rk3588 import Rk3588Target
+    base = base or starting_profile(target)
+    from shard.toolkit.ops import ToolkitOps
 
-    ops = ToolkitOps(target, base, Rk3588Target().build_options(None), jobs, timeout, cache_dir, read_cache,
-                     slow_factor, board)
-    searches = [Search(f, s) for f in chosen for s in f.settings]
+    ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board)
+    searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]
     finished: list[str] = []
     lock = threading.Lock()
+    try:
+        measured = measure_rates(ops, tgt, progress)
+    except BaseException:
+        ops.close(kill=True)
+        raise
+    ops.prober.rates.update({False: measured.get("macs_per_cycle_fp16", ops.prober.rates[False]),
+                             True: measured.get("macs_per_cycle_int8", ops.prober.rates[True])})
     progress("probe", 0, len(searches), note="")
 
     def run(search: Search) -> None:
@@ -169,14 +77,17 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
         def test(size: int) -> Point:
             point = ops.cache.get(search.name, search.family.version, size)
             if point is None:
-                point = ops.prober.test(search.family, search.setting, size)
+                point = probe_point(ops.prober, search.family, search.setting, size)
                 ops.cache.put(search.name, search.family.version, point)
             return point
 
         def bracket(lo, hi) -> None:
             progress("probe", len(finished), len(searches), note=f"{search.name} [{lo or '-'}, {hi or '-'})")
 
-        search.boundary = find_boundary(test, start, top, on_bracket=bracket)
+        if search.family.sweep:    # not monotone: every size in the range
+            search.boundary = sweep(test, range(start, top + 1), on_point=lambda size: bracket(size, None))
+        else:
+            search.boundary = find_boundary(test, start, top, on_bracket=bracket)
         with lock:
             finished.append(search.name)
             progress("probe", len(finished), len(searches), note=f"{search.name} done")
@@ -192,13 +103,86 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     toolkit = ops.toolkit
     today = datetime.date.today().isoformat()
     limits = {search.name: to_limit(search, toolkit, today, slow_factor) for search in searches}
-    facts = {**base.facts, "slow_factor": slow_factor}
+    facts = {**base.facts, **measured, "slow_factor": slow_factor}
+    if "npu_clock_hz" not in facts and facts.get("int8_tops") and facts.get("macs_per_cycle_int8"):
+        facts["npu_clock_hz"] = round(facts["int8_tops"] * 1e12 / (2 * facts["macs_per_cycle_int8"] * base.cores))
+        facts["npu_clock_hz_source"] = ("derived: int8_tops / (2 x macs_per_cycle_int8 x cores), the marketed rate "
+                                        "over the probed peak")
     return Profile(target=target, cores=base.cores, toolkit=toolkit, limits=limits, facts=facts), searches
+
+
+def starting_profile(target: str) -> Profile:
+    """The shipped profile of `target` (its facts and cores; its limits are probed again), or a new one
+    from the chip's table (shard.targets.rknn.CHIPS)."""
+    cores, facts = chip_facts(target)
+    try:
+        shipped = load_profile(target)
+    except ShardError:
+        return Profile(target=target, cores=cores, toolkit="", facts=facts)
+    return Profile(target=target, cores=shipped.cores, toolkit=shipped.toolkit, facts={**facts, **shipped.facts})
+
+
+def probe_point(prober, family: Family, setting: str, size: int) -> Point:
+    params = family.settings[setting]
+    return prober.run_model(family.build(size, params), f"{limit_name(family, setting)}-{size}", size,
+                            family.macs(size, params) if family.macs else None,
+                            family.input_range(size, params) if family.numeric else None)
+
+
+# Dense 3x3 Convs at sizes real models use: the best estimated MACs per cycle among them is the peak
+# rate a `slow` point is judged against. (On RK3588, fp16: 512, as its datasheet says.)
+PEAK_CONVS = ((64, 64, 128, 128), (128, 128, 64, 64), (256, 256, 32, 32), (32, 32, 256, 256))
+QUANTIZED_DTYPES = ("w8a8", "w8a16", "w16a16i_dfp", "w4a16")   # what toolkit 2.5.0 names
+RATES_VERSION = 1
+
+
+def measure_rates(ops, tgt: RknnTarget, progress: Callable[..., None]) -> dict:
+    """Facts the probe measures about the chip itself: `macs_per_cycle_fp16` / `_int8` (peak estimated
+    rate, with the Conv that reached it) and `quantized_dtypes` (what a quantized build accepts)."""
+    int8 = tgt.build_for(tgt.build_options(None), "int8") if "int8" in tgt.precisions else None
+    quantized = [(dtype, {**int8, "config": {**int8["config"], "quantized_dtype": dtype}})
+                 for dtype in QUANTIZED_DTYPES] if int8 else []
+    precisions = ([("fp16", tgt.build_options(None))] if tgt.chip.fp16 else []) + ([("int8", int8)] if int8 else [])
+    total, done = len(precisions) * len(PEAK_CONVS) + len(quantized), 0
+    facts: dict = {}
+    for precision, build in precisions:
+        best = None
+        for cin, cout, h, w in PEAK_CONVS:
+            progress("rates", done, total, note=f"{precision} Conv {cin}->{cout} {h}x{w}")
+            macs = conv_macs(cin, cout, h, w, 3, 1, 1)
+            point = ops.build(conv(cin, cout, h, w, 3, 1, 1), build=build)
+            done += 1
+            cycles = point.figures.get("estimated_cycles", 0)
+            if point.ok and cycles and (best is None or macs / cycles > best[0]):
+                best = (macs / cycles, f"Conv 3x3 {cin}->{cout} on {h}x{w}: {macs:,} MACs in {cycles:,} estimated cycles")
+        if best is not None:
+            facts[f"macs_per_cycle_{precision}"] = round(best[0], 1)
+            facts[f"macs_per_cycle_{precision}_source"] = (f"shard probe with {ops.toolkit}: the best of "
+                                                           f"{len(PEAK_CONVS)} dense Convs, {best[1]}")
+    accepted, refused = [], []
+    for dtype, build in quantized:
+        progress("rates", done, total, note=f"quantized_dtype {dtype}")
+        point = ops.build(conv(16, 16, 32, 32, 3, 1, 1), build=build)
+        done += 1
+        (accepted if point.ok else refused).append(dtype if point.ok else f"{dtype} ({point.evidence[:120]})")
+    if quantized:
+        facts["quantized_dtypes"] = accepted
+        facts["quantized_dtypes_source"] = (f"shard probe with {ops.toolkit}: a quantized Conv built with each; "
+                                            f"refused: {'; '.join(refused) or 'none'}")
+    progress("rates", total, total, note="done")
+    return facts
 
 
 def to_limit(search: Search, toolkit: str, date: str, slow_factor: float) -> Limit:
     b, what = search.boundary, f"{search.family.what}, setting {search.setting}"
     source = f"shard probe with {toolkit}, {b.builds} new builds of {len(b.points)} points"
+    if b.passing is not None and b.smallest_failing is not None:   # a swept family: the passing set
+        fail = b.failing_point
+        failing = [p.size for p in b.points if not p.ok]
+        evidence = (f"{what}: of N={b.points[0].size}..{b.points[-1].size}, passes at {compact(b.passing) or 'none'}; "
+                    f"fails at {compact(failing)}; N={fail.size} ({fail.failure}): {fail.evidence}")
+        return Limit(value=b.largest_ok or 0, failure=fail.failure, evidence=evidence, source=source, toolkit=toolkit,
+                     date=date, failing=fail.size, passing=b.passing)
     if b.smallest_failing is None:
         return Limit(value=b.largest_ok, failure="none", evidence=f"{what}: every size up to N={b.largest_ok} passes",
                      source=source, toolkit=toolkit, date=date)
@@ -209,6 +193,17 @@ def to_limit(search: Search, toolkit: str, date: str, slow_factor: float) -> Lim
         evidence += f" [slow: more than {slow_factor:g}x the peak rate]"
     return Limit(value=b.largest_ok or 0, failure=fail.failure, evidence=evidence, source=source, toolkit=toolkit,
                  date=date, failing=fail.size)
+
+
+def compact(sizes: list[int]) -> str:
+    """1, 2, 3, 5, 7, 8 -> "1-3, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for size in sorted(sizes):
+        if runs and size == runs[-1][-1] + 1:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def merge_into(path: Path, profile: Profile) -> tuple[Profile, int]:

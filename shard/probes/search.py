@@ -6,20 +6,10 @@ The oracle is any function size -> Point; the search assumes that past the bound
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-
-@dataclass
-class Point:
-    """One probed size: did it pass, and if not, how it failed (class) and the line that says so."""
-
-    size: int
-    ok: bool
-    failure: str | None = None
-    evidence: str = ""
-    figures: dict = field(default_factory=dict)   # e.g. estimated cycles, MACs, cosine
-    cached: bool = False
+from shard.toolkit.classify import Point
 
 
 @dataclass
@@ -27,6 +17,7 @@ class Boundary:
     largest_ok: int | None         # None: even the smallest size tried failed
     smallest_failing: int | None   # None: nothing failed up to the maximum
     points: list[Point]
+    passing: list[int] | None = None   # a swept (non-monotone) family: every size that passed
 
     @property
     def failing_point(self) -> Point | None:
@@ -88,3 +79,15 @@ def find_boundary(test: Callable[[int], Point], start: int, max_size: int, min_s
         else:
             hi = mid
     return Boundary(lo, hi, [seen[s] for s in sorted(seen)])
+
+
+def sweep(test: Callable[[int], Point], sizes, on_point: Callable[[int], None] = lambda size: None) -> Boundary:
+    """Every size tested, for a family whose verdict is not monotone in its size (a patch Conv is
+    fast at stride 7 and 9 and slow at 8): the boundary of the sizes that pass, and their set."""
+    points = []
+    for size in sizes:
+        on_point(size)
+        points.append(test(size))
+    passing = [p.size for p in points if p.ok]
+    failing = [p.size for p in points if not p.ok]
+    return Boundary(max(passing, default=None), min(failing, default=None), points, passing)

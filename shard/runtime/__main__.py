@@ -55,7 +55,7 @@ def installed(module: str) -> bool:
 
 
 def pick_backend(manifest: Manifest) -> str:
-    if manifest.target == "rk3588" and installed("rknnlite"):
+    if manifest.rknn and installed("rknnlite"):
         return "board"
     if manifest.target in ("thor", "cuda"):
         if installed("tensorrt") and all(s.artifact for s in manifest.shards):

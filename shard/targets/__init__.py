@@ -83,9 +83,9 @@ def write_logs_only(jobs: list[ShardJob], note: str, on_done: Callable[[ShardBui
 def get_target(name: str) -> Target:
     from shard.targets.cpu import CpuTarget
     from shard.targets.gpu import GpuTarget
-    from shard.targets.rk3588 import Rk3588Target
+    from shard.targets.rknn import CHIPS, RknnTarget
 
-    targets = {t.name: t for t in (Rk3588Target(), GpuTarget("thor"), GpuTarget("cuda"), CpuTarget())}
+    targets = {t.name: t for t in (*map(RknnTarget, CHIPS), GpuTarget("thor"), GpuTarget("cuda"), CpuTarget())}
     try:
         return targets[name]
     except KeyError:

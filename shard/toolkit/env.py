@@ -26,7 +26,7 @@ MARKER = "shard-toolkit.json"
 class ToolkitSpec:
     """How to build one toolkit environment: pip steps run in order, then an import check."""
 
-    target: str
+    targets: tuple[str, ...]          # the chips it builds for (its support list; shard.targets.rknn.CHIPS)
     package: str
     version: str
     steps: tuple[tuple[str, ...], ...]
@@ -40,7 +40,7 @@ class ToolkitSpec:
 # The wheel's own pins pull a multi-GB CUDA torch and numpy<=1.26; this order installs the CPU
 # torch first, then the toolkit without its pins, then the pins it really needs.
 RKNN_TOOLKIT2 = ToolkitSpec(
-    target="rk3588",
+    targets=("rk3588", "rk3576", "rk3568", "rk3566", "rk3562", "rk2118", "rv1126b", "rv1106", "rv1103"),
     package="rknn-toolkit2",
     version="2.5.0",
     steps=(
@@ -52,7 +52,7 @@ RKNN_TOOLKIT2 = ToolkitSpec(
     check="from rknn.api import RKNN; RKNN()",
 )
 
-TOOLKITS = {spec.target: spec for spec in (RKNN_TOOLKIT2,)}
+TOOLKITS = {target: spec for spec in (RKNN_TOOLKIT2,) for target in spec.targets}
 
 
 def get_spec(target: str) -> ToolkitSpec:
@@ -159,9 +159,10 @@ def _installed_versions(env: Path, names: tuple[str, ...]) -> dict[str, str]:
 def status() -> list[dict]:
     """One row per known toolkit: installed or not, versions, where."""
     rows = []
-    for target, spec in TOOLKITS.items():
+    for spec in dict.fromkeys(TOOLKITS.values()):
+        target = spec.targets[0]
         marker = read_marker(target)
-        rows.append({"target": target, "package": spec.package, "version": spec.version,
+        rows.append({"target": ", ".join(spec.targets), "package": spec.package, "version": spec.version,
                      "installed": marker is not None, "path": str(toolkit_dir(target)),
                      "packages": (marker or {}).get("packages", {})})
     return rows

@@ -40,7 +40,8 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest,
         return {core: shared for core in placements}
     if backend == "board":
         from shard.runtime.executors.rknn_board import RknnBoardExecutor
-        return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core))
+        cores = manifest.profile.get("cores", 3)   # bundles made before profiles named it were RK3588's
+        return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core, manifest.target, cores))
     if backend in STAGE_BACKENDS:
         from shard.runtime.host import step_inputs, step_outputs
 

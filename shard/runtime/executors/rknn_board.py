@@ -1,4 +1,6 @@
-"""board: rknn-toolkit-lite2 on an RK3588; one executor per NPU core, each runtime bound with its core mask."""
+"""board: rknn-toolkit-lite2 on a Rockchip board; one executor per NPU core, each runtime bound with its
+core mask. The chip's core count comes from the bundle (its profile's `cores`): RK3588 has 3,
+RK3576 2, the others one core, whose runtime takes the default mask (NPU_CORE_AUTO)."""
 
 from __future__ import annotations
 
@@ -15,20 +17,24 @@ def import_rknnlite():
     try:
         from rknnlite.api import RKNNLite
     except ImportError:
-        raise TargetError("the board backend needs rknn-toolkit-lite2 on an RK3588 board "
+        raise TargetError("the board backend needs rknn-toolkit-lite2 on a Rockchip board "
                           "(pip install rknn-toolkit-lite2 there); on x86 use --backend sim") from None
     return RKNNLite
 
 
-NPU_CORES = 3
+def core_mask(rknnlite, chip: str, cores: int, core: int):
+    """The runtime's core mask for NPU core `core` of a chip with `cores` cores."""
+    if not 0 <= core < cores:
+        raise RunError(f"{chip} has NPU cores {', '.join(map(str, range(cores)))}; there is no core {core}")
+    if cores == 1:
+        return rknnlite.NPU_CORE_AUTO
+    return [rknnlite.NPU_CORE_0, rknnlite.NPU_CORE_1, rknnlite.NPU_CORE_2][core]
 
 
 class RknnBoardExecutor:
-    def __init__(self, bundle: Path, shards: list[ShardSpec], core: int):
-        if not 0 <= core < NPU_CORES:
-            raise RunError(f"the RK3588 has NPU cores 0, 1 and 2; there is no core {core}")
+    def __init__(self, bundle: Path, shards: list[ShardSpec], core: int, chip: str = "rk3588", cores: int = 3):
         RKNNLite = import_rknnlite()
-        mask = [RKNNLite.NPU_CORE_0, RKNNLite.NPU_CORE_1, RKNNLite.NPU_CORE_2][core]
+        mask = core_mask(RKNNLite, chip, cores, core)
         self.core = core
         self.runtimes = {}
         try:

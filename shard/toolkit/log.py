@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LAYER_ROW = re.compile(
     r"^D RKNN: \[[^\]]*\]\s+(?P<id>\d+)\s+(?P<op>\S+)\s+(?P<dtype>\S+)\s+(?P<target>NPU|CPU)\s+"
-    r"(?P<inshape>\S+)\s+(?P<outshape>\S+)\s+(?P<ddr>\d+)/(?P<npu>\d+)/(?P<total>\d+)\s+(?P<rw>\d+)\s+(?P<name>.+?)\s*$"
+    r"(?P<inshape>\S+)\s+(?P<outshape>\S+)\s+(?P<ddr>\d+)/(?P<npu>\d+)/(?P<total>\d+)\s+"
+    r"(?:(?P<sparse>\d+)%\s+)?(?P<rw>\d+)\s+(?P<name>.+?)\s*$"     # RK3576 and RV1126B add a SparseRatio column
 )
-SINGLE_CORE = re.compile(r"Failed to config layer: '(?P<layer>[^']+)' using 3Core fallback to single core mode")
+SINGLE_CORE = re.compile(r"Failed to config layer: '(?P<layer>[^']+)' using \d+Core fallback to single core mode")
 MEMORY = re.compile(r"Total (?P<kind>Internal|Weight) Memory Size: (?P<kb>\d+)KB")
 HOST_OPS = {"InputOperator", "OutputOperator"}
 

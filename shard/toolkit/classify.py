@@ -13,10 +13,23 @@ Failure classes, the first that applies:
 
 from __future__ import annotations
 
-from shard.probes.search import Point
-from shard.targets.rknn_log import BuildDiagnostics
+from dataclasses import dataclass, field
+
+from shard.toolkit.log import BuildDiagnostics
 
 MIN_COSINE = 0.999
+
+
+@dataclass
+class Point:
+    """One probed size: did it pass, and if not, how it failed (class) and the line that says so."""
+
+    size: int
+    ok: bool
+    failure: str | None = None
+    evidence: str = ""
+    figures: dict = field(default_factory=dict)   # e.g. estimated cycles, MACs, cosine
+    cached: bool = False
 
 
 def classify_build(size: int, answer: dict, diag: BuildDiagnostics, macs: int | None = None,

@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from shard.probes.search import Point
+from shard.toolkit.classify import Point
 
 
 def default_cache_dir() -> Path:

@@ -1,8 +1,15 @@
-"""rk3588: shards compiled by rknn-toolkit2 in worker processes of the toolkit environment."""
+"""Rockchip NPUs: shards compiled by rknn-toolkit2 in worker processes of the toolkit environment.
+
+One class for every chip the toolkit builds for. What differs between chips is data: the facts
+below that no probe can measure (core count, the marketed int8 rate, whether fp16 builds at all),
+each with its source, and the limits and peak rates in the chip's profile, which `shard probe
+--target CHIP` measures through the same toolkit (shard.probes.runner).
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
@@ -11,26 +18,68 @@ from shard.passes import PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.build_cache import BuildCache
-from shard.targets.rknn_log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
+from shard.toolkit.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python, installed_label
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
 
-class Rk3588Target:
-    name = "rk3588"
+@dataclass(frozen=True)
+class Chip:
+    """What no probe measures about one chip, each figure with where it comes from."""
+
+    cores: int
+    int8_tops: float | None       # marketed dense int8 rate, all cores (None: no public figure found)
+    source: str
+    fp16: bool = True             # False: the toolkit builds this chip only quantized
+
+
+TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
+INT8_ONLY = ("seen here with rknn-toolkit2 2.5.0: build() logs `Current target_platform(rv1106) not support "
+             "do_quantization = False!`")
+CHIPS = {
+    "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8"),
+    "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
+    "rk3568": Chip(1, 0.8, "RK3568 datasheet: 1-core NPU, 0.8 TOPS int8"),
+    "rk3566": Chip(1, 0.8, "RK3566 datasheet: 1-core NPU, 0.8 TOPS int8 (the RK3568's NPU)"),
+    "rk3562": Chip(1, 1.0, "RK3562 datasheet: 1-core NPU, 1 TOPS int8"),
+    "rk2118": Chip(1, None, "rknn-toolkit2 support list: RK2118, 1 NPU core; no public TOPS figure found"),
+    "rv1126b": Chip(1, 3.0, "RV1126B product brief: 1-core NPU, 3 TOPS int8"),
+    "rv1106": Chip(1, 1.0, "RV1106 datasheet: 1-core NPU, up to 1 TOPS int8 (RV1106G3; G2: 0.5)", fp16=False),
+    "rv1103": Chip(1, 0.5, "RV1103 datasheet: 1-core NPU, 0.5 TOPS int8", fp16=False),
+}
+
+
+def chip_facts(name: str) -> tuple[int, dict]:
+    """The core count and the facts a new profile of `name` starts from (the probe adds its rates)."""
+    chip = CHIPS[name]
+    facts = {"cores_source": chip.source, "fp16": chip.fp16,
+             "fp16_source": TOOLKIT_FP16 if chip.fp16 else INT8_ONLY,
+             "job_timeout_s": 6.0,
+             "job_timeout_s_source": "rknpu driver: a job is killed after about 6 s (FACTS-rk3588, upstream reports)",
+             "max_opset": 19, "fp16_range_margin": 4.0}
+    if chip.int8_tops is not None:
+        facts.update(int8_tops=chip.int8_tops, int8_tops_source=chip.source)
+    return chip.cores, facts
+
+
+class RknnTarget:
     executors = ("sim", "cpu", "board")
     artifact_suffix = ".rknn"
     vendor = True
-    precisions = ("fp16", "int8", "mixed")
     pipeline = tuple(PIPELINE)
     min_opset = MIN_OPSET
     stage_streams = False
 
+    def __init__(self, chip: str):
+        self.name = chip
+        self.chip = CHIPS[chip]
+        # An int8-only chip's shards are quantized from calibration samples; mixed needs fp16 ops.
+        self.precisions = ("fp16", "int8", "mixed") if self.chip.fp16 else ("int8",)
+
     def build_options(self, options) -> dict:
         """The toolkit calls every shard is built with; the simulator replays them."""
-        return {"config": {"target_platform": "rk3588"},
-                "build": {"do_quantization": False},
-                "precision": "fp16"}
+        fp16 = {"config": {"target_platform": self.name}, "build": {"do_quantization": False}, "precision": "fp16"}
+        return fp16 if self.chip.fp16 else self.build_for(fp16, "int8")
 
     def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
         """int8: the vendor's w8a8 (activations per tensor, Conv and constant-weight MatMul weights
@@ -39,8 +88,8 @@ class Rk3588Target:
         quantization)."""
         if precision == "fp16":
             return build
-        if precision not in ("int8", "mixed"):
-            raise ValueError(f"rk3588 builds fp16, int8 or mixed, not {precision}")
+        if precision not in self.precisions:
+            raise ValueError(f"{self.name} builds {', '.join(self.precisions)}, not {precision}")
         quantized = {"config": {**build["config"], "quantized_dtype": "w8a8", "quantized_algorithm": "normal",
                                 "quantized_method": "channel"},
                      "build": {**build["build"], "do_quantization": True}, "precision": precision}
@@ -55,7 +104,7 @@ class Rk3588Target:
         return edge_reshapes(parse_build_log(log.read_text(errors="replace")).layers, inputs, outputs)
 
     def pass_toolkit(self, profile, options):
-        from shard.probes.oneop import ToolkitOps
+        from shard.toolkit.ops import ToolkitOps
 
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
                           timeout=getattr(options, "timeout", 300.0))

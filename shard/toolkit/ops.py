@@ -1,0 +1,184 @@
+"""Builds in the vendor toolkit that the passes and `shard probe` share: toolkit workers, a scratch
+directory, the point cache, and one model built (and simulated, or run on a board) and classified.
+
+The passes ask whether one op is legal at its real shapes and what a region costs; the probe sweeps
+families of such models. Every model is built once per toolkit version and target: the verdict is
+cached on disk beside the probe points (keyed by the model's bytes), so the second compile of a
+model builds nothing here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from shard.errors import RunError
+from shard.runtime.executors.rknn_sim import infer
+from shard.profile import Profile
+from shard.toolkit.cache import PointCache, default_cache_dir
+from shard.toolkit.classify import Point, classify_build, classify_numeric
+from shard.toolkit.env import find_python, installed_label
+from shard.toolkit.log import HOST_OPS, parse_build_log
+from shard.toolkit.worker import WorkerFailed, WorkerPool
+
+MODELS = "by-model"
+MODELS_VERSION = 2  # points carry each layer's DDR cycles and bytes
+
+
+class ToolkitOps:
+    """Toolkit workers (`jobs` of them), a scratch directory, the point cache and a prober over them:
+    what both the passes and `shard probe` build with."""
+
+    def __init__(self, target: str, profile: Profile, build: dict, jobs: int = 1, timeout: float = 300.0,
+                 cache_dir: Path | None = None, read_cache: bool = True, slow_factor: float | None = None,
+                 board=None):
+        self.toolkit = installed_label(target)
+        self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
+        self.scratch = Path(tempfile.mkdtemp(prefix="shard-ops-"))
+        self.pool = WorkerPool(find_python(target), self.scratch, jobs)
+        slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
+        self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)
+
+    def build(self, model: onnx.ModelProto, macs: int | None = None, build: dict | None = None) -> Point:
+        """What the compiler says of this model (cycles in figures), built with `build` (else the
+        options given at the start); from the cache when seen before."""
+        key = model.SerializeToString() + repr(macs).encode() + (repr(build).encode() if build else b"")
+        digest = hashlib.sha256(key).hexdigest()[:24]
+        point = self.cache.get(MODELS, MODELS_VERSION, digest)
+        if point is None:
+            point = self.prober.run_model(model, digest, macs=macs, build=build)
+            self.cache.put(MODELS, MODELS_VERSION, point, size=digest)
+        return point
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers (at once, if kill) and remove the scratch directory."""
+        if kill:
+            self.pool.kill_all()
+        self.pool.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {i.name: (rng.uniform(-1, 1, [d.dim_value for d in i.type.tensor_type.shape.dim]) * scale).astype(np.float32)
+            for i in model.graph.input}
+
+
+def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[list[str]]:
+    """Seeded calibration samples for a quantized probe build: per sample, one .npy per input."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for k in range(count):
+        sample = []
+        for i in model.graph.input:
+            shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+            value = rng.uniform(-1, 1, shape) if dtype.kind == "f" else rng.integers(0, 2, shape)
+            path = stem.parent / f"{stem.name}-s{k}-{len(sample)}.npy"
+            np.save(path, value.astype(dtype))
+            sample.append(str(path))
+        samples.append(sample)
+    return samples
+
+
+def reference_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, inputs)
+
+
+class RknnProber:
+    """One model built in a toolkit worker for the profile's chip, its log read and classified;
+    optionally simulated or run on a board."""
+
+    def __init__(self, pool: WorkerPool, scratch: Path, build: dict, profile: Profile, slow_factor: float,
+                 timeout: float, board=None):
+        self.pool, self.scratch, self.build, self.timeout = pool, scratch, build, timeout
+        # the peak rates the `slow` class is judged against, by whether the build is quantized
+        self.cores = profile.cores
+        self.rates = {False: float(profile.facts.get("macs_per_cycle_fp16", 512)),
+                      True: float(profile.facts.get("macs_per_cycle_int8", 1024))}
+        self.slow_factor = slow_factor
+        self.board = board  # the RKNNLite class when points also run on the board
+
+    def run_model(self, model: onnx.ModelProto, stem: str, size: int = 0, macs: int | None = None,
+                  simulate_range: float | None = None, build: dict | None = None) -> Point:
+        """Build one model (with `build`, else the prober's options), classify what the compiler said;
+        simulate it (inputs uniform in +-simulate_range) or run it on the board where asked. A
+        quantized build is calibrated on two seeded random samples."""
+        build = build or self.build
+        stem = self.scratch / stem
+        onnx_path, log = stem.with_suffix(".onnx"), stem.with_suffix(".log")
+        artifact = stem.with_suffix(".rknn") if self.board else None
+        onnx.save(model, onnx_path)
+        key = stem.name if simulate_range is not None else None
+        dataset = write_samples(model, stem) if build["build"].get("do_quantization") else []
+        try:
+            with self.pool.worker() as worker:
+                try:
+                    answer = worker.request(op="build", onnx=str(onnx_path), rknn=artifact and str(artifact),
+                                            log=str(log), config=build["config"], build=build["build"],
+                                            keep=key, dataset=dataset, timeout=self.timeout)
+                except WorkerFailed as exc:
+                    return Point(size, False, "timeout" if exc.timed_out else "crash", f"the build {exc}")
+                diag = parse_build_log(log.read_text(errors="replace"))
+                rate = self.rates[bool(build["build"].get("do_quantization"))]
+                point = classify_build(size, answer, diag, macs, rate, self.slow_factor)
+                point.figures["layers"] = [[layer.op, layer.target, layer.cycles, layer.ddr_cycles, layer.rw_kb]
+                                           for layer in diag.layers if layer.op not in HOST_OPS]
+                if point.ok and key is not None:
+                    point = self._simulate(worker, key, model, simulate_range, point)
+            if point.ok and self.board:
+                point = self._on_board(artifact, model, simulate_range or 1.0, point)
+            return point
+        finally:
+            for path in (onnx_path, log, artifact, *(p for sample in dataset for p in sample)):
+                if path is not None:
+                    Path(path).unlink(missing_ok=True)
+
+    def _simulate(self, worker, key: str, model: onnx.ModelProto, scale: float, point: Point) -> Point:
+        inputs = probe_inputs(model, scale)
+        work = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=self.scratch))
+        try:
+            got = infer(partial(worker.request, timeout=self.timeout), key, list(inputs.values()), work,
+                        work / "infer.log")[0]
+            worker.request(op="release", key=key, timeout=self.timeout)
+        except (RunError, WorkerFailed) as exc:
+            return Point(point.size, False, "crash", f"simulator: {exc}", point.figures)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        from shard.verifier import compare
+
+        want = reference_outputs(model, inputs)[0]
+        return classify_numeric(point, compare("out", want, got.reshape(want.shape)).cosine)
+
+    def _on_board(self, artifact: Path, model: onnx.ModelProto, scale: float, point: Point) -> Point:
+        rt = self.board()
+        try:
+            from shard.runtime.executors.rknn_board import core_mask
+
+            mask = core_mask(self.board, self.build["config"]["target_platform"], self.cores, 0)
+            if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=mask) != 0:
+                return Point(point.size, False, "board", "load_rknn/init_runtime failed on the board", point.figures)
+            inputs = probe_inputs(model, scale)
+            outs = rt.inference(inputs=list(inputs.values()), data_format=["nchw"] * len(inputs))
+            if outs is None:
+                return Point(point.size, False, "board", "inference on the board returned nothing", point.figures)
+        except Exception as exc:  # noqa: BLE001 - any runtime failure on the board is this class
+            return Point(point.size, False, "board", f"{type(exc).__name__}: {exc}", point.figures)
+        finally:
+            rt.release()
+        from shard.verifier import compare
+
+        want = reference_outputs(model, inputs)[0]
+        checked = classify_numeric(point, compare("out", want, np.asarray(outs[0]).reshape(want.shape)).cosine)
+        if not checked.ok:
+            checked.failure = "board"
+        return checked
+
