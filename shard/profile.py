@@ -26,6 +26,10 @@ class Limit:
     passing: list[int] | None = None   # a family probed as a set (not monotone): every size that passed;
                                        # then a size is legal if it is in here, not if it is <= value
 
+    def allows(self, size: int) -> bool:
+        """Whether `size` passed: in the passing set of a swept limit, else at most the largest passing."""
+        return size in self.passing if self.passing is not None else size <= self.value
+
 
 @dataclass
 class Profile:

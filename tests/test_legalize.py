@@ -291,6 +291,32 @@ def test_an_op_over_a_limit_in_several_axes_is_split_along_each(op, shapes):
     np.testing.assert_allclose(run_ort(exported, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
 
 
+class FailsAtEverySize:
+    """A stand-in for a one-op build that fails whatever the shape (rk3568's `Unkown op target: 0` on
+    3-D elementwise ops built alone), counting the builds asked for."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def check(self, spec: OpSpec):
+        from shard.passes.fit import Verdict
+
+        self.asked += 1
+        return Verdict(False, "error", "Unkown op target: 0")
+
+
+@pytest.mark.parametrize("op,shape", [("Add", [1, 1024, 768]), ("Softmax", [1, 12, 64, 1024])])
+def test_a_failure_no_split_can_fix_costs_two_checks_not_a_search(op, shape):
+    model = make_model([helper.make_node(op, ["x", "x"] if op == "Add" else ["x"], ["y"], name="op")],
+                       [("x", shape)], [("y", shape)])
+    builds = FailsAtEverySize()
+    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, builds))
+    graph, report = legalize(infer_shapes(gs.import_onnx(model)), ctx)
+    assert builds.asked == 2 and report["changes"] == []
+    assert "the smallest piece a split makes fails too" in report["not_fixed"][0]["action"]
+    assert [n.op for n in graph.nodes] == [op]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_patch_conv_after_in_graph_normalisation_reads_the_input_with_the_affine_folded(tmp_path, save, bias):
     # Models that normalise inside: (x - mean) / std, then the patch Conv. Exact: no padding.

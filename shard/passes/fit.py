@@ -110,7 +110,7 @@ class Legality:
         limit = self.profile.limits.get(name)
         if limit is None or limit.failure == "none" and shape[3] > limit.value:
             return None  # not measured at this setting, or only up to a smaller size
-        if shape[3] <= limit.value:
+        if limit.allows(shape[3]):
             return Verdict(True, None, f"{name}: N={shape[3]} <= {limit.value}")
         if limit.failure not in HARD_FAILURES:
             return Verdict(True, limit.failure, f"{name}: N={shape[3]} > {limit.value} ({limit.failure}, not rewritten)")

@@ -157,6 +157,23 @@ def choose_nested_split(node: gs.Node, check, depth: int = NESTED_DEPTH) -> tupl
     return None
 
 
+def unsplittable(node: gs.Node, check, verdict: Verdict) -> Verdict | None:
+    """The verdict of the smallest piece the splits below could make (MAX_PIECES along every axis they
+    cut, and along the reduced axis), when it fails the way the whole node does: the failure does not
+    depend on the size, so no split can fit and none is searched for. (On rk3568 a one-op build of a
+    3-D Add fails with `Unkown op target: 0` at every size; the search tried thousands of splits.)"""
+    piece = node
+    for axis in split_axes(node):
+        dim = int(piece.outputs[0].shape[axis])
+        piece = piece_node(piece, axis, *bounds(dim, min(dim, MAX_PIECES))[0])
+    total = (int(node.inputs[0].shape[-1]) if node.op == "MatMul" else
+             int(node.outputs[0].shape[node.attrs.get("axis", -1) % len(node.outputs[0].shape)])
+             if node.op == "Softmax" else 0)
+    spec = reduction_piece(piece, bounds(total, min(total, MAX_PIECES))[0][1]) if total else None
+    smallest = check(spec or OpSpec.of(piece))
+    return smallest if not fits(smallest) and smallest.failure == verdict.failure else None
+
+
 def split_node(rw: Rewriter, node: gs.Node, axis: int, pieces: int) -> None:
     """Replace `node` by `pieces` copies on slices of its inputs, joined by a Concat into its output."""
     out = node.outputs[0]
@@ -299,6 +316,10 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                 noted.append({"node": node_label(node), "op": node.op, "reason": verdict.reason})
             continue
         shape, label = [int(d) for d in node.outputs[0].shape], node_label(node)
+        if (smallest := unsplittable(node, legality.check, verdict)) is not None:
+            stuck.append({"node": label, "op": node.op, "reason": verdict.reason,
+                          "action": f"left as is: the smallest piece a split makes fails too ({smallest.reason})"})
+            continue
         choice = choose_split(node, legality.check)
         if choice is not None:
             axis, pieces, piece = choice

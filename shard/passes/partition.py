@@ -176,7 +176,8 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 
 
 def npu_seconds_per_mac(facts: dict) -> float | None:
-    """One core at its fp16 peak (the profile's MACs a cycle and clock): the floor a shard's NPU time is
-    predicted by before any build (the vendor's cycle estimate replaces it after)."""
-    rate = facts.get("macs_per_cycle_fp16", 0) * facts.get("npu_clock_hz", 0)
+    """One core at its fp16 peak (int8's on a chip without fp16; the profile's MACs a cycle and clock):
+    the floor a shard's NPU time is predicted by before any build (the vendor's cycle estimate
+    replaces it after)."""
+    rate = (facts.get("macs_per_cycle_fp16") or facts.get("macs_per_cycle_int8", 0)) * facts.get("npu_clock_hz", 0)
     return 1.0 / rate if rate else None

@@ -1,7 +1,8 @@
 """slow_paths: rewrite ops the profile marks `slow` into an equivalent form the compiler runs fast.
 
 First case: a Conv whose kernel equals its stride (non-overlapping patches, the ViT/SigLIP patch
-embedding) with a stride past the profile's fastest (`conv-stride@...`, class slow). RK3588 lowers
+embedding) with a stride the profile marks slow (`conv-stride@...`, class slow: past the fastest, or,
+where the probe swept the strides, outside the passing set). RK3588 lowers
 it to a stride-4 Conv over the whole image plus a subsampling Conv (SigLIP-base-512: 193 M
 estimated cycles). The same function is patches @ W + b: the patches are a reshape and transpose
 of the input, which the runtime does on the host when the Conv reads a graph input (in the graph,
@@ -30,10 +31,9 @@ def why_slow(limits: dict, stride: int) -> str | None:
     """Why a patch Conv of this stride is off the fast path, by the first limit that says so (a swept
     limit: the stride is not among its passing sizes; else it is past the largest); None: fast."""
     for name, lim in limits.items():
-        if lim.passing is not None and stride not in lim.passing:
-            return f"Conv kernel = stride = {stride}: not among the fast strides of {name} (slow)"
-        if lim.passing is None and stride > lim.value:
-            return f"Conv kernel = stride = {stride} > {lim.value}, the fastest stride ({name}, slow)"
+        if not lim.allows(stride):
+            return (f"Conv kernel = stride = {stride}: not among the fast strides of {name} (slow)" if lim.passing is not None
+                    else f"Conv kernel = stride = {stride} > {lim.value}, the fastest stride ({name}, slow)")
     return None
 
 
