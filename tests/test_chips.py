@@ -42,6 +42,10 @@ def test_int8_only_chips_refuse_fp16_in_one_line(tmp_path):
     res = shard_cli("compile", path, "--target", "rv1106")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert "--precision fp16: target rv1106 builds int8 (pass --precision int8 with --calib FILE.npz)" in res.stderr
+    # rk2118: the toolkit process dies on a quantized build, so its profile lists no int8
+    res = shard_cli("compile", path, "--target", "rk2118", "--precision", "int8")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "the rk2118 profile's probe found no int8 (w8a8) build" in res.stderr and "exited with code -6" in res.stderr
 
 
 def test_board_core_masks_follow_the_chip():

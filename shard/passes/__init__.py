@@ -48,8 +48,8 @@ class PassContext:
 
 
 # The order of the RK3588 pipeline; every name is a module in this package.
-PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "fusion_barrier", "scale_sandwich", "legalize",
-            "host_edges", "partition"]
+PIPELINE = ["canonicalize", "slow_paths", "tile_attention", "npu_forms", "fusion_barrier", "scale_sandwich",
+            "legalize", "host_edges", "partition"]
 REQUIRED = ("canonicalize", "partition", "stages")   # the compile cannot go on without these
 
 
@@ -63,7 +63,8 @@ def run_pipeline(graph: gs.Graph, ctx: PassContext, disable: tuple[str, ...] = (
     until: stop before this pass (inspect runs the rewrites without partitioning).
     snapshot: passes after which a copy of the graph goes into ctx.snapshots (weights shared)."""
     from shard.passes import (canonicalize, fp8_linears, fusion_barrier, host_edges, legalize,  # noqa: F401
-                              partition, scale_sandwich, slow_paths, stages, strong_types, tile_attention)
+                              npu_forms, partition, scale_sandwich, slow_paths, stages, strong_types,
+                              tile_attention)
 
     for flag, names in (("--disable", disable), ("--dump-after", dump_after or {})):
         unknown = set(names) - set(pipeline)
