@@ -187,6 +187,9 @@ def print_stage_report(report: dict) -> None:
                   f"engines: `shard build-engines BUNDLE` on the device")
 
 
+SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one line
+
+
 def print_compile_report(report: dict) -> None:
     from shard.compiler import cycle_note
 
@@ -242,8 +245,13 @@ def print_compile_report(report: dict) -> None:
                 verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
                 console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
                               f"layers of their own: {verdict}")
-        for c in passed.get("not_fixed", []):
+        left = passed.get("not_fixed", [])
+        for c in left[:SHOWN_LEFT]:
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
+        if len(left) > SHOWN_LEFT:
+            ops = sorted({c["op"] for c in left[SHOWN_LEFT:]})
+            console.print(f"[yellow]warning[/]: {name}: {len(left) - SHOWN_LEFT} more ops left as is ({', '.join(ops)}); "
+                          f"report.json lists each under passes.{name}.not_fixed")
     for when, key in (("before", "host_pre"), ("after", "host_post")):
         for step in report.get(key, []):
             console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")

@@ -168,3 +168,40 @@ def test_barrier_options_are_checked(tmp_path, save):
         shard.compile(path, "cpu", tmp_path / "r.shard", CompileOptions(fusion_barrier="rules"))
     with pytest.raises(ShardError, match="--tile-attention 'always'"):
         shard.compile(path, "cpu", tmp_path / "r.shard", CompileOptions(tile_attention="always"))
+
+
+class CleanBelow:
+    """Stand-in for the toolkit's small builds: an attention region builds clean only when its tile is
+    at most `rows` query rows and `cols` keys; counts the builds."""
+
+    def __init__(self, rows: int, cols: int):
+        self.rows, self.cols, self.builds = rows, cols, 0
+
+    def build(self, model):
+        from shard.toolkit.classify import Point
+
+        self.builds += 1
+        dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+        ok = dims["in0"][-2] <= self.rows and dims["in1"][-1] <= self.cols    # Q's rows, K^T's keys
+        return Point(0, ok, None if ok else "error", "" if ok else "synthetic: tile too large")
+
+
+@pytest.mark.parametrize("rows, cols, tiled_to", [(8, 1024, (8, None)), (1, 8, None)])
+def test_auto_tiles_within_a_tile_budget_or_leaves_the_attention(rows, cols, tiled_to):
+    """A 64-token attention whose clean tiling would need 1 row x 8 keys (512 tiles) is left whole:
+    on rk2118 such a tiling of SigLIP made 650,000 nodes and the compile ran out of memory."""
+    from shard.passes import PassContext
+    from shard.passes.tile_attention import MAX_TILES, auto_tiles, tile_attention
+
+    model = attention_model(t=64, s=64)
+    graph = infer_shapes(gs.import_onnx(model))
+    ops = CleanBelow(rows, cols)
+    ctx = PassContext(profile=None, options=None, ops=ops)
+    choice = auto_tiles(ctx, find_attention(graph)[0])
+    assert ops.builds <= 8     # the whole, then halvings: a search bounded by the budget
+    if tiled_to is None:
+        assert choice[:2] == (None, None) and f"at most {MAX_TILES} tiles" in choice[2]
+        graph, report = tile_attention(graph, ctx)
+        assert report["changes"] == [] and report["not_fixed"][0]["action"] == "left as is: the vendor builds it whole"
+    else:
+        assert choice[:2] == tiled_to
