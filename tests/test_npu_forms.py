@@ -54,6 +54,16 @@ def test_left_alone_where_the_npu_runs_softmax_or_the_axis_is_not_the_last():
     assert [n.op_type for n in out.graph.node] == ["Softmax"] and "only the last axis" in report["not_fixed"][0]["reason"]
 
 
+def test_attention_softmax_is_left_to_the_compiler():
+    shape = [1, 2, 16, 16]
+    model = make_model([helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+                        helper.make_node("MatMul", ["p", "v"], ["y"])],
+                       [("q", shape), ("k", shape), ("v", shape)], [("y", shape)])
+    out, report = rewritten(model)
+    assert "Softmax" in [n.op_type for n in out.graph.node] and report["changes"] == []
+    assert "attention's Softmax" in report["not_fixed"][0]["reason"]
+
+
 def test_the_shipped_rk3568_and_rk3566_profiles_find_no_softmax_on_the_npu():
     from shard.passes.npu_forms import softmax_never_on_npu
 
