@@ -34,6 +34,13 @@ def test_each_chip_ships_a_probed_profile_with_sourced_facts(chip):
         assert not [name for name in profile.limits if "magnitude" in name]
 
 
+def test_the_chip_table_is_the_toolkit_support_list():
+    from shard.toolkit.env import RKNN_TOOLKIT2, get_spec
+
+    assert list(CHIPS) == list(RKNN_TOOLKIT2.targets)
+    assert all(get_spec(chip) is RKNN_TOOLKIT2 for chip in CHIPS)   # one environment for every chip
+
+
 def test_int8_only_chips_refuse_fp16_in_one_line(tmp_path):
     assert get_target("rv1106").precisions == ("int8",)
     model = make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [1, 4, 8, 8])], [("y", [1, 4, 8, 8])])
