@@ -71,11 +71,11 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, subpro
 VENDOR_BUILD = """
 import sys, time
 from pathlib import Path
-from shard.targets.rknn import Rk3588Target
+from shard.targets.rknn import RknnTarget
 from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker
 onnx, log = sys.argv[1], sys.argv[2]
-options = Rk3588Target().build_options(None)  # exactly what shard compile builds each shard with
+options = RknnTarget("rk3588").build_options(None)  # exactly what shard compile builds each shard with
 with ToolkitWorker(find_python("rk3588"), Path(log).with_suffix(".worker.log")) as worker:
     answer = worker.request(op="build", onnx=onnx, rknn=None, log=log, timeout=3600,
                             config=options["config"], build=options["build"])

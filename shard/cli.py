@@ -573,7 +573,8 @@ def probe_command(
         for col in ("family", "graph (N is swept)", "settings", "kind"):
             table.add_column(col)
         for f in FAMILIES.values():
-            kind = "numeric (simulator)" if f.numeric else "slow + build" if f.macs else "build"
+            kind = ("numeric (simulator)" if f.numeric else "slow + build" if f.macs else "build") \
+                + (f", every N in {f.start}..{f.max_size} (not monotone)" if f.sweep else "")
             table.add_row(f.name, f.what, ", ".join(f.settings), kind)
         console.print(table)
         return

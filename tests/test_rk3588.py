@@ -127,12 +127,12 @@ def test_each_build_log_holds_its_own_layer_table(tmp_path):
     import onnx
 
     from shard.probes.families import FAMILIES
-    from shard.targets.rknn import Rk3588Target
+    from shard.targets.rknn import RknnTarget
     from shard.toolkit.log import parse_build_log
     from shard.toolkit.env import find_python
     from shard.toolkit.worker import ToolkitWorker
 
-    build = Rk3588Target().build_options(None)
+    build = RknnTarget("rk3588").build_options(None)
     conv = FAMILIES["conv-stride"].build  # stride > 7 lowers to a Conv_split + a Conv_select
     points = [(1, 3), (1, 16), (2, 3), (4, 3), (7, 3), (8, 3), (16, 3), (8, 16)]
     models = {f"s{n}c{c}": conv(n, {"cin": c}) for n, c in points}

@@ -9,8 +9,8 @@ each with its source, and the limits and peak rates in the chip's profile, which
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +36,9 @@ class Chip:
 TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
 INT8_ONLY = ("seen here with rknn-toolkit2 2.5.0: build() logs `Current target_platform(rv1106) not support "
              "do_quantization = False!`")
+FP16_RANGE_MARGIN = ("scale_sandwich keeps activations under the probed fp16 range (add-magnitude: the largest "
+                     "output the NPU holds) divided by this: rounding inside an op (a sum, a LayerNorm's variance) "
+                     "and the board's own conversions may reach past what the simulator shows")
 CHIPS = {
     "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8"),
     "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
@@ -55,8 +58,9 @@ def chip_facts(name: str) -> tuple[int, dict]:
     facts = {"cores_source": chip.source, "fp16": chip.fp16,
              "fp16_source": TOOLKIT_FP16 if chip.fp16 else INT8_ONLY,
              "job_timeout_s": 6.0,
-             "job_timeout_s_source": "rknpu driver: a job is killed after about 6 s (FACTS-rk3588, upstream reports)",
-             "max_opset": 19, "fp16_range_margin": 4.0}
+             "job_timeout_s_source": "rknpu driver: a job is killed after about 6 s (FACTS-rk3588, upstream reports)"}
+    if chip.fp16:
+        facts.update(fp16_range_margin=4.0, fp16_range_margin_source=FP16_RANGE_MARGIN)
     if chip.int8_tops is not None:
         facts.update(int8_tops=chip.int8_tops, int8_tops_source=chip.source)
     return chip.cores, facts
