@@ -1,6 +1,7 @@
 """The real-model corpus: models nobody on the team wrote, shard and the vendor alone side by side.
 
     python bench/corpus.py [--set all|onnx|transformers|packaged|ci] [--only NAME,...] [--json FILE] [--jobs 2]
+                           [--target rk3588|rk3576|...]
 
 Models: the onnx package's own backend test data (`pytorch-converted`, `pytorch-operator`: each a
 conformance case for one PyTorch module or op, most at opset 6; and `simple`), small graphs that
@@ -20,7 +21,7 @@ Clean: it builds, 0 REGTASK lines, 0 ops on the CPU inside the rknn graphs, simu
 order), or its cosine is more than 1e-4 under the vendor's; better the other way round. A model shard
 cannot take must end in one ShardError line; a Python traceback is counted apart (`tracebacks`).
 
-Ends with: RESULT models=N shard_clean=A vendor_clean=B better=C worse=D cpu_ops_shard=E cpu_ops_vendor=F
+Ends with: RESULT target=T models=N shard_clean=A vendor_clean=B better=C worse=D cpu_ops_shard=E cpu_ops_vendor=F
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def embed_linear(path: Path) -> Path:
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear}
 
 
-def side(work: Path, model: Path, options) -> Side:
+def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
     """Compile `model` with `options`; its simulator cosine from the compile's fidelity check where it
     made one, else from `shard verify`."""
     import shard
@@ -150,7 +151,7 @@ def side(work: Path, model: Path, options) -> Side:
 
     result, started = Side(), time.monotonic()
     try:
-        compiled = shard.compile(model, "rk3588", work / "bundle.shard", options)
+        compiled = shard.compile(model, target, work / "bundle.shard", options)
         totals = compiled.report["totals"]
         result.builds, result.regtask = True, totals["regtask_lines"]
         result.cpu_ops, result.single_core = totals["cpu_ops"], totals["single_core_fallbacks"]
@@ -199,7 +200,7 @@ def judge(ours: Side, theirs: Side) -> str:
     return "equal"
 
 
-def evaluate(name: str, family: str, model: Path, jobs: int = 2) -> Row:
+def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "rk3588") -> Row:
     from shard.compiler import CompileOptions
 
     shapes = PACKAGED[name][2] if name in PACKAGED else {}
@@ -207,10 +208,10 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2) -> Row:
         work = Path(work)
         (work / "shard").mkdir()
         (work / "vendor").mkdir()
-        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, input_shapes=shapes))
+        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, input_shapes=shapes), target)
         # Where shard's compile ended before building the vendor alone, the vendor alone on its own.
         theirs = vendor_side(ours) if ours.figures.get("vendor") else \
-            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes))
+            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes), target)
     return Row(name, family, ours, theirs, judge(ours, theirs))
 
 
@@ -280,6 +281,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--target", default="rk3588", help="any Rockchip chip with fp16 (shard.targets.rknn.CHIPS)")
     args = parser.parse_args()
     from shard.graph import quiet_graphsurgeon
 
@@ -288,7 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
         print(f"{'model':44} {'family':18} {'shard':>24} {'vendor alone':>24} verdict")
         for name, family, path in exported_models(args.set, args.only.split(",") if args.only else None, Path(folder)):
-            row = evaluate(name, family, path, args.jobs)
+            row = evaluate(name, family, path, args.jobs, args.target)
             rows.append(row)
             if path.is_relative_to(Path(folder)):
                 path.unlink()  # exported models are large; each is written when its turn comes
@@ -303,7 +305,7 @@ def main() -> None:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
     count = lambda pred: sum(1 for r in rows if pred(r))  # noqa: E731
     print(f"tracebacks={count(lambda r: r.shard.traceback or r.vendor.traceback)}")
-    print(f"RESULT models={len(rows)} shard_clean={count(lambda r: r.shard.clean)} "
+    print(f"RESULT target={args.target} models={len(rows)} shard_clean={count(lambda r: r.shard.clean)} "
           f"vendor_clean={count(lambda r: r.vendor.clean)} better={count(lambda r: r.verdict == 'better')} "
           f"worse={count(lambda r: r.verdict == 'worse')} cpu_ops_shard={sum(r.shard.cpu_ops for r in rows)} "
           f"cpu_ops_vendor={sum(r.vendor.cpu_ops for r in rows)}")

@@ -10,9 +10,9 @@ from conftest import DATA, shard_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shard.probes.search import Point, find_boundary, sweep
 from shard.toolkit.cache import PointCache
 from shard.toolkit.classify import classify_build, classify_numeric
-from shard.probes.search import Point, find_boundary, sweep
 from shard.toolkit.log import parse_build_log
 
 

@@ -2,6 +2,7 @@
 
 The oracle is any function size -> Point; the search assumes that past the boundary every size fails
 (it reports the boundary it found, and the points it saw, so a non-monotone family shows itself).
+A family known not to be monotone is swept instead: every size, and the set of those that pass.
 """
 
 from __future__ import annotations

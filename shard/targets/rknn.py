@@ -18,8 +18,8 @@ from shard.passes import PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
 from shard.targets import ShardBuild, ShardJob
 from shard.targets.build_cache import BuildCache
-from shard.toolkit.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.toolkit.env import find_python, installed_label
+from shard.toolkit.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
 

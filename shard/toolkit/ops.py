@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 
 from shard.errors import RunError
-from shard.runtime.executors.rknn_sim import infer
 from shard.profile import Profile
+from shard.runtime.executors.rknn_sim import infer
 from shard.toolkit.cache import PointCache, default_cache_dir
 from shard.toolkit.classify import Point, classify_build, classify_numeric
 from shard.toolkit.env import find_python, installed_label
@@ -100,8 +100,8 @@ class RknnProber:
     def __init__(self, pool: WorkerPool, scratch: Path, build: dict, profile: Profile, slow_factor: float,
                  timeout: float, board=None):
         self.pool, self.scratch, self.build, self.timeout = pool, scratch, build, timeout
-        # the peak rates the `slow` class is judged against, by whether the build is quantized
         self.cores = profile.cores
+        # the peak rates the `slow` class is judged against, by whether the build is quantized
         self.rates = {False: float(profile.facts.get("macs_per_cycle_fp16", 512)),
                       True: float(profile.facts.get("macs_per_cycle_int8", 1024))}
         self.slow_factor = slow_factor
