@@ -157,11 +157,12 @@ def choose_nested_split(node: gs.Node, check, depth: int = NESTED_DEPTH) -> tupl
     return None
 
 
-def unsplittable(node: gs.Node, check, verdict: Verdict) -> Verdict | None:
+def unsplittable(node: gs.Node, check) -> Verdict | None:
     """The verdict of the smallest piece the splits below could make (MAX_PIECES along every axis they
-    cut, and along the reduced axis), when it fails the way the whole node does: the failure does not
-    depend on the size, so no split can fit and none is searched for. (On rk3568 a one-op build of a
-    3-D Add fails with `Unkown op target: 0` at every size; the search tried thousands of splits.)"""
+    cut, and along the reduced axis), when even that does not fit: the failure does not shrink with
+    the size, so no split is searched for. (On rk3568 a one-op build of a 3-D Add fails with `Unkown
+    op target: 0` at every size, and a MatMul's pieces land on the CPU: the search tried thousands of
+    splits, none of which could be kept.)"""
     piece = node
     for axis in split_axes(node):
         dim = int(piece.outputs[0].shape[axis])
@@ -171,7 +172,7 @@ def unsplittable(node: gs.Node, check, verdict: Verdict) -> Verdict | None:
              if node.op == "Softmax" else 0)
     spec = reduction_piece(piece, bounds(total, min(total, MAX_PIECES))[0][1]) if total else None
     smallest = check(spec or OpSpec.of(piece))
-    return smallest if not fits(smallest) and smallest.failure == verdict.failure else None
+    return None if fits(smallest) else smallest
 
 
 def split_node(rw: Rewriter, node: gs.Node, axis: int, pieces: int) -> None:
@@ -316,7 +317,7 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                 noted.append({"node": node_label(node), "op": node.op, "reason": verdict.reason})
             continue
         shape, label = [int(d) for d in node.outputs[0].shape], node_label(node)
-        if (smallest := unsplittable(node, legality.check, verdict)) is not None:
+        if (smallest := unsplittable(node, legality.check)) is not None:
             stuck.append({"node": label, "op": node.op, "reason": verdict.reason,
                           "action": f"left as is: the smallest piece a split makes fails too ({smallest.reason})"})
             continue
