@@ -44,8 +44,9 @@ def alive(pid: int) -> bool:
 def model(tmp_path_factory) -> Path:
     from shard.zoo import export_model
 
-    # two SigLIP layers at 512: each shard's vendor build takes seconds, long enough to stop one mid-way
-    return export_model("siglip-base-512", tmp_path_factory.mktemp("interrupt") / "s2.onnx", layers=2)
+    # four SigLIP layers at 512: each shard's vendor build takes seconds, long enough to stop one mid-way
+    # even on a loaded machine (with two, a full suite once saw the signal land as the compile ended)
+    return export_model("siglip-base-512", tmp_path_factory.mktemp("interrupt") / "s2.onnx", layers=4)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -60,7 +61,7 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
         staging = list(tmp_path.glob(".s2.shard.tmp-*"))
         if workers and staging and list((staging[0] / "shards").glob("*.onnx")):
             break   # shards written, vendor builds under way
-        time.sleep(0.2)
+        time.sleep(0.05)
     assert workers and proc.poll() is None, "the compile never reached its vendor builds"
     proc.send_signal(signum)
     proc.wait(timeout=120)

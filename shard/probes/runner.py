@@ -61,14 +61,6 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]
     finished: list[str] = []
     lock = threading.Lock()
-    try:
-        measured = measure_rates(ops, tgt, progress)
-    except BaseException:
-        ops.close(kill=True)
-        raise
-    ops.prober.rates.update({False: measured.get("macs_per_cycle_fp16", ops.prober.rates[False]),
-                             True: measured.get("macs_per_cycle_int8", ops.prober.rates[True])})
-    progress("probe", 0, len(searches), note="")
 
     def run(search: Search) -> None:
         top = min(search.family.max_size, max_size or search.family.max_size)
@@ -94,6 +86,10 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
 
     failed = True
     try:
+        measured = measure_rates(ops, tgt, progress)   # the `slow` class is judged against these
+        ops.prober.rates.update({False: measured.get("macs_per_cycle_fp16", ops.prober.rates[False]),
+                                 True: measured.get("macs_per_cycle_int8", ops.prober.rates[True])})
+        progress("probe", 0, len(searches), note="")
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as executor:
             for future in [executor.submit(run, s) for s in searches]:
                 future.result()
