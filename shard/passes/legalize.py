@@ -167,9 +167,7 @@ def unsplittable(node: gs.Node, check) -> Verdict | None:
     for axis in split_axes(node):
         dim = int(piece.outputs[0].shape[axis])
         piece = piece_node(piece, axis, *bounds(dim, min(dim, MAX_PIECES))[0])
-    total = (int(node.inputs[0].shape[-1]) if node.op == "MatMul" else
-             int(node.outputs[0].shape[node.attrs.get("axis", -1) % len(node.outputs[0].shape)])
-             if node.op == "Softmax" else 0)
+    total = reduced_width(node)
     spec = reduction_piece(piece, bounds(total, min(total, MAX_PIECES))[0][1]) if total else None
     smallest = check(spec or OpSpec.of(piece))
     return None if fits(smallest) else smallest
@@ -210,13 +208,19 @@ def reduction_piece(node: gs.Node, width: int) -> OpSpec | None:
     return None
 
 
+def reduced_width(node: gs.Node) -> int | None:
+    """The length of the axis the node reduces and a split may cut: MatMul's K, Softmax's own axis."""
+    if node.op == "MatMul":
+        return int(node.inputs[0].shape[-1])
+    if node.op == "Softmax":
+        return int(node.outputs[0].shape[node.attrs.get("axis", -1) % len(node.outputs[0].shape)])
+    return None
+
+
 def choose_reduction_split(node: gs.Node, check) -> tuple[int, Verdict] | None:
     """The fewest pieces along the reduced axis that fit (summed partials, or a two-pass softmax)."""
-    if node.op == "MatMul":
-        total = int(node.inputs[0].shape[-1])
-    elif node.op == "Softmax":
-        total = int(node.outputs[0].shape[node.attrs.get("axis", -1) % len(node.outputs[0].shape)])
-    else:
+    total = reduced_width(node)
+    if total is None:
         return None
     for pieces in range(2, min(total, MAX_PIECES) + 1):
         if len(bounds(total, pieces)) < pieces:

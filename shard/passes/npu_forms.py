@@ -41,25 +41,19 @@ def softmax_never_on_npu(profile) -> str | None:
 
 
 def rewrite_softmax(graph: gs.Graph, node: gs.Node) -> None:
-    """Replace a last-axis Softmax by the MaxPool/Sigmoid/AveragePool form above."""
+    """Replace a last-axis Softmax by the MaxPool/Sigmoid/AveragePool form above; a 2-D or 3-D input
+    is reshaped to [1, 1, rows, W] and back."""
     x, y = node.inputs[0], node.outputs[0]
     shape = [int(d) for d in x.shape]
     width, base = shape[-1], node.name or y.name
     four = shape if len(shape) == 4 else [1, 1, int(np.prod(shape[:-1])), width]
-    t = lambda name: gs.Variable(f"{base}/npu/{name}", x.dtype, four)  # noqa: E731
-    const = lambda name, value: gs.Constant(f"{base}/npu/{name}", np.array(value, np.float32))  # noqa: E731
-    src = x
-    nodes = []
-    if len(shape) != 4:
-        src = t("x4")
-        nodes.append(gs.Node("Reshape", f"{base}/npu/to4d", inputs=[x, gs.Constant(f"{base}/npu/shape4",
-                                                                                np.array(four, np.int64))],
-                             outputs=[src]))
     pooled = [*four[:3], 1]
-    m, d, nd, sp, sn, e, q, out = (t(n) for n in ("max", "d", "neg", "sig", "sig_neg", "exp", "q", "y"))
-    m.shape = pooled
-    s = gs.Variable(f"{base}/npu/mean", x.dtype, pooled)
-    nodes += [
+    t = lambda name, s=four: gs.Variable(f"{base}/npu/{name}", x.dtype, s)  # noqa: E731
+    const = lambda name, value, dtype=np.float32: gs.Constant(f"{base}/npu/{name}", np.array(value, dtype))  # noqa: E731
+    src, out = (x, y) if len(shape) == 4 else (t("x4"), t("y4"))
+    m, s = t("max", pooled), t("mean", pooled)
+    d, nd, sp, sn, e, q = (t(n) for n in ("d", "neg", "sig", "sig_neg", "exp", "q"))
+    nodes = [
         gs.Node("MaxPool", f"{base}/npu/MaxPool", {"kernel_shape": [1, width]}, [src], [m]),
         gs.Node("Sub", f"{base}/npu/Sub", inputs=[src, m], outputs=[d]),
         gs.Node("Mul", f"{base}/npu/Neg", inputs=[d, const("minus1", -1.0)], outputs=[nd]),
@@ -68,12 +62,13 @@ def rewrite_softmax(graph: gs.Graph, node: gs.Node) -> None:
         gs.Node("Div", f"{base}/npu/Exp", inputs=[sp, sn], outputs=[e]),
         gs.Node("AveragePool", f"{base}/npu/AveragePool", {"kernel_shape": [1, width]}, [e], [s]),
         gs.Node("Div", f"{base}/npu/Div", inputs=[e, s], outputs=[q]),
-        gs.Node("Mul", f"{base}/npu/Scale", inputs=[q, const("inv_width", 1.0 / width)],
-                outputs=[out if len(shape) != 4 else y]),
+        gs.Node("Mul", f"{base}/npu/Scale", inputs=[q, const("inv_width", 1.0 / width)], outputs=[out]),
     ]
     if len(shape) != 4:
-        nodes.append(gs.Node("Reshape", f"{base}/npu/back", inputs=[out, gs.Constant(
-            f"{base}/npu/shape", np.array(shape, np.int64))], outputs=[y]))
+        nodes.insert(0, gs.Node("Reshape", f"{base}/npu/to4d", inputs=[x, const("shape4", four, np.int64)],
+                                outputs=[src]))
+        nodes.append(gs.Node("Reshape", f"{base}/npu/back", inputs=[out, const("shape", shape, np.int64)],
+                             outputs=[y]))
     node.outputs.clear()
     graph.nodes.extend(nodes)
 

@@ -71,20 +71,21 @@ def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[st
 
 
 def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[list[str]]:
-    """Seeded calibration samples for a quantized probe build: per sample, one .npy per input."""
-    rng = np.random.default_rng(0)
-    samples = []
-    for k in range(count):
-        sample = []
-        for i in model.graph.input:
-            shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
-            value = rng.uniform(-1, 1, shape) if dtype.kind == "f" else rng.integers(0, 2, shape)
-            path = stem.parent / f"{stem.name}-s{k}-{len(sample)}.npy"
-            np.save(path, value.astype(dtype))
-            sample.append(str(path))
-        samples.append(sample)
-    return samples
+    """Seeded calibration samples for a quantized probe build (shard.calibration's random samples of
+    the model's inputs): per sample, one .npy per input."""
+    from shard.bundle import TensorSpec
+    from shard.calibration import random_samples
+
+    specs = [TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim],
+                        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name)
+             for i in model.graph.input]
+    paths = []
+    for k, sample in enumerate(random_samples(specs, count)):
+        paths.append([])
+        for i, spec in enumerate(specs):
+            paths[-1].append(str(stem.parent / f"{stem.name}-s{k}-{i}.npy"))
+            np.save(paths[-1][-1], sample[spec.name])
+    return paths
 
 
 def reference_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
