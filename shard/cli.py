@@ -220,9 +220,9 @@ def print_compile_report(report: dict) -> None:
         console.print(f"int8 share of the MACs (Conv and MatMul layers, from the vendor's layer tables): "
                       f"{100 * t['int8_mac_share']:.1f} %")
     for r in report.get("mixed", {}).get("rounds", []):
-        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16 "
-                      f"({100 * r['fp16_share_of_linears']:g} % of their MACs at most): simulator cosine "
-                      f"{r['cosine']:.5f}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
+        replica = "" if r["predicted"] is None else f" (int8 replica {r['predicted']:.5f})"
+        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16: simulator cosine "
+                      f"{r['cosine']:.5f}{replica}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
                       f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
     predicted = report.get("predicted")
     if predicted:

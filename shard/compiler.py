@@ -28,7 +28,7 @@ from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality, OneOpBuilds
-from shard.precision import MIXED_ROUNDS, promote_share
+from shard.precision import MAX_MIXED_ROUNDS, next_prefix
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.runtime.host import step_files
@@ -70,6 +70,7 @@ class CompileResult:
     bundle: Path
     manifest: Manifest
     report: dict
+    rank: Callable[[], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
 
 
 def default_output(model: Path) -> Path:
@@ -123,11 +124,10 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     quantized = options.precision in QUANTIZED
     values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
                      else (None, None))
+    rank = None
     if options.precision == "mixed":
-        from shard.precision import rank_linears
-
-        ctx.reports["mixed"] = {"ranking": [asdict(c) for c in rank_linears(graph, feeds)],
-                                "promoted": sorted(options.promote)}
+        ctx.reports["mixed"] = {"promoted": sorted(options.promote)}
+        rank = lambda: mixed_ranking(graph, feeds, progress)  # noqa: E731  (for compile_mixed, if it needs one)
     t_passes = time.monotonic() - t0
 
     # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
@@ -213,7 +213,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     shutil.rmtree(logs, ignore_errors=True)
     if datasets:
         shutil.rmtree(datasets.root, ignore_errors=True)
-    return CompileResult(bundle=output, manifest=manifest, report=report)
+    return CompileResult(bundle=output, manifest=manifest, report=report, rank=rank)
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
@@ -227,6 +227,16 @@ def scratch_folders(output: Path) -> tuple[Path, Path]:
 
 PRECISIONS = ("fp16", "int8", "mixed", "fp8")
 QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
+
+
+def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress) -> dict:
+    """The replica's ranking of a compiled graph's int8 linears (shard.precision.rank_linears)."""
+    from shard.precision import rank_linears
+
+    progress("mixed precision: each linear's loss in int8", 0, 1)
+    ranked, every = rank_linears(graph, feeds)
+    progress("mixed precision: each linear's loss in int8", 1, 1)
+    return {"linears": [asdict(c) for c in ranked], "replica_cosine": every}
 
 
 def compile_mixed(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
@@ -246,29 +256,35 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
     rounds, best, ranking, samples = [], None, None, []
     try:
-        for k, share in enumerate(MIXED_ROUNDS):
-            promoted = promote_share(ranking, share) if ranking else ()
-            if k and ranking is not None and tuple(promoted) == rounds[-1]["promoted"]:
-                continue  # this share moves no further linear
-            progress(f"mixed precision, round {k + 1}: {100 * share:g} % of the linears' MACs in fp16", 0, 1)
+        promoted: list[str] = []
+        while True:
+            k = len(rounds)
+            progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
             result = compile_model(model, target, work / f"round{k}.shard",
                                    replace(options, promote=tuple(promoted), check_fidelity=False), progress)
-            ranking = ranking or result.report["passes"]["mixed"]["ranking"]
-            if not rounds:   # the round's own compile reported the samples' warning
-                samples, _ = compile_samples(options, result.manifest.inputs)
+            if not rounds:
+                samples, _ = compile_samples(options, result.manifest.inputs)   # its warning: in the report
             cosine = simulator_cosine(result.bundle, Path(model), samples[:FIDELITY_SAMPLES])
+            if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
+                ranking = result.rank()
+            result.rank = None   # lets go of the round's graph
             int8 = result.report["totals"].get("int8_mac_share") or 0.0
-            rounds.append({"round": k + 1, "fp16_share_of_linears": share, "promoted": tuple(promoted),
-                           "cosine": cosine, "int8_mac_share": int8,
-                           "estimated_cycles": result.report["totals"]["estimated_cycles"]})
+            linears = ranking["linears"] if ranking else []
+            predicted = (linears[len(promoted) - 1]["cosine_after"] if promoted else ranking["replica_cosine"]) \
+                if ranking else None
+            rounds.append({"round": k + 1, "promoted": tuple(promoted), "predicted": predicted, "cosine": cosine,
+                           "int8_mac_share": int8, "estimated_cycles": result.report["totals"]["estimated_cycles"]})
             progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f}, int8 MACs {100 * int8:.1f} %", 1, 1)
             if best is None or not best[0] >= options.min_cosine and cosine > best[0]:
                 best = (cosine, result)
-            if cosine >= options.min_cosine:
+            if cosine >= options.min_cosine or len(promoted) == len(linears) or k + 1 == MAX_MIXED_ROUNDS:
                 break
+            count = next_prefix(linears, 1.0 - options.min_cosine, 1.0 - predicted, 1.0 - cosine, len(promoted))
+            promoted = [c["node"] for c in linears[:count if k + 2 < MAX_MIXED_ROUNDS else len(linears)]]
         cosine, result = best
         report = result.report
         report["mixed"] = {"min_cosine": options.min_cosine, "samples": min(len(samples), FIDELITY_SAMPLES),
+                           "ranking": ranking,
                            "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds], "cosine": cosine,
                            "reached": cosine >= options.min_cosine}
         if cosine < options.min_cosine:

@@ -1,6 +1,6 @@
 """scale_sandwich: keep every activation in the range the NPU's number formats hold, exactly in fp32.
 
-Two forms, both sized from calibration samples (onnxruntime's ranges of every float tensor):
+Three forms, all sized from calibration samples (onnxruntime's ranges of every float tensor):
 
 - mask clamps (int8 and mixed). Exporters write "minus infinity" into additive attention masks as -3.4e38 (the
   float32 minimum) or fill masked scores with it. In fp32 that is a zero after the softmax; in int8
@@ -17,6 +17,11 @@ Two forms, both sized from calibration samples (onnxruntime's ranges of every fl
   divided by the factor squared), and any other op gets its true input back by a Mul. A model
   whose activations grow through the whole network gets a chain of factors, one per layer that
   needs a larger one. A graph output still carried scaled is multiplied back on the host (fp32).
+- outlier splits (mixed). A trained transformer's linears read and write a few channels far past
+  the rest (all-mpnet-base-v2: a LayerNorm output channel at 56 where the median channel reaches
+  1.1, FFN outputs at 356 against 2.1). Per-tensor int8 of such a tensor leaves the other
+  channels a few steps. Those channels move to small fp16 side linears and the int8 linear keeps
+  the rest (split_outliers).
 
 Not here: SmoothQuant-style smoothing of the int8 linears' inputs (a Mul dividing outlier channels
 by powers of two, the weights' rows taking them back). Exact, and in numpy it halves the median
@@ -70,8 +75,11 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
         stats = collect_stats(export(graph), samples, ranks=float_ranks(graph))
+    splits = split_outliers(graph, stats) if getattr(ctx.options, "precision", "fp16") == "mixed" else []
+    if splits:
+        graph.toposort()
     rescaled, over = rescale_ranges(graph, stats, safe, ctx)
-    changes = clamps + rescaled
+    changes = clamps + splits + rescaled
     report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
     if changes and not ctx.options.calib:
         ctx.warnings.append(f"scale_sandwich sized its {len(changes)} changes from seeded random inputs; "
@@ -191,6 +199,108 @@ def clamp_masks(graph: gs.Graph, stats: dict) -> list[dict]:
                         "action": f"clamped at {floor:g}, {MASK_MARGIN:g} below every calibrated score "
                                   f"(no change after the softmax in fp32)",
                         "range_before": [low], "range_after": [floor], "users": [n.name for n, _ in users]})
+    return changes
+
+
+# --- outlier splits --------------------------------------------------------------------------
+
+# A channel whose calibrated absmax passes OUTLIER_RATIO medians is an outlier, MAX_OUTLIERS at most
+# per side of a linear. all-mpnet-base-v2, the int8 replica with every linear in int8: 0.99588 at
+# 8 and 8, 0.99752 at 4 and 32. The side linears' cycles go with the width of the tensors they add
+# into, not with theirs.
+OUTLIER_RATIO = 4.0
+MAX_OUTLIERS = 32
+
+
+def outliers(absmax: np.ndarray) -> list[int]:
+    """The channels (at most MAX_OUTLIERS, the largest) whose absmax passes OUTLIER_RATIO medians."""
+    median = float(np.median(absmax)) if absmax.size else 0.0
+    if median <= 0.0:
+        return []
+    top = np.argsort(-absmax, kind="stable")[:MAX_OUTLIERS]
+    return sorted(int(c) for c in top if absmax[c] > OUTLIER_RATIO * median)
+
+
+def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
+    """Mixed precision's int8 linears, with the few channels that set a per-tensor int8 range moved
+    to fp16. The vendor quantizes a linear's input and output per tensor, so one channel at 56 among
+    channels near 1 (a trained encoder's LayerNorm, its FFN output) leaves the rest a few steps.
+
+    For y = x @ W, with input outliers I and output outliers O (W: K x N), exactly in fp32:
+      xi   = x @ S_I                  the channels I (S_I: K x |I| one-hot), fp16
+      xm   = x - xi @ S_I^T           x with the channels I at zero: a Sub, as the vendor folds a
+                                      constant Mul into W
+      main = xm @ W'                  W' = W without rows I and columns O: int8, narrow in and out
+      y    = main + xi @ W[I, :]' + (x @ W[:, O]) @ E_O     fp16 side linears (E_O puts the
+                                      outputs at O; W[I, :]' without columns O)
+    Measured on all-mpnet-base-v2's linears, the vendor's int8 fed fp16: output error 0.0735 -> 0.0130
+    (layer 5's FFN in, input outliers), 0.178 -> 0.019 (layer 0's FFN out, both kinds).
+    xi and xm are made once per input tensor, and xi always feeds a side linear as well: toolkit
+    2.5.0 fuses a lone x @ S_I @ S_I^T into the Sub wrongly (the int8 linear then reads zeros;
+    cosine 0.62 on that FFN in). The side linears are named with precision.SIDE, which keeps them
+    fp16."""
+    from shard.precision import SIDE, is_linear
+
+    changes = []
+    picked: dict[str, tuple[gs.Variable, gs.Variable]] = {}   # input tensor: (xi, xm)
+
+    def matmul(name: str, x: gs.Tensor, w: np.ndarray, out: gs.Variable) -> gs.Node:
+        return gs.Node("MatMul", name=name, inputs=[x, gs.Constant(f"{name}/w", np.ascontiguousarray(w))],
+                       outputs=[out])
+
+    for node in list(graph.nodes):
+        if node.op != "MatMul" or not is_linear(node) or SIDE in node.name or node.inputs[1].values.ndim != 2:
+            continue
+        x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
+        w = weight.values
+        n_in, n_out = w.shape
+        sx, sy = stats.get(x.name), stats.get(y.name)
+        if sx is None or sy is None or sx.channel_absmax.size != n_in or sy.channel_absmax.size != n_out:
+            continue
+        ins, outs = outliers(sx.channel_absmax), outliers(sy.channel_absmax)
+        if not ins and not outs:
+            continue
+        var = lambda name, shape=None: gs.Variable(name, dtype=y.dtype, shape=shape)  # noqa: E731
+        if ins and x.name not in picked:
+            pick = np.zeros((n_in, len(ins)), w.dtype)
+            pick[ins, np.arange(len(ins))] = 1
+            xi, back, xm = var(f"{x.name}{SIDE}in"), var(f"{x.name}{SIDE}in_back", x.shape), var(f"{x.name}{SIDE}rest",
+                                                                                                x.shape)
+            graph.nodes += [matmul(f"{x.name}{SIDE}gather", x, pick, xi),
+                            matmul(f"{x.name}{SIDE}scatter", xi, pick.T, back),
+                            gs.Node("Sub", name=f"{x.name}{SIDE}sub", inputs=[x, back], outputs=[xm])]
+            picked[x.name] = xi, xm
+        rest = w.copy()
+        rest[ins, :] = 0
+        rest[:, outs] = 0
+        node.inputs = [picked[x.name][1] if ins else x, gs.Constant(f"{weight.name}{SIDE}rest", rest)]
+        total = node.outputs[0] = var(f"{y.name}{SIDE}main", y.shape)
+        parts = []
+        if ins:
+            rows = w[ins, :].copy()
+            rows[:, outs] = 0
+            parts.append((f"{node.name}{SIDE}in", [(picked[x.name][0], rows)]))
+        if outs:
+            place = np.zeros((len(outs), n_out), w.dtype)
+            place[np.arange(len(outs)), outs] = 1
+            parts.append((f"{node.name}{SIDE}out", [(x, w[:, outs]), (None, place)]))
+        for k, (name, chain) in enumerate(parts):
+            value = None
+            for j, (source, m) in enumerate(chain):
+                out = var(f"{name}/{j}")
+                graph.nodes.append(matmul(f"{name}/{j}", source if source is not None else value, m, out))
+                value = out
+            added = y if k == len(parts) - 1 else var(f"{name}/sum", y.shape)
+            graph.nodes.append(gs.Node("Add", name=f"{name}/add", inputs=[total, value], outputs=[added]))
+            total = added
+        rest_in = float(np.delete(sx.channel_absmax, ins).max())
+        changes.append({"node": node.name, "op": node.op, "form": "outlier split", "input_channels": ins,
+                        "output_channels": outs,
+                        "reason": f"input channels {ins} (up to {sx.channel_absmax.max():.3g}) and output channels "
+                                  f"{outs} (up to {sy.channel_absmax.max():.3g}) pass {OUTLIER_RATIO:g} times their "
+                                  f"tensor's median channel: they would set the per-tensor int8 ranges",
+                        "action": f"they run in fp16 side linears; the int8 linear's input reaches {rest_in:.3g}",
+                        "range_before": [sx.absmax, sy.absmax], "input_range_after": rest_in})
     return changes
 
 

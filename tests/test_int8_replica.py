@@ -1,0 +1,82 @@
+"""int8_replica and the mixed search's ranking on small synthetic graphs: with its gates off the
+replica is the graph; a gate on gives the vendor's int8 arithmetic for that linear (per-tensor
+asymmetric input and output, per-channel weights), written here in numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import onnx_graphsurgeon as gs
+from conftest import make_model, run_ort
+from onnx import helper, numpy_helper
+
+from shard.calibration import collect_stats
+from shard.graph import infer_shapes
+from shard.precision import GATES, int8_replica, is_int8_candidate, next_prefix, rank_linears
+
+
+def two_linears(seed: int = 0, loud: float = 1.0):
+    """x -> MatMul(w1) + b1 -> Relu -> MatMul(w2): the second linear's weights scaled by `loud`."""
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((16, 32)).astype(np.float32) / 4
+    w2 = rng.standard_normal((32, 8)).astype(np.float32) * np.float32(loud) / 6
+    b1 = rng.standard_normal(32).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="fc2")]
+    inits = [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"), numpy_helper.from_array(w2, "w2")]
+    return make_model(nodes, [("x", [1, 6, 16])], [("y", [1, 6, 8])], inits), (w1, b1, w2)
+
+
+def fake_int8(x: np.ndarray, low: float, high: float) -> np.ndarray:
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = np.float32((high - low) / 255)
+    zero = np.clip(np.round(-low / scale), 0, 255)
+    return ((np.clip(np.round(x / scale) + zero, 0, 255) - zero) * scale).astype(np.float32)
+
+
+def test_replica_is_the_graph_with_gates_off_and_the_vendors_int8_with_a_gate_on():
+    model, (w1, b1, w2) = two_linears()
+    rng = np.random.default_rng(1)
+    samples = [{"x": rng.standard_normal((1, 6, 16)).astype(np.float32)} for _ in range(3)]
+    graph = gs.import_onnx(model)
+    stats = collect_stats(model, samples)
+    linears = [n for n in graph.nodes if is_int8_candidate(n)]
+    replica = gs.export_onnx(int8_replica(graph, stats, linears))
+    replica.ir_version = 8
+    x = samples[0]["x"]
+    off = run_ort(replica, {"x": x, GATES: np.zeros(2, np.float32)}, optimize=False)[0]
+    np.testing.assert_array_equal(off, run_ort(model, {"x": x}, optimize=False)[0])
+    # fc1 alone in int8: input and (bias-fused) output per tensor, weights per column
+    q1 = fake_int8(x, stats["x"].min, stats["x"].max) @ (np.round(w1 / (np.abs(w1).max(0) / 127)) *
+                                                         (np.abs(w1).max(0) / 127)) + b1
+    expected = np.maximum(fake_int8(q1, stats["hb"].min, stats["hb"].max), 0) @ w2
+    got = run_ort(replica, {"x": x, GATES: np.array([1, 0], np.float32)}, optimize=False)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+    assert not np.allclose(got, off, rtol=1e-3, atol=0)   # int8 does move the output
+
+
+def test_ranking_orders_the_linears_by_their_int8_loss_per_mac():
+    model, _ = two_linears()
+    rng = np.random.default_rng(2)
+    feeds = [{"x": rng.standard_normal((1, 6, 16)).astype(np.float32)} for _ in range(2)]
+    ranking, every = rank_linears(infer_shapes(gs.import_onnx(model)), feeds)
+    assert {c.node: c.macs for c in ranking} == {"fc1": 6 * 16 * 32, "fc2": 6 * 32 * 8}
+    assert all(0 < c.error < 0.1 for c in ranking)
+    per_mac = [c.error / c.macs for c in ranking]
+    assert per_mac == sorted(per_mac, reverse=True)
+    # the prefix curve: both in int8, then the first moved to fp16, then none in int8
+    assert every < 1.0 - 1e-6 and ranking[-1].cosine_after == pytest.approx(1.0, abs=1e-12)
+    assert ranking[0].cosine_after == pytest.approx(1.0 - ranking[1].error, abs=1e-12)   # the second alone in int8
+    assert rank_linears(infer_shapes(gs.import_onnx(model)), feeds) == (ranking, every)   # deterministic
+
+
+def test_next_round_takes_the_fewest_linears_the_replica_says_suffice():
+    ranking = [{"cosine_after": c} for c in (0.9990, 0.9995, 0.99985, 0.99995, 1.0)]
+    # target 0.999 allows 1e-3 of loss; aim at 0.8e-3 as predicted
+    assert next_prefix(ranking, 1e-3, predicted=2e-3, measured=2e-3, done=0) == 2
+    # the last round lost twice what the replica said: aim at 0.4e-3
+    assert next_prefix(ranking, 1e-3, predicted=2e-3, measured=4e-3, done=0) == 3
+    assert next_prefix(ranking, 1e-3, predicted=2e-3, measured=1e-3, done=3) == 4   # always at least one more
+    assert next_prefix(ranking, 1e-5, predicted=1e-3, measured=1e-3, done=0) == 5   # none suffices: all
