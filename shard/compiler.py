@@ -241,12 +241,14 @@ def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress)
 
 def compile_mixed(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
                   progress: Progress) -> CompileResult:
-    """--precision mixed: compile with the linears in int8 and everything else in fp16, measure the
-    bundle on the simulator with the calibration samples, and move the linears whose input int8
-    hurts most (shard.precision) to fp16, a growing share of their MACs each round, until the cosine
-    reaches options.min_cosine. Builds are cached by content, so a round rebuilds only the shards it
-    changed. The bundle of the first round that reaches the target is kept (else the most faithful),
-    its report listing every round."""
+    """--precision mixed: compile with the linears in int8 (their outlier channels on fp16 side
+    linears) and everything else in fp16, and measure the bundle on the simulator with the
+    calibration samples. Where that falls short of options.min_cosine, rank the linears once with
+    the int8 replica (shard.precision) and move, round by round, as many of the most harmful to fp16
+    as the replica predicts the target needs (scaled by how far the last round missed its
+    prediction). Builds are cached by content, so a round rebuilds only the shards it changed. The
+    bundle of the first round that reaches the target is kept (else the most faithful), its report
+    listing every round."""
     from dataclasses import replace
 
     from shard.calibration import compile_samples
