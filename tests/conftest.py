@@ -76,6 +76,13 @@ def mlp_chain(blocks: int, width: int = 16, seed: int = 0) -> onnx.ModelProto:
     return make_model(nodes, [("x", [1, 8, width])], [("y", [1, 8, width])], inits)
 
 
+def cosine(a, b) -> float:
+    """Cosine of two arrays as verify computes it (NaN where either holds NaN)."""
+    from shard.verifier import compare
+
+    return compare("", a, b).cosine
+
+
 def run_ort(model: onnx.ModelProto, feeds: dict, optimize: bool = True) -> list[np.ndarray]:
     """The model's outputs in onnxruntime (shard.calibration.ort_session); optimize=False: no graph
     fusions, so graphs that differ by exact rewrites round alike."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import shard_cli
+from conftest import cosine, shard_cli
 
 from shard.calibration import run_each
 from shard.compiler import CompileOptions, compile_model
@@ -53,11 +53,6 @@ def sentence(length: int, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"input_ids": rng.integers(0, 1000, (1, length)).astype(np.int64),
             "attention_mask": np.ones((1, length), np.int64)}
-
-
-def cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def check_between_buckets(bundle, model, backend: str) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from conftest import DATA, mlp_chain, run_ort, shard_cli
+from conftest import DATA, cosine, mlp_chain, run_ort, shard_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -23,11 +23,6 @@ from shard.profile import load_profile
 from shard.targets.gpu import MIN_OPSET, PIPELINE
 
 torch = pytest.importorskip("torch")
-
-
-def cosine(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 def gpu_graph(model: onnx.ModelProto, precision: str = "fp16", until: str | None = None, **options):
