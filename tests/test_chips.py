@@ -34,6 +34,19 @@ def test_each_chip_ships_a_probed_profile_with_sourced_facts(chip):
         assert not [name for name in profile.limits if "magnitude" in name]
 
 
+def test_a_derived_clock_follows_the_probed_peak_and_a_sourced_one_stays():
+    from shard.probes.runner import derive_clock
+
+    shipped = dict(load_profile("rk3576").facts)
+    assert shipped["npu_clock_hz_source"].startswith("derived")
+    again = {**shipped, "macs_per_cycle_int8": 2 * shipped["macs_per_cycle_int8"]}   # a new toolkit's peak
+    derive_clock(again, 2)
+    assert again["npu_clock_hz"] == round(shipped["npu_clock_hz"] / 2)
+    sourced = {**load_profile("rk3588").facts, "macs_per_cycle_int8": 4096}
+    derive_clock(sourced, 3)
+    assert sourced["npu_clock_hz"] == load_profile("rk3588").facts["npu_clock_hz"]
+
+
 def test_the_chip_table_is_the_toolkit_support_list():
     from shard.toolkit.env import RKNN_TOOLKIT2, get_spec
 

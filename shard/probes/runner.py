@@ -87,8 +87,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     failed = True
     try:
         measured = measure_rates(ops, tgt, progress)   # the `slow` class is judged against these
-        ops.prober.rates.update({False: measured.get("macs_per_cycle_fp16", ops.prober.rates[False]),
-                                 True: measured.get("macs_per_cycle_int8", ops.prober.rates[True])})
+        ops.prober.use_rates(measured)
         progress("probe", 0, len(searches), note="")
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as executor:
             for future in [executor.submit(run, s) for s in searches]:
@@ -100,11 +99,18 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     today = datetime.date.today().isoformat()
     limits = {search.name: to_limit(search, toolkit, today, slow_factor) for search in searches}
     facts = {**base.facts, **measured, "slow_factor": slow_factor}
-    if "npu_clock_hz" not in facts and facts.get("int8_tops") and facts.get("macs_per_cycle_int8"):
-        facts["npu_clock_hz"] = round(facts["int8_tops"] * 1e12 / (2 * facts["macs_per_cycle_int8"] * base.cores))
+    derive_clock(facts, base.cores)
+    return Profile(target=target, cores=base.cores, toolkit=toolkit, limits=limits, facts=facts), searches
+
+
+def derive_clock(facts: dict, cores: int) -> None:
+    """Where no source gives the NPU clock, derive it from the marketed int8 rate over the probed
+    int8 peak; a clock derived by an earlier probe is derived again from this probe's peak."""
+    derived = str(facts.get("npu_clock_hz_source", "")).startswith("derived")
+    if (derived or "npu_clock_hz" not in facts) and facts.get("int8_tops") and facts.get("macs_per_cycle_int8"):
+        facts["npu_clock_hz"] = round(facts["int8_tops"] * 1e12 / (2 * facts["macs_per_cycle_int8"] * cores))
         facts["npu_clock_hz_source"] = ("derived: int8_tops / (2 x macs_per_cycle_int8 x cores), the marketed rate "
                                         "over the probed peak")
-    return Profile(target=target, cores=base.cores, toolkit=toolkit, limits=limits, facts=facts), searches
 
 
 def starting_profile(target: str) -> Profile:

@@ -102,11 +102,16 @@ class RknnProber:
                  timeout: float, board=None):
         self.pool, self.scratch, self.build, self.timeout = pool, scratch, build, timeout
         self.cores = profile.cores
-        # the peak rates the `slow` class is judged against, by whether the build is quantized
-        self.rates = {False: float(profile.facts.get("macs_per_cycle_fp16", 512)),
-                      True: float(profile.facts.get("macs_per_cycle_int8", 1024))}
+        self.rates: dict[bool, float] = {}
+        self.use_rates(profile.facts)
         self.slow_factor = slow_factor
         self.board = board  # the RKNNLite class when points also run on the board
+
+    def use_rates(self, facts: dict) -> None:
+        """The peak MACs/cycle the `slow` class is judged against, by whether the build is quantized:
+        a profile's facts or a probe's measure_rates (where a rate is missing, the one held)."""
+        self.rates = {False: float(facts.get("macs_per_cycle_fp16", self.rates.get(False, 512))),
+                      True: float(facts.get("macs_per_cycle_int8", self.rates.get(True, 1024)))}
 
     def run_model(self, model: onnx.ModelProto, stem: str, size: int = 0, macs: int | None = None,
                   simulate_range: float | None = None, build: dict | None = None) -> Point:
