@@ -20,7 +20,7 @@ import onnx
 
 from shard.errors import RunError
 from shard.profile import Profile
-from shard.runtime.executors.rknn_sim import infer
+from shard.toolkit.worker import infer
 from shard.toolkit.cache import PointCache, default_cache_dir
 from shard.toolkit.classify import Point, classify_build, classify_numeric
 from shard.toolkit.env import find_python, installed_label

@@ -1,6 +1,7 @@
 """Client side of a toolkit worker process (see rknn_worker.py): spawn, ask, time out, kill.
 
-Imports nothing beyond the standard library, so the runtime's simulator executor can use it.
+Imports nothing beyond the standard library, numpy and shard.errors, so the runtime's simulator
+executor can use it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from shard.errors import RunError
 
 WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
 
@@ -124,3 +130,19 @@ class WorkerPool:
     def close(self) -> None:
         for worker in self.started:
             worker.close()
+
+
+def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path) -> list[np.ndarray]:
+    """Run the model a toolkit worker keeps under `key` on `arrays`, handed over as .npy files in
+    `workdir`; RunError if the simulator fails."""
+    paths = []
+    for k, array in enumerate(arrays):
+        paths.append(str(workdir / f"in{k}.npy"))
+        np.save(paths[-1], array)
+    # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
+    # (the toolkit ignores the format of other ranks but refuses None).
+    answer = request(op="infer", key=key, inputs=paths, data_format=["nchw"] * len(paths), outdir=str(workdir),
+                     log=str(log))
+    if not answer["ok"]:
+        raise RunError(f"simulator inference failed ({answer['error']}); log: {log}")
+    return [np.load(p) for p in answer["outputs"]]

@@ -19,7 +19,7 @@ from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
 from shard.runtime.executors import npu_inputs, outputs_by_name
 from shard.toolkit.env import find_python
-from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+from shard.toolkit.worker import ToolkitWorker, WorkerFailed, infer
 
 
 class RknnSimExecutor:
@@ -71,18 +71,3 @@ class RknnSimExecutor:
         self.worker.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
-
-def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path) -> list[np.ndarray]:
-    """Run the model a toolkit worker keeps under `key` on `arrays`, handed over as .npy files in
-    `workdir`; RunError if the simulator fails."""
-    paths = []
-    for k, array in enumerate(arrays):
-        paths.append(str(workdir / f"in{k}.npy"))
-        np.save(paths[-1], array)
-    # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
-    # (the toolkit ignores the format of other ranks but refuses None).
-    answer = request(op="infer", key=key, inputs=paths, data_format=["nchw"] * len(paths), outdir=str(workdir),
-                     log=str(log))
-    if not answer["ok"]:
-        raise RunError(f"simulator inference failed ({answer['error']}); log: {log}")
-    return [np.load(p) for p in answer["outputs"]]
