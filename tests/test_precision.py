@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import mlp_chain, shard_cli
+from conftest import make_model, mlp_chain, shard_cli
+from onnx import helper, numpy_helper
 
 import shard
 from shard.bundle import read_manifest
@@ -113,10 +114,6 @@ def test_range_sandwich_carries_a_residual_stream_past_fp16(tmp_path):
 def outlier_mlp(seed: int = 0, seq: int = 32, dim: int = 64, hidden: int = 256):
     """LayerNorm -> MatMul + bias -> Relu -> MatMul, as a trained encoder's FFN: two LayerNorm
     channels at 60 times the rest, two hidden channels at 80 times the rest."""
-    from onnx import helper, numpy_helper
-
-    from conftest import make_model
-
     rng = np.random.default_rng(seed)
     gamma = np.ones(dim, np.float32)
     gamma[[5, 40]] = 60.0

@@ -202,7 +202,6 @@ def test_nothing_changes_in_range():
     assert report["changes"] == [] and [n.op for n in graph.nodes] == ["Conv", "Relu", "Conv", "Identity"]
 
 
-
 def linears_with_outliers(seed: int, seq: int, dim: int, hidden: int, in_outliers: list[int], out_outliers: list[int],
                           shared: bool):
     """LayerNorm -> MatMul + bias (and a second MatMul on the same input when `shared`) -> MatMul, as
