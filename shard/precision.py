@@ -94,6 +94,16 @@ def per_channel_int8(w: np.ndarray, axis: int) -> np.ndarray:
 GATES = "shard.int8_gates"
 
 
+def quantized_tensors(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor]:
+    """The two activations the vendor quantizes per tensor around an int8 linear: its input, and its
+    output after a bias Add it fuses."""
+    y = node.outputs[0]
+    users = list(y.outputs)
+    if len(users) == 1 and users[0].op == "Add" and any(isinstance(i, gs.Constant) for i in users[0].inputs):
+        y = users[0].outputs[0]
+    return node.inputs[0], y
+
+
 def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Graph:
     """A copy of the graph that runs each of `linears` as the vendor's int8 does, where its gate
     (input GATES, one float per linear, 0 or 1) says so: the input and the output fake-quantized
@@ -131,21 +141,19 @@ def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Gra
         gate = gs.Variable(f"{where}/g", dtype=np.float32)
         graph.nodes.append(gs.Node("Gather", f"{where}/g", inputs=[gates, gs.Constant(f"{where}/k", np.asarray(k))],
                                    outputs=[gate]))
-        x = quantized(node.inputs[0], gate, f"{where}/in")
+        x, y = quantized_tensors(node)
+        x = quantized(x, gate, f"{where}/in")
         if x is not None:
             node.inputs[0] = x
         weight = node.inputs[1].values
         raw, step, gated = (gs.Variable(f"{where}/{n}", dtype=np.float32) for n in ("raw", "wstep", "wgated"))
-        y = node.outputs[0]
+        product = node.outputs[0]
         node.outputs[0] = raw
         graph.nodes += [
             gs.Node(node.op, f"{where}/w", attrs=dict(node.attrs), inputs=[node.inputs[0], gs.Constant(
                 f"{where}/wdelta", per_channel_int8(weight, weight_axis(node)) - weight)], outputs=[step]),
             gs.Node("Mul", f"{where}/wgate", inputs=[step, gate], outputs=[gated]),
-            gs.Node("Add", f"{where}/wadd", inputs=[raw, gated], outputs=[y])]
-        users = list(y.outputs)
-        if len(users) == 1 and users[0].op == "Add" and any(isinstance(i, gs.Constant) for i in users[0].inputs):
-            y = users[0].outputs[0]   # the bias the vendor fuses into the linear
+            gs.Node("Add", f"{where}/wadd", inputs=[raw, gated], outputs=[product])]
         out = quantized(y, gate, f"{where}/out")
         if out is not None:
             for user in [u for u in y.outputs if not u.name.startswith(f"{where}/out/")]:
@@ -170,7 +178,7 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: i
     if not linears:
         return [], 1.0
     model = gs.export_onnx(graph.copy(), do_type_check=False)
-    stats = collect_stats(model, feeds)
+    stats = collect_stats(model, feeds, sorted({t.name for n in linears for t in quantized_tensors(n)}))
     replica = gs.export_onnx(int8_replica(graph, stats, linears), do_type_check=False)
     del model
     session = ort_session(replica)

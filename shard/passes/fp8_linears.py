@@ -30,7 +30,7 @@ from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes import PassContext, register
 from shard.passes.partition import estimate_macs
-from shard.precision import MIXED_ROUNDS, is_linear, promote_share
+from shard.precision import MIXED_ROUNDS, is_linear, promote_share, weight_axis
 
 E4M3_MAX = 448.0
 CHECK_SAMPLES = 4                       # calibration samples the cosine is measured on
@@ -39,7 +39,7 @@ FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 def linears(graph: gs.Graph) -> list[tuple[gs.Node, int]]:
     """(node, axis of its weight's output channels) for each product of an activation and a 2-D constant."""
-    return [(node, 0 if node.op == "Gemm" and node.attrs.get("transB", 0) else 1) for node in graph.nodes
+    return [(node, weight_axis(node)) for node in graph.nodes
             if is_linear(node) and node.op != "Conv" and len(node.inputs[1].shape) == 2
             and not node.attrs.get("transA", 0)]
 
