@@ -1,5 +1,6 @@
-"""npu_forms: Softmax rewritten into NPU ops on chips whose profile finds no Softmax on the NPU;
-numerics in onnxruntime before and after, structure, and the real rk3568 build."""
+"""npu_forms: Softmax rewritten into NPU ops on chips whose profile finds no Softmax on the NPU, and
+Selu, Min, Exp, Tile and LRN where their one-op build lands on the CPU; numerics in onnxruntime before
+and after, structure, and the real rk3568 and rk3588 builds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from onnx import helper, numpy_helper
 
 from shard.graph import infer_shapes
 from shard.passes import PassContext
-from shard.passes.npu_forms import npu_forms
+from shard.passes.fit import Legality, OnCpu
+from shard.passes.npu_forms import FORMS, npu_forms
 from shard.profile import Limit, Profile, load_profile
 
 NO_SOFTMAX = Profile("rk3568", 1, "test", {
@@ -23,9 +25,10 @@ NO_SOFTMAX = Profile("rk3568", 1, "test", {
     "softmax-rows@w64": Limit(0, "cpu-fallback", "N=1 fails (cpu-fallback)", "test", failing=1)})
 
 
-def rewritten(model, profile=NO_SOFTMAX):
+def rewritten(model, profile=NO_SOFTMAX, on_cpu=()):
     graph = infer_shapes(gs.import_onnx(model))
-    graph, report = npu_forms(graph, PassContext(profile=profile, options=None))
+    legality = Legality(profile, OnCpu(*on_cpu)) if on_cpu else None
+    graph, report = npu_forms(graph, PassContext(profile=profile, options=None, legality=legality))
     graph.cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = 8
@@ -71,6 +74,93 @@ def test_the_shipped_rk3568_and_rk3566_profiles_find_no_softmax_on_the_npu():
     assert softmax_never_on_npu(load_profile("rk3588")) is None and softmax_never_on_npu(load_profile("rk3576")) is None
 
 
+def single(op, shape, out_shape=None, inputs=1, inits=(), **attrs):
+    names = [f"x{k}" for k in range(inputs)]
+    node = helper.make_node(op, names + [i.name for i in inits], ["y"], **attrs)
+    return make_model([node], [(n, shape) for n in names], [("y", out_shape or shape)], list(inits))
+
+
+FORM_CASES = {
+    "Selu": lambda shape: single("Selu", shape),
+    "Selu-attrs": lambda shape: single("Selu", shape, alpha=0.5, gamma=2.0),
+    "Min": lambda shape: single("Min", shape, inputs=2),
+    "Min3": lambda shape: single("Min", shape, inputs=3),
+    "Exp": lambda shape: single("Exp", shape),
+    "Tile": lambda shape: single("Tile", shape, [r * d for r, d in zip([1, 2, 1, 3][-len(shape):], shape)],
+                                 inits=[numpy_helper.from_array(np.array([1, 2, 1, 3][-len(shape):], np.int64), "r")]),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=st.sampled_from(sorted(FORM_CASES)), shape=st.sampled_from([[3, 4], [3, 2, 5], [1, 8, 6, 6], [2, 3, 4, 5]]),
+       scale=st.sampled_from([0.5, 3.0, 12.0]), seed=st.integers(0, 1000))
+def test_each_form_equals_its_op_in_fp32(case, shape, scale, seed):
+    model = FORM_CASES[case](shape)
+    op = model.graph.node[0].op_type
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=[op])
+    assert op not in [n.op_type for n in out.graph.node]
+    assert [c["op"] for c in report["changes"]] == [op] and "on the CPU" in report["changes"][0]["reason"]
+    rng = np.random.default_rng(seed)
+    # Exp to 11: past it exp leaves fp16 (and onnxruntime's Sigmoid is exact only to about 1e-8).
+    feeds = {i.name: np.clip(rng.standard_normal(shape) * scale, -30, 11).astype(np.float32) for i in model.graph.input}
+    np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(model, feeds)[0], rtol=5e-5, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(channels=st.sampled_from([1, 3, 8, 96]), size=st.sampled_from([1, 3, 5]),
+       beta=st.sampled_from([0.25, 0.5, 0.75, 1.0, 1.5]), bias=st.sampled_from([1.0, 2.0]),
+       alpha=st.sampled_from([1e-4, 0.5]), scale=st.sampled_from([1.0, 40.0]), seed=st.integers(0, 100))
+def test_lrn_from_a_band_conv_and_square_roots_equals_lrn(channels, size, beta, bias, alpha, scale, seed):
+    shape = [1, channels, 5, 7]
+    model = single("LRN", shape, size=size, alpha=alpha, beta=beta, bias=bias)
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["LRN"])
+    ops = [n.op_type for n in out.graph.node]
+    assert "LRN" not in ops and "Pow" not in ops and {"Conv", "Div"} <= set(ops)
+    x = (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+    # Against ONNX's definition in float64: onnxruntime's own LRN is off by up to 1e-3 (its power).
+    square, window = x.astype(np.float64) ** 2, np.zeros(shape)
+    for c in range(channels):
+        window[:, c] = square[:, max(0, c - (size - 1) // 2):c + size // 2 + 1].sum(axis=1)
+    expected = x / (bias + alpha / size * window) ** beta
+    np.testing.assert_allclose(run_ort(out, {"x0": x})[0], expected, rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(run_ort(model, {"x0": x})[0], expected, rtol=1e-2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kernel=st.tuples(st.sampled_from([2, 3, 5]), st.sampled_from([2, 3, 7])), strides=st.sampled_from([[1, 1], [2, 2], [1, 2]]),
+       pads=st.lists(st.integers(0, 1), min_size=4, max_size=4).filter(any), size=st.tuples(st.integers(7, 12), st.integers(7, 12)),
+       seed=st.integers(0, 100))
+def test_a_padded_average_pool_counting_only_real_inputs_equals_the_pool(kernel, strides, pads, size, seed):
+    """Inception-v2 and ShuffleNet (Caffe2): 3x3 pools with padding 1, left out of the count."""
+    shape = [1, 3, *size]
+    out = [1, 3, *[(size[a] + pads[a] + pads[a + 2] - kernel[a]) // strides[a] + 1 for a in (0, 1)]]
+    model = single("AveragePool", shape, out, kernel_shape=list(kernel), strides=strides, pads=pads)
+    result, report = rewritten(model, load_profile("rk3588"), on_cpu=["AveragePool"])
+    pool = next(n for n in result.graph.node if n.op_type == "AveragePool")
+    assert {a.name: a.i for a in pool.attribute}["count_include_pad"] == 1 and report["changes"][0]["op"] == "AveragePool"
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(run_ort(result, {"x0": x})[0], run_ort(model, {"x0": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_forms_only_where_the_op_lands_on_the_cpu_and_what_they_cannot_take():
+    model = single("Exp", [1, 4, 4, 4])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["Selu"])
+    assert [n.op_type for n in out.graph.node] == ["Exp"] and report["changes"] == []
+    out, report = rewritten(model, load_profile("rk3588"))    # no one-op builds: nothing nominated
+    assert [n.op_type for n in out.graph.node] == ["Exp"]
+    model = single("LRN", [1, 4, 4, 4], size=3, beta=0.6)
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["LRN"])
+    assert [n.op_type for n in out.graph.node] == ["LRN"] and "beta 0.6" in report["not_fixed"][0]["reason"]
+    model = make_model([helper.make_node("Shape", ["x0"], ["s"]), helper.make_node("Tile", ["x0", "s"], ["y"])],
+                       [("x0", [1, 2])], [("y", [1, 4])])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["Tile"])
+    assert "Tile" in [n.op_type for n in out.graph.node] and "computed in the graph" in report["not_fixed"][0]["reason"]
+    model = single("AveragePool", [1, 2, 6, 6], [1, 2, 4, 4], kernel_shape=[3, 3])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["AveragePool"])
+    assert [n.op_type for n in out.graph.node] == ["AveragePool"] and "no explicit padding" in report["not_fixed"][0]["reason"]
+    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool"}
+
+
 @pytest.mark.toolkit
 def test_a_softmax_runs_on_the_rk3568_npu_and_verifies(tmp_path):
     """The vendor alone puts the Softmax on the CPU of an RK3568; shard's build has 0 CPU ops."""
@@ -89,3 +179,61 @@ def test_a_softmax_runs_on_the_rk3568_npu_and_verifies(tmp_path):
     assert [op.split()[0] for op in report["vendor_alone"]["diagnostics"]["cpu_ops"]] == ["exSoftmax13"]
     res = shard_cli("verify", tmp_path / "a.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.toolkit
+def test_selu_min_exp_tile_lrn_and_a_padded_pool_run_on_the_rk3588_npu_and_verify(tmp_path):
+    """Each of these lands on the CPU when the vendor builds the model alone (6 CPU ops); shard's
+    build has none, and matches onnxruntime on the simulator."""
+    shape = [1, 8, 16, 16]
+    nodes = [helper.make_node("Selu", ["x"], ["a"]),
+             helper.make_node("Min", ["a", "x"], ["b"]),
+             helper.make_node("Mul", ["b", "quarter"], ["c"]),
+             helper.make_node("Exp", ["c"], ["d"]),
+             helper.make_node("LRN", ["d"], ["e"], size=5, alpha=1e-4, beta=0.75, bias=1.0),
+             helper.make_node("AveragePool", ["e"], ["f"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+             helper.make_node("Tile", ["f", "r"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(0.25, np.float32), "quarter"),
+             numpy_helper.from_array(np.array([1, 2, 1, 3], np.int64), "r")]
+    model = make_model(nodes, [("x", shape)], [("y", [1, 16, 16, 48])], inits)
+    path = tmp_path / "forms.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "f.shard")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "f.shard" / "report.json").read_text())
+    forms = ["AveragePool", "Exp", "LRN", "Min", "Selu", "Tile"]
+    assert sorted(c["op"] for c in report["passes"]["npu_forms"]["changes"]) == forms
+    assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0
+    assert sorted(op.split()[0] for op in report["vendor_alone"]["diagnostics"]["cpu_ops"]) == forms
+    res = shard_cli("verify", tmp_path / "f.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("kind", ["reshape-gemm", "flatten-gemm-transposed-scaled", "flatten-matmul"])
+def test_a_flatten_before_a_linear_becomes_one_conv(kind):
+    rng = np.random.default_rng(0)
+    shape, out = [2, 16, 3, 5], 10
+    flat = [2, 16 * 3 * 5]
+    w = rng.standard_normal((out, flat[1])).astype(np.float32)
+    if kind == "reshape-gemm":
+        nodes = [helper.make_node("Reshape", ["x0", "s"], ["f"]), helper.make_node("Gemm", ["f", "w", "b"], ["y"], transB=1)]
+        inits = [numpy_helper.from_array(np.array(flat, np.int64), "s"), numpy_helper.from_array(w, "w"),
+                 numpy_helper.from_array(rng.standard_normal(out).astype(np.float32), "b")]
+    elif kind == "flatten-gemm-transposed-scaled":
+        nodes = [helper.make_node("Flatten", ["x0"], ["f"], axis=1),
+                 helper.make_node("Gemm", ["f", "w", "b"], ["y"], alpha=0.5, beta=2.0)]
+        inits = [numpy_helper.from_array(w.T.copy(), "w"),
+                 numpy_helper.from_array(rng.standard_normal((1, out)).astype(np.float32), "b")]
+    else:
+        nodes = [helper.make_node("Flatten", ["x0"], ["f"], axis=1), helper.make_node("MatMul", ["f", "w"], ["y"])]
+        inits = [numpy_helper.from_array(w.T.copy(), "w")]
+    model = make_model(nodes, [("x0", shape)], [("y", [2, out])], inits)
+    result, report = rewritten(model, load_profile("rk3588"), on_cpu=["Reshape", "Flatten"])
+    ops = [n.op_type for n in result.graph.node]
+    assert ops == ["Conv", "Reshape"] and report["changes"][0]["op"] == nodes[1].op_type
+    conv = result.graph.node[0]
+    assert [a.ints for a in conv.attribute if a.name == "kernel_shape"] == [[3, 5]]
+    x = rng.standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(run_ort(result, {"x0": x})[0], run_ort(model, {"x0": x})[0], rtol=1e-4, atol=1e-4)
+    kept, _ = rewritten(model, load_profile("rk3588"), on_cpu=["Selu"])     # the flatten fits: left alone
+    assert [n.op_type for n in kept.graph.node] == [n.op_type for n in model.graph.node]

@@ -133,6 +133,17 @@ class WidthLimit:
         return Verdict(True)
 
 
+class OnCpu:
+    """A stand-in for tests and what-ifs: these ops land on the CPU at every shape, the rest fit."""
+
+    def __init__(self, *ops: str):
+        self.ops = set(ops)
+
+    def check(self, spec: OpSpec) -> Verdict:
+        if spec.op in self.ops:
+            return Verdict(True, "cpu-fallback", f"{spec.op} on the CPU (stand-in)")
+        return Verdict(True)
+
 
 class OneOpBuilds:
     """Verdicts from one-op vendor builds (`ops`: shard.toolkit.ops.ToolkitOps) where the profile
