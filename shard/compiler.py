@@ -156,18 +156,22 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         builds = compile_jobs(jobs, "compile shards")
         t_build = time.monotonic() - t0 - t_passes
 
-        # 3. Keep the better build of each shard (rewritten or not; edges as they were or in the
-        #    vendor's layout), then stand the whole beside the vendor alone.
+        # 3. Keep the better build of each shard (rewritten or not; each with its edges as they were or
+        #    in the vendor's layout, whichever is better), then stand the whole beside the vendor alone.
         # Forced tiles and mixed precision's fp16 ops cost cycles by choice (cores, fidelity).
         axes = HARD_AXES if options.tile_attention == "force" or options.precision == "mixed" else AXES
         in_range = {c["node"] for c in ctx.reports.get("scale_sandwich", {}).get("changes", []) if c["form"] == "range"}
-        chosen, choices = choose_versions(plans, originals, builds, axes, in_range)
-        relaid = relayout_jobs(staging, logs, tgt, chosen, datasets)
+        versions = [(plan.name, plan) for plan in plans] + [
+            (f"{plan.name}{UNREWRITTEN}", original) for plan, original in zip(plans, originals) if original is not None]
+        relaid = relayout_jobs(staging, logs, tgt, versions, datasets)
+        best, edge_choices = {}, []
         if relaid:
             jobs += [job for job, _ in relaid]
             builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
-            chosen, edge_choices = keep_better_edges(chosen, relaid, builds, axes)
-            choices += edge_choices
+            best, edge_choices = keep_better_edges(relaid, builds, axes)
+        chosen, choices = choose_versions(plans, originals, builds, axes, in_range, best)
+        kept_names = {name for name, _ in chosen}
+        choices += [c for c in edge_choices if c["build"] in kept_names or c["relaid"] in kept_names]
         # Range rescales exist because the model as it came leaves fp16's range: the simulator judges
         # that (fidelity, on by default then), not the cycles they cost.
         chosen, versus = against_vendor_alone(chosen, builds, HARD_AXES if in_range else axes, options.vendor_only,
@@ -192,7 +196,8 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
             # 4. Fidelity, on the simulator: the bundle beside the vendor alone's, the same seeded inputs.
             writer.write(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))], [], [])
             manifest, report = keep_the_more_faithful(staging, vendor_dir, model, versus, progress,
-                                                      ctx.samples[:FIDELITY_SAMPLES] if quantized else None)
+                                                      ctx.samples[:FIDELITY_SAMPLES] if quantized else None,
+                                                      spent_for_fidelity=bool(in_range) or options.precision == "mixed")
             kept = report["versus_vendor"]["fidelity"]["shard" if versus["bundle"] == "shard" else "vendor"]
             if quantized and not kept >= LOW_FIDELITY:
                 report["warnings"].append(
@@ -460,16 +465,24 @@ class BundleWriter:
 
 
 def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
-                           progress: Progress, samples: list | None = None) -> tuple[Manifest, dict]:
+                           progress: Progress, samples: list | None = None,
+                           spent_for_fidelity: bool = False) -> tuple[Manifest, dict]:
     """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
     inputs (`samples`, or seeded ones); where shard's worst cosine is lower, the vendor's becomes the
-    staging bundle. Returns the staging bundle's manifest and report, `versus` updated in both."""
+    staging bundle. `spent_for_fidelity`: shard was judged without the cycle axes, its cycles spent
+    for fidelity (range rescales, mixed precision's fp16 ops); where that bought nothing (both NaN),
+    they count again. Returns the staging bundle's manifest and report, `versus` updated in both."""
     progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
     ours = simulator_cosine(staging, model, samples)
     progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
     theirs = simulator_cosine(vendor_dir, model, samples)
     versus["fidelity"] = {"shard": ours, "vendor": theirs}
-    if fidelity_worse(ours, theirs):
+    worse = fidelity_worse(ours, theirs)
+    if spent_for_fidelity and ours != ours and theirs != theirs:
+        versus["judged_on"] = list(AXES)
+        versus["line"] += "; both NaN on the simulator, so the cycles count"
+        worse = verdict(Figures(**versus["shard"]), Figures(**versus["vendor"])) == "worse"
+    if worse:
         versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
                       axes=dict.fromkeys(versus["axes"], "equal"))
         shutil.rmtree(staging)
@@ -556,21 +569,25 @@ def write_job(staging: Path, logs: Path, tgt, name: str, model, datasets: Datase
 
 
 def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
-                    axes: tuple[str, ...] = AXES, in_range: set[str] = frozenset()) -> tuple[list, list[dict]]:
+                    axes: tuple[str, ...] = AXES, in_range: set[str] = frozenset(),
+                    best: dict[str, str] | None = None) -> tuple[list, list[dict]]:
     """[(build name, plan)] with each shard's better build, and why: a rewritten shard is kept unless
     its build is worse than its unrewritten twin's on the measured `axes`. A shard holding a node
     of `in_range` (scale_sandwich's range rescales) is judged without the cycle axes: its twin would
-    leave fp16's range, which no build figure shows."""
+    leave fp16's range, which no build figure shows. `best`: {build: a better build of the same
+    shard} (edges in the vendor's layout), which stands for it."""
+    best = best or {}
     chosen, choices = [], []
     for plan, original in zip(plans, originals):
+        ours = best.get(plan.name, plan.name)
         if original is None:
-            chosen.append((plan.name, plan))
+            chosen.append((ours, plan))
             continue
-        twin = f"{plan.name}{UNREWRITTEN}"
-        rewritten, unrewritten = Figures.of([builds[plan.name]]), Figures.of([builds[twin]])
+        twin = best.get(f"{plan.name}{UNREWRITTEN}", f"{plan.name}{UNREWRITTEN}")
+        rewritten, unrewritten = Figures.of([builds[ours]]), Figures.of([builds[twin]])
         judged = HARD_AXES if in_range & {n.name for n in plan.nodes} else axes
         keep = verdict(rewritten, unrewritten, judged) != "worse"
-        chosen.append((plan.name, plan) if keep else (twin, original))
+        chosen.append((ours, plan) if keep else (twin, original))
         choices.append({"shard": plan.name, "kept": "rewritten" if keep else "unrewritten",
                         "what": f"kept the {'rewritten' if keep else 'unrewritten'} build",
                         "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
@@ -593,7 +610,7 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
     ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     bundled = theirs if fall_back else ours
-    versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs),
+    versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
               "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs) + (
                   "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
                                           "choice: forced tiles, fp16 ops of mixed precision, range rescales)"),
@@ -622,22 +639,22 @@ def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list, datasets: Datase
     return relaid
 
 
-def keep_better_edges(chosen: list, relaid: list, builds: dict[str, ShardBuild],
-                      axes: tuple[str, ...]) -> tuple[list, list[dict]]:
-    """Each relaid build replaces its first build where it is better on the measured axes."""
-    better = {}
-    choices = []
+def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[str, ...]
+                      ) -> tuple[dict[str, str], list[dict]]:
+    """{build: its relaid build} where the relaid one is better on the measured axes, and why."""
+    better, choices = {}, []
     for job, _ in relaid:
         first = job.name[: -len(EDGES)]
         ours, theirs = Figures.of([builds[job.name]]), Figures.of([builds[first]])
         keep = verdict(ours, theirs, axes) == "better"
         if keep:
             better[first] = job.name
-        choices.append({"shard": first.removesuffix(UNREWRITTEN), "kept": "relaid edges" if keep else "edges as they were",
+        choices.append({"shard": first.removesuffix(UNREWRITTEN), "build": first, "relaid": job.name,
+                        "kept": "relaid edges" if keep else "edges as they were",
                         "what": "kept the build with its edges in the vendor's 4-D layout" if keep
                         else "kept its edges as they were", "dropped_nodes": [],
                         "line": comparison_line(ours, theirs).replace("shard / vendor alone", "edges relaid / as they were")})
-    return [(better.get(name, name), plan) for name, plan in chosen], choices
+    return better, choices
 
 
 def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,

@@ -86,6 +86,25 @@ def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path
     assert out.stdout.count("shard_00") == 2             # both checked fed the reference's (scaled) tensors
 
 
+def test_rescales_that_leave_both_nan_do_not_cost_cycles(tmp_path, save):
+    """Caffe2's ResNet-50 from the onnx package (every weight 0.02): its logits reach 1e19 and the
+    Softmax overflows fp16 in shard's bundle and the vendor's alike; the Muls shard spent on range
+    rescales then bought nothing, the cycles count again, and the bundle is the vendor's."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) * 3e3).astype(np.float32), f"w{k}")
+               for k in range(2)]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Conv", ["b", "w1"], ["c"]), helper.make_node("Sum", ["b", "c"], ["d"]),
+             helper.make_node("Softmax", ["d"], ["y"], axis=1)]    # the Sum's sides: one scaled down by a Mul
+    model = save(make_model(nodes, [("x", [1, 8, 16, 16])], [("y", [1, 8, 16, 16])], weights))
+    result = shard.compile(model, "rk3588", tmp_path / "n.shard", CompileOptions())   # fidelity checked by default
+    versus = result.report["versus_vendor"]
+    assert any(c["form"] == "range" for c in result.report["passes"]["scale_sandwich"]["changes"])
+    assert versus["fidelity"]["shard"] != versus["fidelity"]["shard"] and versus["fidelity"]["vendor"] != versus["fidelity"]["vendor"]
+    assert "cost_cycles" in versus["judged_on"]
+    assert versus["bundle"] == "vendor alone" and "both NaN on the simulator, so the cycles count" in versus["line"]
+
+
 def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):
     model = save(mlp_chain(1))
     data = [tmp_path / f"{k}.npy" for k in range(2)]
