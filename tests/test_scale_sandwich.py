@@ -66,17 +66,23 @@ def conv(name, x, out, cin, cout, gain, rng, inits, nodes):
 
 
 def growing_net(layers: list[str], gain: float, seed: int, channels: int = 4):
-    """A chain of layers over [1, C, 8, 8]: conv (x gain), relu, residual (x + conv(x)), pool,
-    sigmoid (not homogeneous); its activations grow by about `gain` per conv."""
+    """A chain of layers over [1, C, 8, 8]: conv (x gain), relu, residual (x + conv(x), by Add or Sum),
+    batch norm (x gain), pool, sigmoid (not homogeneous); its activations grow by about `gain` per conv."""
     rng = np.random.default_rng(seed)
     nodes, inits, x = [], [], "x"
     for k, kind in enumerate(layers):
         out = f"t{k}"
         if kind == "conv":
             conv(f"conv{k}", x, out, channels, channels, gain, rng, inits, nodes)
-        elif kind == "residual":
+        elif kind in ("residual", "sum"):   # Sum: old opsets' residual (Caffe2's ResNet-50)
             conv(f"res{k}", x, f"{out}_c", channels, channels, gain, rng, inits, nodes)
-            nodes.append(helper.make_node("Add", [x, f"{out}_c"], [out], name=f"add{k}"))
+            nodes.append(helper.make_node("Add" if kind == "residual" else "Sum", [x, f"{out}_c"], [out], name=f"add{k}"))
+        elif kind == "bn":
+            params = [rng.uniform(0.5, 2.0, channels) * gain, rng.standard_normal(channels) * 4,
+                      rng.standard_normal(channels), rng.uniform(0.2, 3.0, channels)]
+            names = [f"bn{k}_{p}" for p in ("scale", "bias", "mean", "var")]
+            inits += [numpy_helper.from_array(v.astype(np.float32), n) for v, n in zip(params, names)]
+            nodes.append(helper.make_node("BatchNormalization", [x, *names], [out], epsilon=1e-5, name=f"bn{k}"))
         elif kind == "relu":
             nodes.append(helper.make_node("Relu", [x], [out], name=f"relu{k}"))
         elif kind == "pool":
@@ -89,7 +95,8 @@ def growing_net(layers: list[str], gain: float, seed: int, channels: int = 4):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layers=st.lists(st.sampled_from(["conv", "conv", "residual", "relu", "pool", "sigmoid"]), min_size=2, max_size=9),
+@given(layers=st.lists(st.sampled_from(["conv", "conv", "residual", "sum", "bn", "relu", "pool", "sigmoid"]), min_size=2,
+                      max_size=9),
        gain=st.sampled_from([2.0, 4.0, 8.0]), seed=st.integers(0, 1000))
 def test_range_sandwich_is_exact_and_keeps_every_foldable_tensor_in_range(layers, gain, seed):
     model = growing_net(layers, gain, seed)
@@ -114,6 +121,17 @@ def test_growing_chain_gets_a_chain_of_factors_and_its_output_is_restored_on_the
     assert len(factors) >= 2 and factors == sorted(factors) and factors[-1] > factors[0]  # grows with the net
     assert all(np.log2(f).is_integer() for f in factors)                                   # powers of two
     assert [s["type"] for s in ctx.host_post] == ["Mul"]                                    # fp32, on the host
+    assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_batchnorm_takes_the_factor_in_its_constants():
+    """Caffe2's ResNet-50 (the onnx package's light model): BatchNormalization between the convs; before,
+    every one got its true input back by a Mul and overflowed fp16."""
+    model = growing_net(["conv", "bn", "relu", "conv", "bn", "sum"], 8.0, seed=3)
+    sample = {"x": np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    graph, ctx, report = sandwiched(model, [sample], safe=64.0)
+    assert not report["not_fixed"] and "BatchNormalization" in {c["op"] for c in report["changes"]}
+    assert not any(n.op == "Mul" and n.outputs[0].outputs[0].op == "BatchNormalization" for n in graph.nodes)
     assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
 
 

@@ -13,8 +13,9 @@ Three forms, all sized from calibration samples (onnxruntime's ranges of every f
   profile's `fp16_range_margin` (4: the simulator may be kinder than the board), tensors
   are carried divided by powers of two: Conv/Gemm/MatMul with constant weights fold the factor into
   their weights and biases, positively homogeneous ops (ReLU, pooling, layout ops, constant Mul)
-  pass it on, Add/Sub bring both sides to one factor, LayerNormalization absorbs it (epsilon
-  divided by the factor squared), and any other op gets its true input back by a Mul. A model
+  pass it on, Add/Sub/Sum bring both sides to one factor, LayerNormalization absorbs it (epsilon
+  divided by the factor squared), BatchNormalization in its constants (mean, scale and bias by
+  powers of two), and any other op gets its true input back by a Mul. A model
   whose activations grow through the whole network gets a chain of factors, one per layer that
   needs a larger one. A graph output still carried scaled is multiplied back on the host (fp32).
 - outlier splits (mixed). A trained transformer's linears read and write a few channels far past
@@ -350,19 +351,23 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
                                            f"fp16 range ({safe:g} with the profile's margin), at its true scale",
                                  "action": f"{node.op} is not homogeneous, so no factor can pass it; it may overflow"})
 
+    def held(node: gs.Node, out: gs.Tensor, total: int, how: str) -> None:
+        """Report that `out` is now held divided by 2^total, `how` (what the node carries for it)."""
+        s = stats[out.name]
+        changes.append({"node": node.name, "op": node.op, "form": "range",
+                        "reason": f"{out.name} reaches {s.absmax:.3g}, over the fp16 range ({safe:g} with the "
+                                  f"profile's margin)", "action": f"{how}, its output is held divided by 2^{total}",
+                        "factor": 2.0 ** total, "range_before": [s.min, s.max],
+                        "range_after": [s.min / 2.0 ** total, s.max / 2.0 ** total]})
+
+    def times(c: gs.Constant, e: int) -> gs.Constant:
+        return gs.Constant(f"{c.name}/x2^{e}", np.asarray(c.values * c.values.dtype.type(2.0 ** e)))
+
     def scale_down(node: gs.Node, i: int, t: gs.Tensor, e: int, total: int) -> None:
         """A Mul by 2^-e before input i, so that the node works at a factor 2^total."""
         node.inputs[i] = scaled(graph, t, e, f"{node.name}/in{i}")
-        out = node.outputs[0]
-        if needed(out, stats, safe):
-            s = stats[out.name]
-            changes.append({"node": node.name, "op": node.op, "form": "range",
-                            "reason": f"{out.name} reaches {s.absmax:.3g}, over the fp16 range ({safe:g} with the "
-                                      f"profile's margin)",
-                            "action": f"its input {t.name} is divided by 2^{e} before it (a Mul); its output is "
-                                      f"held divided by 2^{total}", "factor": 2.0 ** total,
-                            "range_before": [s.min, s.max],
-                            "range_after": [s.min / 2.0 ** total, s.max / 2.0 ** total]})
+        if needed(node.outputs[0], stats, safe):
+            held(node, node.outputs[0], total, f"its input {t.name} is divided by 2^{e} before it (a Mul)")
 
     for node in list(graph.nodes):
         variables = [(i, t) for i, t in enumerate(node.inputs) if isinstance(t, gs.Variable) and t.name]
@@ -372,27 +377,18 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
         if node.op in WEIGHTED and isinstance(weight, gs.Constant) and len(variables) == 1 and variables[0][0] == 0:
             kx, ky = ks[0], max(ks[0], needed(outs[0], stats, safe)) if outs else ks[0]
             if kx or ky:
-                node.inputs[1] = gs.Constant(f"{weight.name}/x2^{kx - ky}",
-                                             np.asarray(weight.values * weight.values.dtype.type(2.0 ** (kx - ky))))
+                node.inputs[1] = times(weight, kx - ky)
                 if len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant):
-                    bias = node.inputs[2]
-                    node.inputs[2] = gs.Constant(f"{bias.name}/x2^{-ky}",
-                                                 np.asarray(bias.values * bias.values.dtype.type(2.0 ** -ky)))
+                    node.inputs[2] = times(node.inputs[2], -ky)
                 k[outs[0].name] = ky
                 if ky != kx:
-                    s = stats[outs[0].name]
-                    changes.append({"node": node.name, "op": node.op, "form": "range",
-                                    "reason": f"{outs[0].name} reaches {s.absmax:.3g}, over the fp16 range "
-                                              f"({safe:g} with the profile's margin)",
-                                    "action": f"its weights carry 2^{kx - ky}, its output is held divided by 2^{ky}",
-                                    "factor": 2.0 ** ky, "range_before": [s.min, s.max],
-                                    "range_after": [s.min / 2.0 ** ky, s.max / 2.0 ** ky]})
+                    held(node, outs[0], ky, f"its weights carry 2^{kx - ky}")
             continue
         want = max((needed(t, stats, safe) for t in outs), default=0)   # what its own output needs
         if not any(ks.values()) and not want:
             continue
         single = variables[0] if len(variables) == 1 and is_float(variables[0][1]) else None
-        if node.op in ("Add", "Sub", "Max", "Min", "Concat") and len(variables) >= 2 \
+        if node.op in ("Add", "Sub", "Max", "Min", "Concat", "Sum") and len(variables) >= 2 \
                 and all(is_float(t) for _, t in variables):
             top = max(*ks.values(), want)       # every side at one factor, large enough for the result
             for i, t in variables:
@@ -413,8 +409,7 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
             if node.op in ("Add", "Sub", "Clip", "Max", "Min"):   # its constants move with the data
                 for j, c in enumerate(node.inputs):
                     if isinstance(c, gs.Constant) and c.values.dtype.kind == "f":
-                        node.inputs[j] = gs.Constant(f"{c.name}/x2^{-kx}",
-                                                     np.asarray(c.values * c.values.dtype.type(2.0 ** -kx)))
+                        node.inputs[j] = times(c, -kx)
             for t in outs:
                 k[t.name] = kx
         elif node.op in ("Mul", "MatMul", "Div") and len(variables) == 2 and all(is_float(t) for _, t in variables):
@@ -422,6 +417,17 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
             if want > carried:  # the product itself leaves the range: the first operand takes more
                 scale_down(node, 0, node.inputs[0], want - carried, want)
             k[outs[0].name] = max(carried, want)
+        elif node.op == "BatchNormalization" and len(variables) == 1 and variables[0][0] == 0 \
+                and all(isinstance(c, gs.Constant) for c in node.inputs[1:5]) and len(outs) == 1:
+            # gamma (x - mean) / sqrt(var + eps) + beta, with x held / 2^kx and y / 2^ky: mean / 2^kx,
+            # gamma * 2^(kx - ky), beta / 2^ky (powers of two: exact).
+            kx, ky = ks[0], max(ks[0], want)
+            for j, e in ((1, kx - ky), (2, -ky), (3, -kx)):
+                if e:
+                    node.inputs[j] = times(node.inputs[j], e)
+            k[outs[0].name] = ky
+            if ky != kx:
+                held(node, outs[0], ky, f"its scale carries 2^{kx - ky} and its bias 2^{-ky}")
         elif node.op == "LayerNormalization" and variables[0][0] == 0 and len(variables) == 1:
             if ks[0]:
                 node.attrs["epsilon"] = float(node.attrs.get("epsilon", 1e-5)) * 4.0 ** -ks[0]
