@@ -44,10 +44,11 @@ from onnx import helper, numpy_helper
 MIN_COSINE = 0.9999
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # A fast subset over different families, for CI: old opset, Conv1d, pooling, embedding (int64 input), split,
-# transpose, reduction, pixel shuffle, a linear on a 2-D input, the reproducers, and a small BERT
-# (embeddings and the attention mask on the host).
+# transpose, reduction, pixel shuffle, a linear on a 2-D input, ops the vendor puts on the CPU (Selu on a 3-D
+# tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
-      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "head40", "bool_mask", "embed_linear", "bert-tiny"]
+      "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
+      "bool_mask", "embed_linear", "bert-tiny"]
 
 
 @dataclass
@@ -80,8 +81,10 @@ class Row:
 
 
 def onnx_models(folders: list[str]) -> list[tuple[str, str, Path]]:
-    return [(d.name, folder, d / "model.onnx") for folder in folders
-            for d in sorted((ONNX_DATA / folder).iterdir()) if (d / "model.onnx").exists()]
+    """Each case of the onnx package's test data folders: a folder holding model.onnx, or (in `light`,
+    the model zoo's classic networks as Caffe2 exported them, weights made by ConstantOfShape) a file."""
+    return [(d.name, folder, d / "model.onnx") if d.is_dir() else (d.stem, folder, d) for folder in folders
+            for d in sorted((ONNX_DATA / folder).iterdir()) if (d / "model.onnx").exists() or d.suffix == ".onnx"]
 
 
 def head40(path: Path) -> Path:
@@ -184,10 +187,11 @@ def vendor_side(ours: Side) -> Side:
 
 
 def judge(ours: Side, theirs: Side) -> str:
-    from shard.never_worse import Figures, fidelity_worse, verdict
+    from shard.never_worse import AXES, Figures, fidelity_worse, verdict
 
-    if ours.figures.get("shard") and ours.figures.get("vendor"):
-        by_build = verdict(Figures(**ours.figures["shard"]), Figures(**ours.figures["vendor"]))
+    if ours.figures.get("shard") and ours.figures.get("vendor"):   # on the axes the compile judged by
+        by_build = verdict(Figures(**ours.figures["shard"]), Figures(**ours.figures["vendor"]),
+                           tuple(ours.figures.get("judged_on", AXES)))
     else:
         by_build = "equal" if ours.builds == theirs.builds else "better" if ours.builds else "worse"
     if by_build != "equal":
@@ -249,7 +253,8 @@ def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, 
     import architectures
 
     folders = {"onnx": ["pytorch-converted", "pytorch-operator"], "ci": ["pytorch-converted", "pytorch-operator"],
-               "transformers": [], "packaged": [], "all": ["pytorch-converted", "pytorch-operator", "simple"]}[which]
+               "light": ["light"], "transformers": [], "packaged": [],
+               "all": ["pytorch-converted", "pytorch-operator", "simple", "light"]}[which]
     models = [(name, family, lambda path=path: path) for name, family, path in onnx_models(folders)]
     models += [(n, "reproducer", lambda make=make, n=n: make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
     if which in ("transformers", "all", "ci"):
@@ -277,7 +282,7 @@ def exported_models(which: str, only: list[str] | None, folder: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="all", choices=["all", "onnx", "transformers", "packaged", "ci"])
+    parser.add_argument("--set", default="all", choices=["all", "onnx", "light", "transformers", "packaged", "ci"])
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)

@@ -43,3 +43,10 @@ def test_the_detection_head_keeps_the_vendors_whole_graph(rows):
     # Split by one-op verdicts it had CPU joins; decided by real builds it has none.
     head = next(r for r in rows if r.name == "head40")
     assert head.shard.cpu_ops == 0 and head.shard.figures["verdict"] == "equal"
+
+
+def test_ops_the_vendor_puts_on_the_cpu_run_on_the_npu(rows):
+    # Selu on a 3-D tensor (Elu and Mul, its edges relaid in the vendor's 4-D layout) and Tile (Concats).
+    for name in ("test_SELU", "test_operator_repeat"):
+        row = next(r for r in rows if r.name == name)
+        assert row.vendor.cpu_ops >= 1 and row.shard.clean and row.verdict == "better", (name, row.shard.figures.get("line"))
