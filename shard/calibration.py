@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 
 from shard.errors import ShardError
+from shard.graph import fits_protobuf
 
 RANDOM_SAMPLES = 8
 RANDOM_WARNING = ("no --calib file: {n} seeded random samples stand in (unit normals, ids of 0 and 1); "
@@ -100,7 +101,7 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
 
     present = {o.name for o in model.graph.output}
     extra = [n for n in dict.fromkeys(extra_outputs) if n not in present]
-    small = model.ByteSize() < 1_800_000_000   # protobuf's 2 GB cap (computing the size walks the model)
+    small = fits_protobuf(model)
     if extra:  # on a copy: the caller's model keeps its outputs
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -134,7 +135,7 @@ def run_each(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], names
 
 def float_tensors(model: onnx.ModelProto) -> dict[str, int]:
     """Every float tensor a node makes, with its rank (-1 where shape inference does not know it)."""
-    inferred = onnx.shape_inference.infer_shapes(model) if model.ByteSize() < 1_800_000_000 else model
+    inferred = onnx.shape_inference.infer_shapes(model) if fits_protobuf(model) else model
     ranks = {v.name: len(v.type.tensor_type.shape.dim) if v.type.tensor_type.HasField("shape") else -1
              for v in (*inferred.graph.value_info, *inferred.graph.output)
              if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}

@@ -22,9 +22,10 @@ from shard.bundle import MANIFEST, Manifest, ShardSpec, read_manifest
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
-from shard.graph import default_opset, load_model, quiet_graphsurgeon, sha256_file, tensor_spec, to_toolkit_model
-from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, original_plans,
-                               per_axis, prune_host_steps, vendor_model, verdict)
+from shard.graph import (default_opset, fits_protobuf, load_model, quiet_graphsurgeon, sha256_file, tensor_spec,
+                         to_toolkit_model)
+from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, fix_input_shapes,
+                               original_plans, per_axis, prune_host_steps, verdict)
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality, OneOpBuilds
@@ -100,45 +101,49 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
                          f"build: {profile.facts.get('quantized_dtypes_source', '')}")
     quiet_graphsurgeon()
     t0 = time.monotonic()
-
-    progress("load", 0, 1)
-    proto = load_model(model)
-    source = {"name": model.name, "sha256": sha256_file(model)}
-    if options.vendor_only and not tgt.vendor:
-        raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
-    against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
-    as_it_came = vendor_model(proto, options.input_shapes) if against_vendor else None
-    proto, prepared = prepare_model(proto, tgt.min_opset)
-    opset = default_opset(proto)
-    graph = gs.import_onnx(proto)
-    del proto
-
-    # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph is
-    #    kept so each rewritten shard can also be built as the vendor would take it.
-    graph, ctx = run_passes(graph, tgt, profile, options, progress, snapshot=("canonicalize",) if tgt.vendor else (),
-                            until="slow_paths" if options.vendor_only else None)
-    ctx.reports["canonicalize"]["prepared"] = prepared
-    plans = ctx.plan or []
-    canonical = ctx.snapshots.pop("canonicalize", None)
-    originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
-    quantized = options.precision in QUANTIZED
-    values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
-                     else (None, None))
-    rank = None
-    if options.precision == "mixed":
-        ctx.reports["mixed"] = {"promoted": sorted(options.promote)}
-        rank = lambda: mixed_ranking(graph, feeds, progress)  # noqa: E731  (for compile_mixed, if it needs one)
-    t_passes = time.monotonic() - t0
-
-    # 2. Write the shards and compile them, in a scratch bundle next to the output (same filesystem,
-    #    so the final rename is atomic); logs live outside it so a failure keeps them.
+    # The staging bundle beside the output (same filesystem, so the final rename is atomic); logs
+    # live outside it so a failure keeps them.
     staging, logs = scratch_folders(output)
-    datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
-                        set(options.promote or ())) if quantized else None
+    (staging / "shards").mkdir()
+    datasets = None
     try:
-        (staging / "shards").mkdir()
-        jobs = write_jobs(staging, logs, tgt, plans, originals, as_it_came, opset, progress, datasets)
-        del as_it_came
+        progress("load", 0, 1)
+        proto = load_model(model)
+        source = {"name": model.name, "sha256": sha256_file(model)}
+        if options.vendor_only and not tgt.vendor:
+            raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
+        against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
+        if against_vendor:   # written now, so its weights are not held twice through the passes
+            fix_input_shapes(proto, options.input_shapes)
+            if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
+                onnx.load_external_data_for_model(proto, str(staging / "shards"))
+        proto, prepared = prepare_model(proto, tgt.min_opset)
+        opset = default_opset(proto)
+        graph = gs.import_onnx(proto)
+        del proto
+
+        # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph is
+        #    kept so each rewritten shard can also be built as the vendor would take it.
+        graph, ctx = run_passes(graph, tgt, profile, options, progress,
+                                snapshot=("canonicalize",) if tgt.vendor else (),
+                                until="slow_paths" if options.vendor_only else None)
+        ctx.reports["canonicalize"]["prepared"] = prepared
+        plans = ctx.plan or []
+        canonical = ctx.snapshots.pop("canonicalize", None)
+        originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
+        quantized = options.precision in QUANTIZED
+        values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
+                         else (None, None))
+        rank = None
+        if options.precision == "mixed":
+            ctx.reports["mixed"] = {"promoted": sorted(options.promote)}
+            rank = lambda: mixed_ranking(graph, feeds, progress)  # noqa: E731  (for compile_mixed, if it needs one)
+        t_passes = time.monotonic() - t0
+
+        # 2. Write the shards and compile them.
+        datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
+                            set(options.promote or ())) if quantized else None
+        jobs = write_jobs(staging, logs, tgt, plans, originals, against_vendor, opset, progress, datasets)
         build = tgt.build_options(options)
         if ctx.build_config and "config" in build:
             build["config"] = {**build["config"], **ctx.build_config}
@@ -494,11 +499,14 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
     return read_manifest(staging), report
 
 
-def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, as_it_came, opset: int,
+def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, vendor_alone: bool, opset: int,
                progress: Progress, datasets: Datasets | None = None) -> list[ShardJob]:
-    """The builds to make: the model as it came (the longest, first), then each shard and, where the
-    passes changed it, its unrewritten twin; quantized builds get their inputs' samples."""
-    jobs = [write_job(staging, logs, tgt, VENDOR_ALONE, as_it_came, datasets)] if as_it_came is not None else []
+    """The builds to make: the model as it came (the longest, first; its file is already written),
+    then each shard and, where the passes changed it, its unrewritten twin; quantized builds get
+    their inputs' samples."""
+    vendor_file = staging / "shards" / f"{VENDOR_ALONE}.onnx"
+    jobs = [shard_job(staging, logs, tgt, VENDOR_ALONE, onnx.load(str(vendor_file), load_external_data=False).graph,
+                      datasets)] if vendor_alone else []
     for job in jobs:  # mixed is shard's own recipe: the vendor alone quantizes the whole model to int8
         if job.precision == "mixed":
             job.precision, job.float16 = "int8", None
@@ -551,20 +559,28 @@ def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | No
 
 def write_job(staging: Path, logs: Path, tgt, name: str, model, datasets: Datasets | None = None,
               nodes: list | None = None) -> ShardJob:
+    save_onnx(model, staging / "shards" / f"{name}.onnx")
+    if nodes is None and datasets is not None and datasets.precision == "mixed":
+        nodes = gs.import_onnx(model).nodes
+    return shard_job(staging, logs, tgt, name, model.graph, datasets, nodes)
+
+
+def shard_job(staging: Path, logs: Path, tgt, name: str, graph: onnx.GraphProto, datasets: Datasets | None = None,
+              nodes: list | None = None) -> ShardJob:
+    """The build of staging/shards/NAME.onnx (whose graph is `graph`; `nodes`, its nodes, for mixed
+    precision's fp16 list)."""
     onnx_path = staging / "shards" / f"{name}.onnx"
-    save_onnx(model, onnx_path)
     artifact = staging / "shards" / f"{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
     job = ShardJob(name=name, onnx=onnx_path, artifact=artifact, log=logs / f"{name}.log")
     if datasets is not None:
-        weights = {t.name for t in model.graph.initializer}  # old exports list them as inputs too
-        inputs = [(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim]) for i in model.graph.input
+        weights = {t.name for t in graph.initializer}  # old exports list them as inputs too
+        inputs = [(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim]) for i in graph.input
                   if i.name not in weights]
         job.precision, job.dataset = datasets.precision, datasets.files(inputs)
         if datasets.precision == "mixed":
             from shard.precision import float16_names
 
-            job.float16 = float16_names(nodes if nodes is not None else gs.import_onnx(model).nodes, datasets.promoted,
-                                        [name for name, _ in inputs])
+            job.float16 = float16_names(nodes or [], datasets.promoted, [name for name, _ in inputs])
     return job
 
 
@@ -667,7 +683,7 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
     specs = []
     for k, (built, plan) in enumerate(chosen):
         name = f"shard_{k:03d}"
-        for suffix in (".onnx", tgt.artifact_suffix):
+        for suffix in (".onnx", ".onnx.data", tgt.artifact_suffix):
             if suffix and (folder / f"{built}{suffix}").exists():
                 keep[folder / f"{name}{suffix}"] = folder / f"{built}{suffix}"
         job = jobs.get(built)
@@ -696,7 +712,20 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
             path.unlink()
     for dst, tmp in moved.items():
         tmp.rename(dst)
+        if dst.name.endswith(".onnx.data"):   # the weights of a model past 2 GiB: the file names them
+            relocate_weights(dst.with_name(dst.name.removesuffix(".data")))
     return specs
+
+
+def relocate_weights(path: Path) -> None:
+    """Point an ONNX file's external tensors at PATH.data (the file was renamed, its weights with it)."""
+    model = onnx.load(str(path), load_external_data=False)
+    constants = [a.t for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+    for tensor in [*model.graph.initializer, *constants]:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = f"{path.name}.data"
+    onnx.save(model, str(path))
 
 
 def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress: Progress = lambda *a: None,
@@ -748,10 +777,12 @@ def check_options(options: CompileOptions) -> None:
         raise ShardError(f"--min-cosine {options.min_cosine}: expected a cosine in (0, 1]")
 
 
-def save_onnx(model, path: Path) -> None:
-    # Protobuf caps one message at 2 GiB; larger shards keep their weights beside them.
-    large = model.ByteSize() > 1_800_000_000
+def save_onnx(model, path: Path) -> bool:
+    """Write the model; one past protobuf's 2 GiB cap keeps its weights beside it (PATH.data), and then
+    (True returned) the model in memory points at that file instead of holding them."""
+    large = not fits_protobuf(model)
     onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
+    return large
 
 
 def check_output_path(output: Path) -> None:

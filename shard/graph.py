@@ -34,6 +34,16 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     return model
 
 
+PROTO_LIMIT = 1_800_000_000   # bytes; protobuf caps one message at 2 GiB (leave room for the graph)
+
+
+def fits_protobuf(model: onnx.ModelProto) -> bool:
+    """Does the model serialize as one message? Summed over its parts: the size of a model past
+    2 GiB cannot be asked of the whole (protobuf raises)."""
+    graph = model.graph
+    return sum(part.ByteSize() for part in (*graph.initializer, *graph.node, *graph.sparse_initializer)) < PROTO_LIMIT
+
+
 def sha256_file(path: str | Path, digest=None):
     """The file's sha256 hex digest; or, given a running `digest`, the file's bytes fed into it."""
     running = digest is not None

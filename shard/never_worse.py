@@ -91,15 +91,13 @@ def comparison_line(ours: Figures, theirs: Figures) -> str:
     return f"shard / vendor alone: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
 
 
-def vendor_model(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> onnx.ModelProto:
-    """The model as a user hands it to the vendor toolkit: as it came, with the given input shapes."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+def fix_input_shapes(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> None:
+    """The given input shapes written into the model (as a user hands it to the vendor toolkit)."""
     for value in model.graph.input:
         if value.name in input_shapes:
             dims = value.type.tensor_type.shape.dim
             del dims[:]
             dims.extend(onnx.TensorShapeProto.Dimension(dim_value=int(d)) for d in input_shapes[value.name])
-    return model
 
 
 def host_sources(host_post: list[dict]) -> dict[str, str]:

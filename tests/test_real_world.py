@@ -201,3 +201,30 @@ def test_a_model_of_onnx_sequences_is_canonicalized_without_a_traceback(name):
     model, _ = prepare_model(onnx.load(str(folder / "model.onnx")))
     graph, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), CompileOptions()))
     assert graph.nodes and "shapes_from_onnxruntime" in report
+
+
+@pytest.mark.toolkit
+def test_a_model_past_protobufs_2_gib_compiles_with_its_weights_beside_it(tmp_path, monkeypatch):
+    """A 2 GiB MLP (8 linears 4096 <-> 16384, external data) ended in an EncodeError: the vendor
+    alone's copy, and every size check, serialized the whole model. The same path, with the limit
+    at 1 kB so a small model takes it: weights in NAME.onnx.data wherever a file is written, the
+    kept shards' files renamed with their weights, and the bundle verifies."""
+    import shard
+    import shard.graph
+
+    monkeypatch.setattr(shard.graph, "PROTO_LIMIT", 1000)
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float32), f"w{k}") for k in range(4)]
+    nodes = [node for k in range(4) for node in (helper.make_node("MatMul", ["x" if k == 0 else f"r{k - 1}", f"w{k}"], [f"m{k}"]),
+                                                 helper.make_node("Relu", [f"m{k}"], [f"r{k}"]))]
+    model = make_model(nodes, [("x", [1, 32, 64])], [("r3", [1, 32, 64])], inits)
+    path = tmp_path / "mlp.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="mlp.onnx.data")
+    result = shard.compile(path, "rk3588", tmp_path / "m.shard", CompileOptions(shards=2))
+    for spec in result.manifest.shards:
+        onnx_file = result.bundle / spec.onnx
+        header = onnx.load(str(onnx_file), load_external_data=False)
+        locations = {e.value for t in header.graph.initializer for e in t.external_data if e.key == "location"}
+        assert locations == {f"{onnx_file.name}.data"} and (result.bundle / f"{spec.onnx}.data").is_file()
+    report = shard.verify(result.bundle, path, backend="sim", min_cosine=0.9999)
+    assert min(o.cosine for o in report.outputs) >= 0.9999
