@@ -203,6 +203,27 @@ def test_a_model_of_onnx_sequences_is_canonicalized_without_a_traceback(name):
     assert graph.nodes and "shapes_from_onnxruntime" in report
 
 
+@pytest.mark.parametrize("name", ["test_sequence_model6", None])
+def test_scale_sandwich_measures_what_onnxruntime_can_run_and_says_why_not_otherwise(name):
+    # The onnx package's sequence models hold no float tensor (onnxruntime was asked for no output),
+    # and a string model whose kernel needs a locale could not be run at all: both ended in tracebacks.
+    from shard.passes.scale_sandwich import scale_sandwich
+
+    if name:
+        folder = Path(onnx.__file__).parent / "backend" / "test" / "data" / "simple" / name
+        model, _ = prepare_model(onnx.load(str(folder / "model.onnx")))
+    else:   # an op of a domain onnxruntime does not have
+        model = helper.make_model(helper.make_graph(
+            [helper.make_node("Frobnicate", ["x"], ["y"], domain="com.example")], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])]),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    ctx = PassContext(load_profile("rk3588"), CompileOptions())
+    graph = canonicalize(gs.import_onnx(model), ctx)[0] if name else gs.import_onnx(model)
+    graph, report = scale_sandwich(graph, ctx)
+    assert graph.nodes and (report.get("changes") == [] if name else "onnxruntime cannot run" in report["skipped"])
+
+
 @pytest.mark.toolkit
 def test_a_model_past_protobufs_2_gib_compiles_with_its_weights_beside_it(tmp_path, monkeypatch):
     """A 2 GiB MLP (8 linears 4096 <-> 16384, external data) ended in an EncodeError: the vendor

@@ -69,7 +69,11 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                                   f"fp32, or a profile probed before that family)"}
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = export(graph)
-    stats = collect_stats(model, samples, ranks=float_ranks(graph))
+    try:
+        stats = collect_stats(model, samples, ranks=float_ranks(graph))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+        return graph, {"skipped": f"onnxruntime cannot run the model to measure its ranges: "
+                                  f"{str(exc).splitlines()[0][:200]}"}
     before = graph.copy()
     quantized = getattr(ctx.options, "precision", "fp16") != "fp16"
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
