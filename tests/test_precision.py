@@ -86,23 +86,40 @@ def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path
     assert out.stdout.count("shard_00") == 2             # both checked fed the reference's (scaled) tensors
 
 
-def test_rescales_that_leave_both_nan_do_not_cost_cycles(tmp_path, save):
-    """Caffe2's ResNet-50 from the onnx package (every weight 0.02): its logits reach 1e19 and the
-    Softmax overflows fp16 in shard's bundle and the vendor's alike; the Muls shard spent on range
-    rescales then bought nothing, the cycles count again, and the bundle is the vendor's."""
+def growing_to_softmax(save, tail: bool):
+    """Caffe2's ResNet-50 in small (the onnx package's light model: every weight 0.02): activations
+    past fp16 through a residual Sum into a Softmax, which ends the model or (not tail) feeds a Mul."""
     rng = np.random.default_rng(0)
     weights = [numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) * 3e3).astype(np.float32), f"w{k}")
-               for k in range(2)]
+               for k in range(2)] + [numpy_helper.from_array(np.array(2.0, np.float32), "two")]
     nodes = [helper.make_node("Conv", ["x", "w0"], ["a"]), helper.make_node("Relu", ["a"], ["b"]),
              helper.make_node("Conv", ["b", "w1"], ["c"]), helper.make_node("Sum", ["b", "c"], ["d"]),
-             helper.make_node("Softmax", ["d"], ["y"], axis=1)]    # the Sum's sides: one scaled down by a Mul
-    model = save(make_model(nodes, [("x", [1, 8, 16, 16])], [("y", [1, 8, 16, 16])], weights))
-    result = shard.compile(model, "rk3588", tmp_path / "n.shard", CompileOptions())   # fidelity checked by default
+             helper.make_node("Softmax", ["d"], ["y" if tail else "p"], axis=1)]   # the Sum's sides: one scaled by a Mul
+    nodes += [] if tail else [helper.make_node("Mul", ["p", "two"], ["y"])]
+    return save(make_model(nodes, [("x", [1, 8, 16, 16])], [("y", [1, 8, 16, 16])], weights))
+
+
+def test_rescales_that_leave_both_nan_do_not_cost_cycles(tmp_path, save):
+    """The Softmax overflows fp16 in shard's bundle and the vendor's alike; the Muls shard spent on
+    range rescales then bought nothing, the cycles count again, and the bundle is the vendor's."""
+    result = shard.compile(growing_to_softmax(save, tail=False), "rk3588", tmp_path / "n.shard", CompileOptions())
     versus = result.report["versus_vendor"]
     assert any(c["form"] == "range" for c in result.report["passes"]["scale_sandwich"]["changes"])
     assert versus["fidelity"]["shard"] != versus["fidelity"]["shard"] and versus["fidelity"]["vendor"] != versus["fidelity"]["vendor"]
     assert "cost_cycles" in versus["judged_on"]
     assert versus["bundle"] == "vendor alone" and "both NaN on the simulator, so the cycles count" in versus["line"]
+
+
+def test_a_last_softmax_past_fp16_runs_on_the_host_in_fp32(tmp_path, save):
+    """Where the Softmax ends the model, the NPU hands over its input held scaled and the host
+    multiplies it back and runs the Softmax in fp32: NaN for the vendor alone, the reference for shard."""
+    model = growing_to_softmax(save, tail=True)
+    result = shard.compile(model, "rk3588", tmp_path / "t.shard", CompileOptions())
+    fidelity = result.report["versus_vendor"]["fidelity"]
+    assert fidelity["vendor"] != fidelity["vendor"] and fidelity["shard"] >= 0.9999
+    assert [s["type"] for s in result.report["host_post"]] == ["Mul", "Softmax"]
+    out = shard_cli("verify", tmp_path / "t.shard", "-r", model, "--min-cosine", "0.9999")
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):

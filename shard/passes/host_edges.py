@@ -23,7 +23,8 @@ from shard.passes import PassContext, register
 from shard.runtime.host_ops import OPS as HOST_ONNX_OPS
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
-POST_OPS = ("Concat", "Reshape", "Transpose", "Mul")   # Mul: scale_sandwich's fp32 restore of an output
+POST_OPS = ("Concat", "Reshape", "Transpose", "Mul", "Softmax", "LogSoftmax")
+ONNX_POST = ("Mul", "Softmax", "LogSoftmax")   # scale_sandwich's fp32 restore of an output, a last Softmax past fp16
 
 
 def const(node: gs.Node, k: int) -> np.ndarray | None:
@@ -117,7 +118,7 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             if node.name in ctx.host_candidates and node.op in POST_OPS and node.outputs \
                     and node.outputs[0].name in graph_outputs and not node.outputs[0].outputs \
                     and isinstance(node.inputs[0], gs.Variable) \
-                    and (step := onnx_step(node, ctx.host_tables) if node.op == "Mul" else host_step(node)):
+                    and (step := onnx_step(node, ctx.host_tables) if node.op in ONNX_POST else host_step(node)):
                 out = node.outputs[0]
                 post.insert(0, step)
                 graph.outputs = [t for t in graph.outputs if t is not out]

@@ -17,7 +17,9 @@ Three forms, all sized from calibration samples (onnxruntime's ranges of every f
   divided by the factor squared), BatchNormalization in its constants (mean, scale and bias by
   powers of two), and any other op gets its true input back by a Mul. A model
   whose activations grow through the whole network gets a chain of factors, one per layer that
-  needs a larger one. A graph output still carried scaled is multiplied back on the host (fp32).
+  needs a larger one. A graph output still carried scaled is multiplied back on the host (fp32), and so
+  is the input of a Softmax that ends the model where its true values leave fp16 (the Softmax then
+  runs on the host too).
 - outlier splits (mixed). A trained transformer's linears read and write a few channels far past
   the rest (all-mpnet-base-v2: a LayerNorm output channel at 56 where the median channel reaches
   1.1, FFN outputs at 356 against 2.1). Per-tensor int8 of such a tensor leaves the other
@@ -56,6 +58,7 @@ PASS_THROUGH = ("Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMa
                 "Flatten", "Squeeze", "Unsqueeze", "Slice", "Identity", "ReduceMean", "ReduceSum", "ReduceMax",
                 "ReduceMin", "Split", "Expand", "Tile", "DepthToSpace", "SpaceToDepth", "LeakyRelu", "Resize",
                 "Gather", "Concat", "Pad")
+HOST_TAILS = ("Softmax", "LogSoftmax")   # a model's last op the host runs where its input leaves fp16
 TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 
@@ -345,11 +348,20 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
 
     def restore_inputs(node: gs.Node, variables: list, ks: dict) -> None:
         """Give a node its inputs at their true scale (a Mul by 2^k before it); where the true value
-        is itself past the range, say so."""
+        is itself past the range, the model's last Softmax runs on the host in fp32 (with the Mul), and
+        otherwise the report says so."""
         for i, t in variables:
             if ks[i]:
                 node.inputs[i] = scaled(graph, t, -ks[i], f"{node.name}/in{i}")
-                if needed(t, stats, safe):
+                if needed(t, stats, safe) and node.op in HOST_TAILS and len(variables) == 1 \
+                        and all(o in graph.outputs and not o.outputs for o in node.outputs):
+                    ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name})
+                    changes.append({"node": node.name, "op": node.op, "form": "range",
+                                    "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
+                                              f"fp16 range ({safe:g} with the profile's margin), and ends the model",
+                                    "action": f"it runs on the host in fp32 after the shards, its input multiplied "
+                                              f"back by 2^{ks[i]} there", "factor": 1.0})
+                elif needed(t, stats, safe):
                     over.append({"node": node.name, "op": node.op, "tensor": node.inputs[i].name,
                                  "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
                                            f"fp16 range ({safe:g} with the profile's margin), at its true scale",

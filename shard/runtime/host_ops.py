@@ -1,6 +1,6 @@
 """ONNX ops the runtime evaluates in numpy: what a model computes from its integer inputs alone
 (an attention mask turned into an additive bias, position ids, token types, the embedding lookups
-of all of them).
+of all of them), and a model's last Softmax where its input leaves fp16 (shard.passes.scale_sandwich).
 
 The vendor runs such ops (Gather of an embedding table, Cast to bool, Not, Where, CumSum of an
 int64 mask) on the CPU inside its graph; the compiler moves them here instead
@@ -109,6 +109,13 @@ def div(a, b, attrs):
     return np.divide(a, b)
 
 
+def softmax(x, attrs, log=False):
+    """Softmax (opset 13: along one axis) in float64, cast back; log: LogSoftmax."""
+    shifted = x.astype(np.float64) - x.max(axis=attrs.get("axis", -1), keepdims=True)
+    total = np.exp(shifted).sum(axis=attrs.get("axis", -1), keepdims=True)
+    return (shifted - np.log(total) if log else np.exp(shifted) / total).astype(x.dtype)
+
+
 OPS = {
     "Cast": lambda x, attrs: x.astype(DTYPES[attrs["to"]]),
     "Not": lambda x, attrs: np.logical_not(x),
@@ -144,6 +151,8 @@ OPS = {
     "ReduceMax": reduce(np.max),
     "ReduceMin": reduce(np.min),
     "Clip": clip,
+    "Softmax": softmax,
+    "LogSoftmax": lambda x, attrs: softmax(x, attrs, log=True),
 }
 
 
