@@ -2,11 +2,12 @@
 
     python bench/compile.py [--model siglip.onnx] [--jobs 2]
 
-shard compile runs three times: cold (an empty build cache; it also builds the model as it came
+shard compile runs four times: cold (an empty build cache; it also builds the model as it came
 with the vendor alone, and each rewritten shard's unrewritten twin), warm (the same model again),
-and cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
+the model with one linear's weights changed (the cache warm: only what changed builds again), and
+cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
 whole process tree (shard plus its toolkit workers) every 50 ms.
-Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... shards=...
+Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=... shards=...
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ def main() -> None:
     if res.returncode:
         sys.exit(f"vendor build failed:\n{res.stderr}")
     bundle = work / "model.shard"
+    edited = one_layer_changed(model, work / "one-layer.onnx")
     runs = {}
-    for label, cache, extra in (("cold", "cold", []), ("warm", "cold", []),
-                                ("cold, --no-vendor-baseline", "plain", ["--no-vendor-baseline"])):
+    for label, cache, source, extra in (("cold", "cold", model, []), ("warm", "cold", model, []),
+                                        ("one layer's weights changed", "cold", edited, []),
+                                        ("cold, --no-vendor-baseline", "plain", model, ["--no-vendor-baseline"])):
         env = {**os.environ, "SHARD_BUILD_CACHE": str(work / f"cache-{cache}")}
-        runs[label] = measure([sys.executable, "-m", "shard", "compile", str(model), "--target", "rk3588",
+        runs[label] = measure([sys.executable, "-m", "shard", "compile", str(source), "--target", "rk3588",
                                "-o", str(bundle), "--jobs", str(args.jobs), *extra], env)
         if runs[label][2].returncode:
             sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
@@ -115,8 +118,26 @@ def main() -> None:
     for label, (wall, rss, _) in runs.items():
         print(f"{f'shard compile, {label} (-j{args.jobs})':40}{wall:>10.1f}{rss / 1e9:>14.2f}")
     cold_wall, cold_rss, _ = runs["cold"]
+    one_layer = runs["one layer's weights changed"][0]
     print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
-          f"warm_s={runs['warm'][0]:.1f} shards={shards}")
+          f"warm_s={runs['warm'][0]:.1f} one_layer_s={one_layer:.1f} one_layer_ratio={one_layer / cold_wall:.2f} "
+          f"shards={shards}")
+
+
+def one_layer_changed(model: Path, out: Path) -> Path:
+    """The model with one linear's weights (the middle one) scaled by 1.01: the shard holding it,
+    and the model as it came, change; the other shards do not."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(model))
+    consts = {n.input[1] for n in proto.graph.node if n.op_type in ("MatMul", "Gemm", "Conv") and len(n.input) > 1}
+    weights = [t for t in proto.graph.initializer if t.name in consts and len(t.dims) >= 2]
+    tensor = weights[len(weights) // 2]
+    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(1.01), tensor.name))
+    onnx.save(proto, str(out))
+    return out
 
 
 if __name__ == "__main__":
