@@ -237,3 +237,46 @@ def test_a_flatten_before_a_linear_becomes_one_conv(kind):
     np.testing.assert_allclose(run_ort(result, {"x0": x})[0], run_ort(model, {"x0": x})[0], rtol=1e-4, atol=1e-4)
     kept, _ = rewritten(model, load_profile("rk3588"), on_cpu=["Selu"])     # the flatten fits: left alone
     assert [n.op_type for n in kept.graph.node] == [n.op_type for n in model.graph.node]
+
+
+@pytest.mark.parametrize("numerator,op", [(1.0, "Div"), (2.5, "Div"), (1.0, "Reciprocal")])
+def test_a_reciprocal_that_muls_read_becomes_their_divs(numerator, op):
+    """T5's RMS norm: hidden * (1 / sqrt(variance + eps)); the Div with a constant numerator lands on
+    the RK3588 CPU, a Div of two tensors does not."""
+    x, v = [1, 2, 8, 16], [1, 2, 8, 1]
+    recip = helper.make_node("Div", ["c", "s"], ["r"]) if op == "Div" else helper.make_node("Reciprocal", ["s"], ["r"])
+    nodes = [helper.make_node("Sqrt", ["v"], ["s"]), recip, helper.make_node("Mul", ["x", "r"], ["a"]),
+             helper.make_node("Mul", ["r", "x2"], ["b"]), helper.make_node("Add", ["a", "b"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(numerator, np.float32), "c")] if op == "Div" else []
+    model = make_model(nodes, [("x", x), ("x2", x), ("v", v)], [("y", x)], inits)
+    result, report = rewritten(model, load_profile("rk3588"), on_cpu=[op])
+    ops = [n.op_type for n in result.graph.node]
+    assert ops.count("Div") == 2 and "Reciprocal" not in ops and report["changes"][0]["op"] == op
+    assert all(n.input[0] != "c" for n in result.graph.node if n.op_type == "Div")   # no constant numerator left
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal(x).astype(np.float32), "x2": rng.standard_normal(x).astype(np.float32),
+             "v": rng.uniform(0.1, 4, v).astype(np.float32)}
+    np.testing.assert_allclose(run_ort(result, feeds)[0], run_ort(model, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.toolkit
+def test_t5s_rms_norm_runs_on_the_rk3588_npu(tmp_path):
+    """T5's encoder (transformers, in the corpus): hidden * (1 / sqrt(mean(hidden^2) + eps)) put one
+    Div per norm on the CPU; as hidden / sqrt(...), none."""
+    shape = [1, 128, 64]
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("ReduceMean", ["sq"], ["var"], axes=[-1]),
+             helper.make_node("Add", ["var", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["s"]),
+             helper.make_node("Div", ["one", "s"], ["r"]), helper.make_node("Mul", ["x", "r"], ["n"]),
+             helper.make_node("Mul", ["n", "g"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(1e-6, np.float32), "eps"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.random.default_rng(0).uniform(0.5, 1.5, 64).astype(np.float32), "g")]
+    model = make_model(nodes, [("x", shape)], [("y", shape)], inits)
+    path = tmp_path / "rms.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "r.shard")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "r.shard" / "report.json").read_text())
+    assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+    res = shard_cli("verify", tmp_path / "r.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr

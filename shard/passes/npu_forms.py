@@ -34,6 +34,9 @@ toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do):
                    fractional exponent is on the CPU; 0.75, AlexNet's and GoogLeNet's, is
                    sqrt(s) * sqrt(sqrt(s)))
 
+Two patterns, where the op that starts them lands on the CPU alone: a flatten before a linear
+(rewrite_flat_linears) and a reciprocal that Muls read (rewrite_reciprocals).
+
 A one-op verdict only nominates: every rewritten shard is built beside its unrewritten twin, and the
 compile keeps the rewrite only where that build is better (shard.never_worse).
 """
@@ -361,13 +364,52 @@ def rewrite_flat_linears(graph: gs.Graph, legality) -> list[dict]:
     return changes
 
 
+def reciprocal(node: gs.Node) -> tuple[gs.Tensor, float] | None:
+    """(s, c) where `node` makes c / s (Reciprocal, or a Div with a one-value constant numerator)."""
+    if node.op == "Reciprocal":
+        return node.inputs[0], 1.0
+    if node.op == "Div" and isinstance(node.inputs[0], gs.Constant) and node.inputs[0].values.size == 1:
+        return node.inputs[1], float(node.inputs[0].values.ravel()[0])
+    return None
+
+
+def rewrite_reciprocals(graph: gs.Graph, legality) -> list[dict]:
+    """c / s that only Muls read, where its one-op build lands on the CPU (a Div with a constant
+    numerator does on RK3588: T5's RMS norm, hidden * (1 / sqrt(variance + eps))): each x * (c / s)
+    becomes x / s (times c), a Div of two tensors, which the NPU runs."""
+    changes = []
+    for node in [n for n in graph.nodes if n.op in ("Div", "Reciprocal")]:
+        found, r = reciprocal(node), node.outputs[0]
+        users = list(r.outputs)
+        if found is None or not users or r in graph.outputs or any(
+                u.op != "Mul" or len(u.inputs) != 2 or u.inputs[0] is u.inputs[1] or
+                isinstance(next(t for t in u.inputs if t is not r), gs.Constant) for u in users):
+            continue
+        verdict = legality.check(OpSpec.of(node))
+        if verdict.failure != "cpu-fallback":
+            continue
+        s, c = found
+        for user in users:
+            e, x, y = Emit(graph, user), next(t for t in user.inputs if t is not r), user.outputs[0]
+            quotient = y if c == 1.0 else e.var("quotient", y.shape)
+            e.op("Div", "Div", [x, s], [quotient])
+            if c != 1.0:
+                e.op("Mul", "Numerator", [quotient, e.const("numerator", c)], [y])
+            user.outputs.clear()
+        changes.append({"node": node.name or r.name, "op": node.op, "shape": list(s.shape),
+                        "reason": verdict.reason, "action": f"each of its {len(users)} Mul readers x * (c / s) as "
+                                                            f"x / s{'' if c == 1.0 else ' * c'}, on the NPU"})
+    return changes
+
+
 @register("npu_forms")
 def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     evidence = softmax_never_on_npu(ctx.profile)
     changes, left = rewrite_softmaxes(graph, evidence) if evidence else ([], [])
     if ctx.legality is not None:
         more, others = rewrite_forms(graph, ctx.legality)
-        changes, left = changes + more + rewrite_flat_linears(graph, ctx.legality), left + others
+        changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
+        left = left + others
     report = {"changes": changes, "not_fixed": left}
     if evidence is None:
         report["note"] = "the profile finds Softmax on the NPU: Softmax left to the compiler"
