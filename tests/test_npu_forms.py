@@ -158,7 +158,7 @@ def test_forms_only_where_the_op_lands_on_the_cpu_and_what_they_cannot_take():
     model = single("AveragePool", [1, 2, 6, 6], [1, 2, 4, 4], kernel_shape=[3, 3])
     out, report = rewritten(model, load_profile("rk3588"), on_cpu=["AveragePool"])
     assert [n.op_type for n in out.graph.node] == ["AveragePool"] and "no explicit padding" in report["not_fixed"][0]["reason"]
-    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool"}
+    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize"}
 
 
 @pytest.mark.toolkit
@@ -280,3 +280,27 @@ def test_t5s_rms_norm_runs_on_the_rk3588_npu(tmp_path):
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
     res = shard_cli("verify", tmp_path / "r.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@settings(max_examples=30, deadline=None)
+@given(mode=st.sampled_from(["linear", "cubic", "nearest"]),
+       transform=st.sampled_from(["align_corners", "half_pixel", "asymmetric", "pytorch_half_pixel"]),
+       size=st.tuples(st.integers(2, 9), st.integers(2, 9)), out=st.tuples(st.integers(1, 19), st.integers(1, 19)),
+       by_scales=st.booleans(), seed=st.integers(0, 100))
+def test_a_resize_as_two_matmuls_equals_the_resize(mode, transform, size, out, by_scales, seed):
+    """DPT (transformers, in the corpus): its align_corners bilinear upsampling lands on the RK3588 CPU."""
+    shape = [1, 3, *size]
+    if by_scales:
+        scales = np.array([1, 1, out[0] / size[0], out[1] / size[1]], np.float32)
+        out = tuple(int(np.floor(d * s)) for d, s in zip(size, scales[2:]))
+        extra = [numpy_helper.from_array(scales, "scales")]
+        inputs = ["x0", "", "scales"]
+    else:
+        extra = [numpy_helper.from_array(np.array([1, 3, *out], np.int64), "sizes")]
+        inputs = ["x0", "", "", "sizes"]
+    node = helper.make_node("Resize", inputs, ["y"], mode=mode, coordinate_transformation_mode=transform)
+    model = make_model([node], [("x0", shape)], [("y", [1, 3, *out])], extra)
+    result, report = rewritten(model, load_profile("rk3588"), on_cpu=["Resize"])
+    assert "Resize" not in [n.op_type for n in result.graph.node] and report["changes"][0]["op"] == "Resize"
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    np.testing.assert_allclose(run_ort(result, {"x0": x})[0], run_ort(model, {"x0": x})[0], rtol=1e-5, atol=1e-5)

@@ -112,6 +112,18 @@ def test_one_op_models_keep_the_ops_dtypes(op, attrs, ins, out):
     assert result.dtype == np.dtype(out)
 
 
+def test_a_one_op_model_keeps_an_omitted_optional_input_omitted():
+    # Resize [X, '', scales] (DPT's upsampling): the harness read the omitted roi's shape and raised.
+    x = gs.Variable("x", np.float32, [1, 2, 4, 4])
+    scales = gs.Constant("scales", np.array([1, 1, 2, 2], np.float32))
+    node = gs.Node("Resize", "r", {"mode": "linear"}, [x, gs.Variable(""), scales],
+                   [gs.Variable("y", np.float32, [1, 2, 8, 8])])
+    model = OpSpec.of(node).model()
+    assert list(model.graph.node[0].input) == ["in0", "", "in2"]
+    (result,) = run_ort(model, {"in0": np.ones((1, 2, 4, 4), np.float32)})
+    assert result.shape == (1, 2, 8, 8)
+
+
 def test_float_one_op_models_are_unchanged():
     node = gs.Node("Relu", "r", {}, [gs.Variable("x", np.float32, [1, 4])], [gs.Variable("y", np.float32, [1, 4])])
     spec = OpSpec.of(node)

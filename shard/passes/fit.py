@@ -40,14 +40,16 @@ class OpSpec:
 
     op: str
     attrs: dict
-    inputs: list[tuple[list[int], np.ndarray | None]]   # (shape, value if constant)
+    inputs: list[tuple[list[int] | None, np.ndarray | None]]   # (shape, value if constant); None: omitted
     outputs: list[list[int]]
     dtypes: list[str] | None = None       # numpy names of the inputs' then the outputs' dtypes; None: float32
 
     @classmethod
     def of(cls, node: gs.Node) -> OpSpec:
-        ins = [(list(t.shape), t.values if isinstance(t, gs.Constant) else None) for t in node.inputs]
-        dtypes = [dtype_name(t.dtype) if t.dtype is not None else "float32" for t in (*node.inputs, *node.outputs)]
+        ins = [(list(t.shape), t.values if isinstance(t, gs.Constant) else None) if t.name else (None, None)
+               for t in node.inputs]
+        dtypes = [dtype_name(t.dtype) if t.dtype is not None else "float32" for t in (*node.inputs, *node.outputs)
+                  if t.name or t in node.outputs]
         return cls(node.op, dict(node.attrs), ins, [list(t.shape) for t in node.outputs],
                    None if set(dtypes) == {"float32"} else dtypes)
 
@@ -64,16 +66,17 @@ class OpSpec:
     def model(self) -> onnx.ModelProto:
         """This op alone; large float constants become seeded noise of their shape (values do not
         change legality, and zeros would let the compiler fold the op away)."""
-        names = [f"in{k}" for k in range(len(self.inputs))]
-        dtypes = self.dtypes or ["float32"] * (len(self.inputs) + len(self.outputs))
+        present = [(f"in{k}", shape, value) for k, (shape, value) in enumerate(self.inputs) if shape is not None]
+        names = [f"in{k}" if shape is not None else "" for k, (shape, _) in enumerate(self.inputs)]
+        dtypes = self.dtypes or ["float32"] * (len(present) + len(self.outputs))
         inputs, inits = [], []
-        for name, (shape, value), dtype in zip(names, self.inputs, dtypes):
+        for (name, shape, value), dtype in zip(present, dtypes):
             if value is None:
                 inputs.append((name, shape, dtype))
             else:
                 inits.append((name, value if value.size <= 1024 or value.dtype.kind != "f" else
                               np.random.default_rng(0).standard_normal(value.shape).astype(value.dtype)))
-        outputs = [(f"out{k}", s, d) for k, (s, d) in enumerate(zip(self.outputs, dtypes[len(self.inputs):]))]
+        outputs = [(f"out{k}", s, d) for k, (s, d) in enumerate(zip(self.outputs, dtypes[len(present):]))]
         node = helper.make_node(self.op, names, [output[0] for output in outputs], **self.attrs)
         return small_model([node], inputs, outputs, inits)
 

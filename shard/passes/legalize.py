@@ -95,7 +95,7 @@ def piece_spec(node: gs.Node, out_axis: int, start: int, stop: int) -> OpSpec:
     spec = OpSpec.of(node)
     inputs = []
     for k, (shape, value) in enumerate(spec.inputs):
-        axis = input_axis(node, k, out_axis)
+        axis = input_axis(node, k, out_axis) if shape is not None else None   # None: an omitted input
         if axis is not None:
             shape = shape[:axis] + [stop - start] + shape[axis + 1:]
             if value is not None:

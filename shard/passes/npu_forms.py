@@ -28,6 +28,8 @@ toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do):
     Exp(x)         (Sigmoid(x/2) / Sigmoid(-x/2))^2
     Tile(x, r)     r copies joined by Concat, axis by axis
     AveragePool    with padding left out of the count: the pool counting it, times k*k / count
+    Resize         separable (linear, cubic, nearest): x @ A_w^T, then A_h @ that, the matrices
+                   onnxruntime's own Resize of an identity (DPT's align_corners upsampling)
     LRN(x)         x / (bias + alpha/size * sum of x^2 over the channel window)^beta: the window sum a
                    1x1 Conv with a band of ones (x scaled by sqrt(alpha/size) first, so x^2 stays in
                    fp16), the power from Sqrt and Mul where 4*beta is a whole number (Pow with a
@@ -48,12 +50,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import TensorProto
 
 from shard.graph import dtype_name
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
 
 SOFTMAX_FAMILIES = ("softmax-width@", "softmax-rows@")
+onnx_float, onnx_int64 = TensorProto.FLOAT, TensorProto.INT64
 
 
 def softmax_never_on_npu(profile) -> str | None:
@@ -232,6 +236,66 @@ def average_pool(e: Emit, node: gs.Node) -> None:
     e.op("Mul", "Count", [pooled, e.const("per_count", (kernel[0] * kernel[1] / count)[None, None])], [y])
 
 
+def resize_uncovered(node: gs.Node) -> str | None:
+    x, y = node.inputs[0], node.outputs[0]
+    if len(x.shape) != 4 or list(x.shape[:2]) != list(y.shape[:2]):
+        return "only a resize of the last two axes of a 4-D tensor is rewritten"
+    if node.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize" or "axes" in node.attrs \
+            or node.attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return "crop-and-resize, axes and aspect-ratio policies are not covered"
+    if not all(isinstance(t, gs.Constant) or not t.name for t in node.inputs[1:]):
+        return "scales or sizes computed in the graph"
+    return None
+
+
+def axis_matrix(node: gs.Node, axis: int) -> np.ndarray:
+    """The resize along one axis as a matrix [n_out, n_in], from onnxruntime itself: the same Resize
+    (attributes, and scales or sizes for that axis alone) applied to an identity."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    n_in, n_out = node.inputs[0].shape[axis], node.outputs[0].shape[axis]
+    scales = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
+    inputs, inits = ["eye", ""], []
+    if scales is not None and scales.values.size:
+        factor = np.ones(4, np.float32)
+        factor[axis] = scales.values[axis]
+        inits.append(helper.make_tensor("scales", onnx_float, [4], factor))
+        inputs.append("scales")
+    else:
+        sizes = [1, 1, n_in, n_in]
+        sizes[axis] = n_out
+        inits.append(helper.make_tensor("sizes", onnx_int64, [4], sizes))
+        inputs += ["", "sizes"]
+    resize = helper.make_node("Resize", inputs, ["out"], **node.attrs)
+    out_shape = [1, 1, n_in, n_in]
+    out_shape[axis] = n_out
+    model = helper.make_model(helper.make_graph([resize], "axis", [helper.make_tensor_value_info("eye", onnx_float, [1, 1, n_in, n_in])],
+                                                [helper.make_tensor_value_info("out", onnx_float, out_shape)], inits),
+                              opset_imports=[helper.make_opsetid("", 19)])
+    eye = np.eye(n_in, dtype=np.float32)[None, None]
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"eye": eye})[0][0, 0]
+    return out if axis == 2 else out.T   # rows: output positions
+
+
+def resize(e: Emit, node: gs.Node) -> None:
+    """A separable resize (linear, cubic, nearest; per axis, as ONNX defines it) as two MatMuls with its
+    interpolation matrices: x @ A_w^T, then A_h @ that."""
+    x, y = node.inputs[0], node.outputs[0]
+    n, c, h, w = x.shape
+    height, width = axis_matrix(node, 2), axis_matrix(node, 3)
+    resizes_height = height.shape != (h, h) or not np.array_equal(height, np.eye(h))
+    current = x
+    if width.shape != (w, w) or not np.array_equal(width, np.eye(w)):
+        current_out = e.var("width", [n, c, h, width.shape[0]]) if resizes_height else y
+        e.op("MatMul", "Width", [current, e.const("width_matrix", width.T.copy())], [current_out])
+        current = current_out
+    if resizes_height:
+        e.op("MatMul", "Height", [e.const("height_matrix", height), current], [y])
+    elif current is x:   # a resize to the same size
+        e.op("Identity", "Identity", [x], [y])
+
+
 SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875
 
 
@@ -249,6 +313,8 @@ FORMS = {
     "Tile": Form(tile, "Concat of the copies on the NPU", tile_uncovered),
     "AveragePool": Form(average_pool, "the pool counting its padding, times k*k / count (a constant map), on the NPU",
                         average_pool_uncovered),
+    "Resize": Form(resize, "two MatMuls with its interpolation matrices (onnxruntime's own) on the NPU",
+                   resize_uncovered),
     "LRN": Form(lrn, "the window sum as a 1x1 Conv, the power from Sqrt and Mul, and Div on the NPU", lrn_uncovered),
 }
 
@@ -283,7 +349,7 @@ def rewrite_forms(graph: gs.Graph, legality) -> tuple[list[dict], list[dict]]:
     """Each op of FORMS that its one-op build at its real shapes places on the CPU, rewritten."""
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op in FORMS]:
-        tensors = [*node.inputs, *node.outputs]
+        tensors = [t for t in (*node.inputs, *node.outputs) if t.name]   # not an omitted optional input
         if any(t.shape is None or not all(isinstance(d, int) for d in t.shape) for t in tensors) or \
                 dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
             continue
