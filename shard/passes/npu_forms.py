@@ -50,14 +50,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx import TensorProto
-
-from shard.graph import dtype_name
+from shard.graph import dtype_name, small_model
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
 
 SOFTMAX_FAMILIES = ("softmax-width@", "softmax-rows@")
-onnx_float, onnx_int64 = TensorProto.FLOAT, TensorProto.INT64
 
 
 def softmax_never_on_npu(profile) -> str | None:
@@ -240,9 +237,9 @@ def resize_uncovered(node: gs.Node) -> str | None:
     x, y = node.inputs[0], node.outputs[0]
     if len(x.shape) != 4 or list(x.shape[:2]) != list(y.shape[:2]):
         return "only a resize of the last two axes of a 4-D tensor is rewritten"
-    if node.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize" or "axes" in node.attrs \
-            or node.attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
-        return "crop-and-resize, axes and aspect-ratio policies are not covered"
+    if node.attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize" \
+            or {"axes", "antialias", "keep_aspect_ratio_policy"} & set(node.attrs):
+        return "crop-and-resize, and opset 18's axes, antialias and aspect-ratio policies, are not covered"
     if not all(isinstance(t, gs.Constant) or not t.name for t in node.inputs[1:]):
         return "scales or sizes computed in the graph"
     return None
@@ -256,23 +253,19 @@ def axis_matrix(node: gs.Node, axis: int) -> np.ndarray:
 
     n_in, n_out = node.inputs[0].shape[axis], node.outputs[0].shape[axis]
     scales = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
-    inputs, inits = ["eye", ""], []
+    shape = [1, 1, n_in, n_in]
     if scales is not None and scales.values.size:
         factor = np.ones(4, np.float32)
         factor[axis] = scales.values[axis]
-        inits.append(helper.make_tensor("scales", onnx_float, [4], factor))
-        inputs.append("scales")
+        inputs, given = ["eye", "", "scales"], ("scales", factor)
     else:
-        sizes = [1, 1, n_in, n_in]
+        sizes = list(shape)
         sizes[axis] = n_out
-        inits.append(helper.make_tensor("sizes", onnx_int64, [4], sizes))
-        inputs += ["", "sizes"]
-    resize = helper.make_node("Resize", inputs, ["out"], **node.attrs)
-    out_shape = [1, 1, n_in, n_in]
+        inputs, given = ["eye", "", "", "sizes"], ("sizes", np.array(sizes, np.int64))
+    out_shape = list(shape)
     out_shape[axis] = n_out
-    model = helper.make_model(helper.make_graph([resize], "axis", [helper.make_tensor_value_info("eye", onnx_float, [1, 1, n_in, n_in])],
-                                                [helper.make_tensor_value_info("out", onnx_float, out_shape)], inits),
-                              opset_imports=[helper.make_opsetid("", 19)])
+    model = small_model([helper.make_node("Resize", inputs, ["out"], **node.attrs)], [("eye", shape)],
+                        [("out", out_shape)], [given])
     eye = np.eye(n_in, dtype=np.float32)[None, None]
     out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"eye": eye})[0][0, 0]
     return out if axis == 2 else out.T   # rows: output positions
@@ -417,8 +410,9 @@ def rewrite_flat_linears(graph: gs.Graph, legality) -> list[dict]:
         n, c, h, width = x.shape
         e = Emit(graph, linear)
         conv = e.var("conv", [n, w.shape[0], 1, 1])
-        inputs = [x, e.const("kernel", w.reshape(w.shape[0], c, h, width))] + ([e.const("bias", bias)] if bias is not None
-                                                                               else [])
+        inputs = [x, e.const("kernel", w.reshape(w.shape[0], c, h, width))]
+        if bias is not None:
+            inputs.append(e.const("bias", bias))
         e.op("Conv", "Conv", inputs, [conv], kernel_shape=[h, width])
         e.op("Reshape", "flat", [conv, e.const("shape", [n, w.shape[0]], np.int64)], [y])
         linear.outputs.clear()
