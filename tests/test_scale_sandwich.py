@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_graphsurgeon as gs
+import pytest
 from conftest import make_model
 from conftest import run_ort as conftest_run_ort
 from hypothesis import HealthCheck, given, settings
@@ -133,6 +134,35 @@ def test_batchnorm_takes_the_factor_in_its_constants():
     assert not report["not_fixed"] and "BatchNormalization" in {c["op"] for c in report["changes"]}
     assert not any(n.op == "Mul" and n.outputs[0].outputs[0].op == "BatchNormalization" for n in graph.nodes)
     assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+@pytest.mark.parametrize("after", [[], ["Reshape"], ["Transpose", "Reshape"]])
+def test_a_last_softmax_past_the_range_moves_to_the_host_with_the_layout_ops_after_it(after):
+    """Caffe2's SqueezeNet (the onnx package's light model): its opset-9 Softmax comes back from the
+    version converter wrapped in Reshapes, so the Softmax past fp16 is not itself the graph output."""
+    model = growing_net(["conv", "relu", "conv"], 16.0, seed=2)
+    graph = gs.import_onnx(model)
+    out = graph.outputs[0]
+    last = out.inputs[0]                          # the Identity that ends growing_net
+    probs = gs.Variable("probs", np.float32, [1, 4, 8, 8])
+    last.outputs = [probs]
+    tail = gs.Node("Softmax", "softmax", {"axis": 1}, [probs], [out] if not after else [gs.Variable("p0", np.float32)])
+    graph.nodes.append(tail)
+    for k, op in enumerate(after):
+        source = tail.outputs[0]
+        target = out if k == len(after) - 1 else gs.Variable(f"p{k + 1}", np.float32)
+        if op == "Reshape":
+            tail = gs.Node("Reshape", f"reshape{k}", {}, [source, gs.Constant(f"s{k}", np.array([1, 4, 8, 8], np.int64))],
+                           [target])
+        else:
+            tail = gs.Node("Transpose", f"transpose{k}", {"perm": [0, 1, 3, 2]}, [source], [target])
+        graph.nodes.append(tail)
+    model = gs.export_onnx(graph.cleanup().toposort())
+    sample = {"x": np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    graph, ctx, report = sandwiched(model, [sample], safe=64.0, precision="fp16")
+    assert [s.get("type", s["op"]) for s in ctx.host_post] == ["Mul", "Softmax", *[op.lower() for op in after]]
+    assert "Softmax" not in [n.op for n in graph.nodes] and not report["not_fixed"]
+    np.testing.assert_allclose(run_rewritten(graph, ctx, sample)["y"], run_ort(model, sample)[0], rtol=1e-5, atol=1e-7)
 
 
 def test_layernorm_absorbs_the_factor_in_its_epsilon():

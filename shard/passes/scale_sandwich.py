@@ -353,9 +353,9 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
         for i, t in variables:
             if ks[i]:
                 node.inputs[i] = scaled(graph, t, -ks[i], f"{node.name}/in{i}")
-                if needed(t, stats, safe) and node.op in HOST_TAILS and len(variables) == 1 \
-                        and all(o in graph.outputs and not o.outputs for o in node.outputs):
-                    ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name})
+                tail = to_output(node, graph) if node.op in HOST_TAILS and len(variables) == 1 else None
+                if needed(t, stats, safe) and tail is not None:
+                    ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name, *tail})
                     changes.append({"node": node.name, "op": node.op, "form": "range",
                                     "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
                                               f"fp16 range ({safe:g} with the profile's margin), and ends the model",
@@ -461,6 +461,19 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
              and needed(t, stats, safe) > k.get(t.name, 0) and not all(u.op == "Max" and u.name.endswith(CLAMP)
                                                                        for u in t.outputs)]
     return changes, over
+
+
+def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:
+    """The names of the layout ops (Reshape, Transpose: the version converter wraps an opset-9 Softmax
+    in them) between a node and the graph output it ends in, where it ends in one alone; else None."""
+    chain = []
+    while len(node.outputs) == 1 and node.outputs[0] not in graph.outputs:
+        users = node.outputs[0].outputs
+        if len(users) != 1 or users[0].op not in ("Reshape", "Transpose"):
+            return None
+        node = users[0]
+        chain.append(node.name)
+    return chain if len(node.outputs) == 1 and not node.outputs[0].outputs else None
 
 
 def restore_output(graph: gs.Graph, out: gs.Variable, k: int, ctx: PassContext) -> dict:
