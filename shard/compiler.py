@@ -113,8 +113,10 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         if options.vendor_only and not tgt.vendor:
             raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
         against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
+        vendor_inputs = None   # the vendor alone's build: its file's inputs
         if against_vendor:   # written now, so its weights are not held twice through the passes
             fix_input_shapes(proto, options.input_shapes)
+            vendor_inputs = data_inputs(proto.graph)
             if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
                 onnx.load_external_data_for_model(proto, str(staging / "shards"))
         proto, prepared = prepare_model(proto, tgt.min_opset)
@@ -143,7 +145,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         # 2. Write the shards and compile them.
         datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
                             set(options.promote or ())) if quantized else None
-        jobs = write_jobs(staging, logs, tgt, plans, originals, against_vendor, opset, progress, datasets)
+        jobs = write_jobs(staging, logs, tgt, plans, originals, vendor_inputs, opset, progress, datasets)
         build = tgt.build_options(options)
         if ctx.build_config and "config" in build:
             build["config"] = {**build["config"], **ctx.build_config}
@@ -499,14 +501,12 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
     return read_manifest(staging), report
 
 
-def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, vendor_alone: bool, opset: int,
+def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, vendor_inputs: list | None, opset: int,
                progress: Progress, datasets: Datasets | None = None) -> list[ShardJob]:
-    """The builds to make: the model as it came (the longest, first; its file is already written),
-    then each shard and, where the passes changed it, its unrewritten twin; quantized builds get
-    their inputs' samples."""
-    vendor_file = staging / "shards" / f"{VENDOR_ALONE}.onnx"
-    jobs = [shard_job(staging, logs, tgt, VENDOR_ALONE, onnx.load(str(vendor_file), load_external_data=False).graph,
-                      datasets)] if vendor_alone else []
+    """The builds to make: the model as it came (the longest, first; its file is already written, with
+    `vendor_inputs`; None: no such build), then each shard and, where the passes changed it, its
+    unrewritten twin; quantized builds get their inputs' samples."""
+    jobs = [shard_job(staging, logs, tgt, VENDOR_ALONE, vendor_inputs, datasets)] if vendor_inputs is not None else []
     for job in jobs:  # mixed is shard's own recipe: the vendor alone quantizes the whole model to int8
         if job.precision == "mixed":
             job.precision, job.float16 = "int8", None
@@ -562,20 +562,23 @@ def write_job(staging: Path, logs: Path, tgt, name: str, model, datasets: Datase
     save_onnx(model, staging / "shards" / f"{name}.onnx")
     if nodes is None and datasets is not None and datasets.precision == "mixed":
         nodes = gs.import_onnx(model).nodes
-    return shard_job(staging, logs, tgt, name, model.graph, datasets, nodes)
+    return shard_job(staging, logs, tgt, name, data_inputs(model.graph), datasets, nodes)
 
 
-def shard_job(staging: Path, logs: Path, tgt, name: str, graph: onnx.GraphProto, datasets: Datasets | None = None,
-              nodes: list | None = None) -> ShardJob:
-    """The build of staging/shards/NAME.onnx (whose graph is `graph`; `nodes`, its nodes, for mixed
-    precision's fp16 list)."""
+def data_inputs(graph: onnx.GraphProto) -> list[tuple[str, list[int]]]:
+    """(name, shape) of each input a graph is fed (old exports list their weights as inputs too)."""
+    weights = {t.name for t in graph.initializer}
+    return [(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim]) for i in graph.input if i.name not in weights]
+
+
+def shard_job(staging: Path, logs: Path, tgt, name: str, inputs: list[tuple[str, list[int]]],
+              datasets: Datasets | None = None, nodes: list | None = None) -> ShardJob:
+    """The build of staging/shards/NAME.onnx, fed `inputs` (data_inputs); `nodes`, its nodes, for
+    mixed precision's fp16 list."""
     onnx_path = staging / "shards" / f"{name}.onnx"
     artifact = staging / "shards" / f"{name}{tgt.artifact_suffix}" if tgt.artifact_suffix else None
     job = ShardJob(name=name, onnx=onnx_path, artifact=artifact, log=logs / f"{name}.log")
     if datasets is not None:
-        weights = {t.name for t in graph.initializer}  # old exports list them as inputs too
-        inputs = [(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim]) for i in graph.input
-                  if i.name not in weights]
         job.precision, job.dataset = datasets.precision, datasets.files(inputs)
         if datasets.precision == "mixed":
             from shard.precision import float16_names

@@ -52,7 +52,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from shard.graph import dtype_name, small_model
 from shard.passes import PassContext, register
-from shard.passes.fit import OpSpec
+from shard.passes.fit import OpSpec, Verdict
 
 SOFTMAX_FAMILIES = ("softmax-width@", "softmax-rows@")
 
@@ -338,16 +338,22 @@ def rewrite_softmaxes(graph: gs.Graph, evidence: str) -> tuple[list[dict], list[
     return changes, left
 
 
+def on_cpu(node: gs.Node, legality) -> Verdict | None:
+    """The one-op verdict of a float op at static shapes where it places the op on the CPU, else None:
+    what nominates a rewrite here."""
+    tensors = [t for t in (*node.inputs, *node.outputs) if t.name]   # not an omitted optional input
+    if any(t.shape is None or not all(isinstance(d, int) for d in t.shape) for t in tensors) or \
+            dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
+        return None
+    verdict = legality.check(OpSpec.of(node))
+    return verdict if verdict.failure == "cpu-fallback" else None
+
+
 def rewrite_forms(graph: gs.Graph, legality) -> tuple[list[dict], list[dict]]:
     """Each op of FORMS that its one-op build at its real shapes places on the CPU, rewritten."""
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op in FORMS]:
-        tensors = [t for t in (*node.inputs, *node.outputs) if t.name]   # not an omitted optional input
-        if any(t.shape is None or not all(isinstance(d, int) for d in t.shape) for t in tensors) or \
-                dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
-            continue
-        verdict = legality.check(OpSpec.of(node))
-        if verdict.failure != "cpu-fallback":
+        if (verdict := on_cpu(node, legality)) is None:
             continue
         form, label = FORMS[node.op], node.name or node.outputs[0].name
         why_not = form.uncovered(node)
@@ -400,10 +406,7 @@ def rewrite_flat_linears(graph: gs.Graph, legality) -> list[dict]:
     changes = []
     for node in [n for n in graph.nodes if n.op in ("Reshape", "Flatten")]:
         found = flat_linear(node)
-        if found is None or any(node.outputs[0] is t for t in graph.outputs):
-            continue
-        verdict = legality.check(OpSpec.of(node))
-        if verdict.failure != "cpu-fallback":
+        if found is None or any(node.outputs[0] is t for t in graph.outputs) or (verdict := on_cpu(node, legality)) is None:
             continue
         linear, w, bias = found
         x, y = node.inputs[0], linear.outputs[0]
@@ -443,10 +446,8 @@ def rewrite_reciprocals(graph: gs.Graph, legality) -> list[dict]:
         users = list(r.outputs)
         if found is None or not users or r in graph.outputs or any(
                 u.op != "Mul" or len(u.inputs) != 2 or u.inputs[0] is u.inputs[1] or
-                isinstance(next(t for t in u.inputs if t is not r), gs.Constant) for u in users):
-            continue
-        verdict = legality.check(OpSpec.of(node))
-        if verdict.failure != "cpu-fallback":
+                isinstance(next(t for t in u.inputs if t is not r), gs.Constant) for u in users) \
+                or (verdict := on_cpu(node, legality)) is None:
             continue
         s, c = found
         for user in users:
