@@ -671,7 +671,7 @@ def cache_folders() -> dict[str, tuple[Path, str]]:
 @cache_app.command("info")
 def cache_info() -> None:
     """Where the caches are and what they hold (vendor builds by content; probe points by toolkit and target)."""
-    from shard.targets.build_cache import folder_size
+    from shard.targets.build_cache import folder_size, size_limit
 
     table = Table(title="shard caches")
     for col in ("cache", "folder", "entries", "MB"):
@@ -680,7 +680,8 @@ def cache_info() -> None:
         entries, size = folder_size(folder, entry)
         table.add_row(name, str(folder), str(entries), f"{size / 1e6:.1f}")
     console.print(table)
-    console.print("builds: $SHARD_BUILD_CACHE, probes: $SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
+    console.print(f"builds: at most {size_limit() / 2**30:g} GiB ($SHARD_BUILD_CACHE_SIZE), the least recently "
+                  "used go first; $SHARD_BUILD_CACHE, $SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
 
 
 @cache_app.command("clear")

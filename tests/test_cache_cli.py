@@ -16,6 +16,35 @@ def test_cache_info_and_clear(tmp_path):
     assert info.returncode == 0, info.stderr
     rows = {line.split("│")[1].strip(): line for line in info.stdout.splitlines() if line.count("│") > 3}
     assert "│       2 │ 1.0 │" in rows["builds"] and "│       1 │ 0.0 │" in rows["probes"], info.stdout
+    assert "builds: at most 10 GiB" in info.stdout
     cleared = shard_cli("cache", "clear", "--no-probes", env_extra=env)
     assert cleared.returncode == 0 and "builds: removed 2 entries, 1.0 MB" in cleared.stdout
     assert not builds.exists() and probes.exists()
+
+
+def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, monkeypatch):
+    import os
+
+    import pytest
+
+    from shard.errors import CompileError
+    from shard.targets import ShardBuild, ShardJob
+    from shard.targets.build_cache import BuildCache
+
+    monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "3.5M")
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit", {"config": {}})
+    assert cache.limit == int(3.5 * 2**20)
+    for k in range(4):   # four entries of 1 MiB, the first written longest ago
+        job = ShardJob(f"s{k}", tmp_path / f"s{k}.onnx", tmp_path / f"s{k}.rknn", tmp_path / f"s{k}.log")
+        job.log.write_text("log")
+        job.artifact.write_bytes(b"\0" * 2**20)
+        cache.put(job, f"k{k}", ShardBuild(job.name, 1.0))
+        os.utime(cache.root / f"k{k}" / "build.json", (1000 + k, 1000 + k))
+    cache.used = {"k0"}   # a compile that used the oldest entry, and a hit that makes k1 the newest
+    job = ShardJob("s1", tmp_path / "s1.onnx", tmp_path / "x.rknn", tmp_path / "x.log")
+    assert cache.get(job, "k1").cached and job.artifact.read_bytes() == b"\0" * 2**20
+    assert cache.prune() == (1, 2**20 + len("log") + len((cache.root / "k0" / "build.json").read_text()))
+    assert sorted(p.name for p in cache.root.iterdir()) == ["k0", "k1", "k3"]   # k2: the least recently used
+    monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "lots")
+    with pytest.raises(CompileError, match="SHARD_BUILD_CACHE_SIZE='LOTS': expected bytes"):
+        BuildCache(tmp_path / "cache", "rk3588", "toolkit", {})

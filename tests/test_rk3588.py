@@ -83,6 +83,40 @@ def test_vendor_timeout_names_shard_and_log(save, tmp_path):
     assert not (tmp_path / "t.shard").exists()
 
 
+def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
+    """The build's scratch (and whatever else the toolkit writes to the temporary folder) lives in
+    the worker's own TMPDIR, removed when the process is killed; before, each killed build left its
+    check*.onnx files in /tmp for good."""
+    import threading
+    import time
+
+    from shard.targets.rknn import RknnTarget
+    from shard.toolkit.env import find_python
+    from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+
+    build = RknnTarget("rk3588").build_options(None)
+    worker = ToolkitWorker(find_python("rk3588"), tmp_path / "worker.log")
+    answers = []
+
+    def ask():
+        try:
+            answers.append(worker.request(op="build", onnx=str(save(add_model([1, 64, 64, 64]))), rknn=None,
+                                          log=str(tmp_path / "b.log"), keep=None, timeout=120, **build))
+        except WorkerFailed as exc:
+            answers.append(exc)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    deadline = time.monotonic() + 60
+    while not list(worker.tmp.glob("rknn-build-*")) and time.monotonic() < deadline and not answers:
+        time.sleep(0.05)
+    assert list(worker.tmp.glob("rknn-build-*")), f"the build's scratch never appeared in {worker.tmp}"
+    worker.kill()
+    asking.join(timeout=30)
+    assert isinstance(answers[0], WorkerFailed) and "died" in str(answers[0])
+    assert not worker.tmp.exists()
+
+
 def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     onnx_path = tmp_path / "vit.onnx"
     res = shard_cli("zoo", "export", "vit-tiny", "-o", onnx_path, "--layers", "3")

@@ -5,6 +5,10 @@ build options, the toolkit version and the target. An entry holds the artifact, 
 what shard read from it; a failed build is kept too (the compiler fails the same way again), a
 timeout or a dead worker is not. Entries are written whole or not at all. `~/.cache/shard/builds`,
 or `$SHARD_BUILD_CACHE`.
+
+The cache holds at most `$SHARD_BUILD_CACHE_SIZE` (10G unless set; K, M, G suffixes): after a
+compile, the entries used least recently go first, never one the compile itself used. A hit marks
+its entry used (its build.json's modification time).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from shard.errors import CompileError
 from shard.graph import sha256_file
 from shard.targets import ShardBuild, ShardJob
 
@@ -24,14 +29,31 @@ VERSION = 2   # 2: diagnostics hold macs_by_dtype
 NAME, LOG = "\x00name\x00", "\x00log\x00"   # stand-ins in a stored error message
 
 
+DEFAULT_SIZE = "10G"
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("SHARD_BUILD_CACHE") or Path.home() / ".cache" / "shard" / "builds")
+
+
+def size_limit() -> int:
+    """The cache's cap in bytes, from $SHARD_BUILD_CACHE_SIZE (`10G`, `500M`, `0` keeps nothing)."""
+    text = (os.environ.get("SHARD_BUILD_CACHE_SIZE") or DEFAULT_SIZE).strip().upper().removesuffix("B")
+    unit = text[-1:] if text[-1:] in UNITS else ""
+    try:
+        return int(float(text[:len(text) - len(unit)]) * UNITS[unit])
+    except ValueError:
+        raise CompileError(f"SHARD_BUILD_CACHE_SIZE={text!r}: expected bytes with an optional K, M, G or T "
+                         f"suffix, like 10G") from None
 
 
 class BuildCache:
     def __init__(self, root: Path, target: str, toolkit: str, build: dict):
         self.root = Path(root)
         self.salt = json.dumps([VERSION, target, toolkit, build], sort_keys=True).encode()
+        self.used: set[str] = set()   # keys this compile read or wrote: never evicted by its prune()
+        self.limit = size_limit()
 
     def key(self, job: ShardJob, build: dict | None = None) -> str:
         """The hash of the shard's files, the build options (`build`: this job's, if it has its own)
@@ -49,8 +71,10 @@ class BuildCache:
     def get(self, job: ShardJob, key: str) -> ShardBuild | None:
         """The cached build, its log and artifact put where the job wants them; None on a miss."""
         entry = self.root / key
+        self.used.add(key)
         try:
             data = json.loads((entry / "build.json").read_text())
+            os.utime(entry / "build.json")   # used now: the last to be evicted
             shutil.copyfile(entry / "build.log", job.log)
             if job.artifact is not None and data["error"] is None:
                 link_or_copy(entry / "artifact", job.artifact)
@@ -64,6 +88,7 @@ class BuildCache:
         if build.error and ("timed out" in build.error or "died" in build.error):
             return  # not a property of the shard
         self.root.mkdir(parents=True, exist_ok=True)
+        self.used.add(key)
         staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.root))
         try:
             data = {k: v for k, v in asdict(build).items() if k not in ("name", "cached")}
@@ -76,6 +101,30 @@ class BuildCache:
             staging.rename(self.root / key)
         except OSError:  # another compile stored the same build first, or the disk is full: no entry
             shutil.rmtree(staging, ignore_errors=True)
+
+
+    def prune(self, limit: int | None = None) -> tuple[int, int]:
+        """Evict the least recently used entries (not this compile's) until the cache holds at most
+        `limit` bytes ($SHARD_BUILD_CACHE_SIZE if None); returns what was evicted (entries, bytes)."""
+        limit = self.limit if limit is None else limit
+        entries = []
+        for entry in self.root.glob("*/build.json"):
+            try:
+                entries.append((entry.stat().st_mtime, entry.parent, folder_size(entry.parent, "build.json")[1]))
+            except OSError:   # another compile evicted it first
+                continue
+        total = sum(size for _, _, size in entries)
+        evicted = [0, 0]
+        for _, folder, size in sorted(entries, key=lambda e: e[0]):
+            if total <= limit:
+                break
+            if folder.name in self.used:
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= size
+            evicted[0] += 1
+            evicted[1] += size
+        return evicted[0], evicted[1]
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

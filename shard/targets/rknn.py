@@ -141,6 +141,8 @@ class RknnTarget:
             if failed is not None:  # a bug or an interrupt, not a failed build: stop the others
                 pool.kill_all()
                 raise failed.exception()
+            if store:
+                store.prune()
             return [f.result() for f in futures]
         except BaseException:   # SIGINT or SIGTERM (shard.cli): the builds under way end now, not when done
             pool.kill_all()

@@ -7,8 +7,11 @@ executor can use it.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import shutil
 import subprocess
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,15 +34,20 @@ class WorkerFailed(Exception):
 
 
 class ToolkitWorker:
-    """One long-lived worker process in a toolkit environment; requests are answered in order."""
+    """One long-lived worker process in a toolkit environment; requests are answered in order.
+
+    The process gets a temporary folder of its own (TMPDIR): the build's scratch and whatever the
+    toolkit writes there go with it when the process ends, killed or not."""
 
     def __init__(self, python: Path, log: Path):
         self.log = Path(log)
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix="shard-worker-"))
         # -I: the user's PYTHONPATH and site-packages must not leak into the toolkit's environment.
         self.proc = subprocess.Popen(
             [str(python), "-I", str(WORKER_SCRIPT), str(self.log)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
+            env={**os.environ, "TMPDIR": str(self.tmp)},
         )
         self._answers: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read_answers, daemon=True).start()
@@ -73,6 +81,7 @@ class ToolkitWorker:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -81,7 +90,8 @@ class ToolkitWorker:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=30)
             except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.kill()
+                pass
+        self.kill()
 
     def __enter__(self) -> ToolkitWorker:
         return self
