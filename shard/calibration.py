@@ -24,6 +24,7 @@ import onnx
 
 from shard.errors import ShardError
 from shard.graph import fits_protobuf
+from shard.targets.build_cache import entry_file, store_entry
 
 RANDOM_SAMPLES = 8
 RANDOM_WARNING = ("no --calib file: {n} seeded random samples stand in (unit normals, ids of 0 and 1); "
@@ -177,14 +178,54 @@ def stats_model(model: onnx.ModelProto, tensors: dict[str, int]) -> tuple[onnx.M
 
 
 def collect_stats(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]],
-                  names: list[str] | None = None, ranks: dict[str, int] | None = None) -> dict[str, TensorStats]:
+                  names: list[str] | None = None, ranks: dict[str, int] | None = None,
+                  cache: Path | None = None) -> dict[str, TensorStats]:
     """Range statistics of the named tensors (default: every float tensor, the inputs included) over
     the samples, reduced inside onnxruntime. ranks: {float tensor a node makes: rank} where the caller
-    knows them (else onnx's shape inference, a copy of the model, finds them)."""
+    knows them (else onnx's shape inference, a copy of the model, finds them). cache: a folder of the
+    build cache (shard.targets.build_cache) where the statistics are kept by the hash of the model
+    with its reductions and of the samples: a recompile of an unchanged model runs nothing."""
     every = names is None
     made = float_tensors(model) if ranks is None else ranks
     wanted = made if every else {n: made[n] for n in names if n in made}
     reduced, outs = stats_model(model, wanted)
+    key = stats_key(reduced, names, samples) if cache is not None and fits_protobuf(reduced) else None
+    found = key and entry_file(cache, key, STATS_FILE)
+    if found:
+        with np.load(found) as data:
+            return {str(n): TensorStats(str(n), float(lo), float(hi), data[f"c{k}"])
+                    for k, (n, lo, hi) in enumerate(zip(data["names"], data["min"], data["max"]))}
+    stats = measure_stats(reduced, outs, samples, names)
+    if key:
+        store_entry(cache, key, lambda folder: np.savez(
+            folder / STATS_FILE, names=np.array(list(stats), dtype=str),
+            min=np.array([t.min for t in stats.values()], np.float64),
+            max=np.array([t.max for t in stats.values()], np.float64),
+            **{f"c{k}": t.channel_absmax for k, t in enumerate(stats.values())}))
+    return stats
+
+
+STATS_FILE = "stats.npz"
+STATS_VERSION = 1
+
+
+def stats_key(reduced: onnx.ModelProto, names: list[str] | None, samples: list[dict[str, np.ndarray]]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(f"stats {STATS_VERSION} {sorted(names) if names is not None else '*'}".encode())
+    digest.update(reduced.SerializeToString())
+    for sample in samples:
+        for name in sorted(sample):
+            value = np.ascontiguousarray(sample[name])
+            digest.update(f"{name} {value.dtype.str} {value.shape}".encode())
+            digest.update(value.tobytes())
+    return "stats-" + digest.hexdigest()[:32]
+
+
+def measure_stats(reduced: onnx.ModelProto, outs: dict[str, tuple], samples: list[dict[str, np.ndarray]],
+                  names: list[str] | None) -> dict[str, TensorStats]:
+    """collect_stats' onnxruntime run of the model with its reductions (stats_model)."""
+    every = names is None
     stats: dict[str, TensorStats] = {}
 
     def add(name: str, low: float, high: float, chan: np.ndarray) -> None:
@@ -216,6 +257,13 @@ def compile_samples(options, inputs: list) -> tuple[list[dict[str, np.ndarray]],
         return random_samples(inputs, 1), None
     samples = random_samples(inputs)
     return samples, RANDOM_WARNING.format(n=len(samples))
+
+
+def stats_cache(ctx) -> Path | None:
+    """Where a compile keeps range statistics: the build cache, unless --no-cache."""
+    from shard.targets.build_cache import default_cache_dir
+
+    return default_cache_dir() if getattr(ctx.options, "build_cache", False) else None
 
 
 def calibration_samples(ctx, inputs: list) -> list[dict[str, np.ndarray]]:

@@ -113,69 +113,78 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         if options.vendor_only and not tgt.vendor:
             raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
         against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
-        vendor_inputs = None   # the vendor alone's build: its file's inputs
-        if against_vendor:   # written now, so its weights are not held twice through the passes
-            fix_input_shapes(proto, options.input_shapes)
-            vendor_inputs = data_inputs(proto.graph)
-            if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
-                onnx.load_external_data_for_model(proto, str(staging / "shards"))
-        proto, prepared = prepare_model(proto, tgt.min_opset)
-        opset = default_opset(proto)
-        graph = gs.import_onnx(proto)
-        del proto
-
-        # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph is
-        #    kept so each rewritten shard can also be built as the vendor would take it.
-        graph, ctx = run_passes(graph, tgt, profile, options, progress,
-                                snapshot=("canonicalize",) if tgt.vendor else (),
-                                until="slow_paths" if options.vendor_only else None)
-        ctx.reports["canonicalize"]["prepared"] = prepared
-        plans = ctx.plan or []
-        canonical = ctx.snapshots.pop("canonicalize", None)
-        originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
         quantized = options.precision in QUANTIZED
-        values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
-                         else (None, None))
-        rank = None
-        if options.precision == "mixed":
-            ctx.reports["mixed"] = {"promoted": sorted(options.promote)}
-            rank = lambda: mixed_ranking(graph, feeds, progress)  # noqa: E731  (for compile_mixed, if it needs one)
-        t_passes = time.monotonic() - t0
-
-        # 2. Write the shards and compile them.
-        datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
-                            set(options.promote or ())) if quantized else None
-        jobs = write_jobs(staging, logs, tgt, plans, originals, vendor_inputs, opset, progress, datasets)
         build = tgt.build_options(options)
-        if ctx.build_config and "config" in build:
-            build["config"] = {**build["config"], **ctx.build_config}
         done: list[ShardBuild] = []
+        cache = default_cache_dir() if options.build_cache else None
+        with tgt.builds(options.jobs, options.timeout, cache, logs) as builder:
+            vendor_inputs, vendor_job, early = None, None, []   # the vendor alone's build: its file's inputs
+            if against_vendor:   # written now, so its weights are not held twice through the passes
+                fix_input_shapes(proto, options.input_shapes)
+                vendor_inputs = data_inputs(proto.graph)
+                if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
+                    onnx.load_external_data_for_model(proto, str(staging / "shards"))
+            if against_vendor and not quantized:   # the longest build runs through the passes
+                vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs)
+                early = builder.submit([vendor_job], build, done.append)
+            proto, prepared = prepare_model(proto, tgt.min_opset)
+            opset = default_opset(proto)
+            graph = gs.import_onnx(proto)
+            del proto
 
-        def compile_jobs(batch: list[ShardJob], step: str) -> dict[str, ShardBuild]:
-            def on_done(result: ShardBuild) -> None:
-                done.append(result)
+            # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph
+            #    is kept so each rewritten shard can also be built as the vendor would take it.
+            graph, ctx = run_passes(graph, tgt, profile, options, progress,
+                                    snapshot=("canonicalize",) if tgt.vendor else (),
+                                    until="slow_paths" if options.vendor_only else None)
+            ctx.reports["canonicalize"]["prepared"] = prepared
+            plans = ctx.plan or []
+            canonical = ctx.snapshots.pop("canonicalize", None)
+            originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
+            values, feeds = (quantization_values(ctx, graph, canonical, plans, originals, progress) if quantized
+                             else (None, None))
+            rank = None
+            if options.precision == "mixed":
+                ctx.reports["mixed"] = {"promoted": sorted(options.promote)}
+                rank = lambda: mixed_ranking(graph, feeds, progress)  # noqa: E731  (for compile_mixed, if it needs one)
+            t_passes = time.monotonic() - t0
+
+            # 2. Write the shards and compile them (the vendor alone, quantized, from the samples the passes took).
+            datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
+                                set(options.promote or ())) if quantized else None
+            if against_vendor and quantized:
+                vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs, datasets)
+            jobs = [vendor_job] if vendor_job else []
+            jobs += write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets)
+            if ctx.build_config and "config" in build:   # the shards' only: the vendor alone builds as it is
+                build = {**build, "config": {**build["config"], **ctx.build_config}}
+
+            def compile_jobs(batch: list[ShardJob], step: str, under_way: list = ()) -> dict[str, ShardBuild]:
+                def on_done(result: ShardBuild) -> None:
+                    done.append(result)
+                    progress(step, len(done), len(jobs))
+
                 progress(step, len(done), len(jobs))
+                return {b.name: b for b in builder.results([*under_way, *builder.submit(batch, build, on_done)])}
 
-            progress(step, len(done), len(jobs))
-            cache = default_cache_dir() if options.build_cache else None
-            return {b.name: b for b in tgt.compile_shards(batch, build, options.jobs, options.timeout, on_done, cache)}
+            builds = compile_jobs(jobs[len(early):], "compile shards", early)
+            t_build = time.monotonic() - t0 - t_passes
 
-        builds = compile_jobs(jobs, "compile shards")
-        t_build = time.monotonic() - t0 - t_passes
-
-        # 3. Keep the better build of each shard (rewritten or not; each with its edges as they were or
-        #    in the vendor's layout, whichever is better), then stand the whole beside the vendor alone.
-        # Forced tiles and mixed precision's fp16 ops cost cycles by choice (cores, fidelity).
-        axes = HARD_AXES if options.tile_attention == "force" or options.precision == "mixed" else AXES
-        in_range = {c["node"] for c in ctx.reports.get("scale_sandwich", {}).get("changes", []) if c["form"] == "range"}
-        versions = [(plan.name, plan) for plan in plans] + [
-            (f"{plan.name}{UNREWRITTEN}", original) for plan, original in zip(plans, originals) if original is not None]
-        relaid = relayout_jobs(staging, logs, tgt, versions, datasets)
-        best, edge_choices = {}, []
-        if relaid:
-            jobs += [job for job, _ in relaid]
-            builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
-            best, edge_choices = keep_better_edges(relaid, builds, axes)
+            # 3. Keep the better build of each shard (rewritten or not; each with its edges as they were or
+            #    in the vendor's layout, whichever is better), then stand the whole beside the vendor alone.
+            # Forced tiles and mixed precision's fp16 ops cost cycles by choice (cores, fidelity).
+            axes = HARD_AXES if options.tile_attention == "force" or options.precision == "mixed" else AXES
+            in_range = {c["node"] for c in ctx.reports.get("scale_sandwich", {}).get("changes", [])
+                        if c["form"] == "range"}
+            versions = [(plan.name, plan) for plan in plans] + [
+                (f"{plan.name}{UNREWRITTEN}", original) for plan, original in zip(plans, originals)
+                if original is not None]
+            relaid = relayout_jobs(staging, logs, tgt, versions, datasets)
+            best, edge_choices = {}, []
+            if relaid:
+                jobs += [job for job, _ in relaid]
+                builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
+                best, edge_choices = keep_better_edges(relaid, builds, axes)
         chosen, choices = choose_versions(plans, originals, builds, axes, in_range, best)
         kept_names = {name for name, _ in chosen}
         choices += [c for c in edge_choices if c["build"] in kept_names or c["relaid"] in kept_names]
@@ -501,15 +510,20 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
     return read_manifest(staging), report
 
 
-def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, vendor_inputs: list | None, opset: int,
-               progress: Progress, datasets: Datasets | None = None) -> list[ShardJob]:
-    """The builds to make: the model as it came (the longest, first; its file is already written, with
-    `vendor_inputs`; None: no such build), then each shard and, where the passes changed it, its
-    unrewritten twin; quantized builds get their inputs' samples."""
-    jobs = [shard_job(staging, logs, tgt, VENDOR_ALONE, vendor_inputs, datasets)] if vendor_inputs is not None else []
-    for job in jobs:  # mixed is shard's own recipe: the vendor alone quantizes the whole model to int8
-        if job.precision == "mixed":
-            job.precision, job.float16 = "int8", None
+def vendor_alone_job(staging: Path, logs: Path, tgt, inputs: list, datasets: Datasets | None = None) -> ShardJob:
+    """The build of the model as it came (its file already written, with `inputs`); mixed is shard's
+    own recipe, so the vendor alone quantizes the whole model to int8."""
+    job = shard_job(staging, logs, tgt, VENDOR_ALONE, inputs, datasets)
+    if job.precision == "mixed":
+        job.precision, job.float16 = "int8", None
+    return job
+
+
+def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, opset: int, progress: Progress,
+               datasets: Datasets | None = None) -> list[ShardJob]:
+    """The shard builds to make: each shard and, where the passes changed it, its unrewritten twin;
+    quantized builds get their inputs' samples."""
+    jobs = []
     for k, (plan, original) in enumerate(zip(plans, originals)):
         progress("write shards", k, len(plans))
         for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):

@@ -32,7 +32,7 @@ def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, mo
     from shard.targets.build_cache import BuildCache
 
     monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "3.5M")
-    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit", {"config": {}})
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
     assert cache.limit == int(3.5 * 2**20)
     for k in range(4):   # four entries of 1 MiB, the first written longest ago
         job = ShardJob(f"s{k}", tmp_path / f"s{k}.onnx", tmp_path / f"s{k}.rknn", tmp_path / f"s{k}.log")
@@ -47,4 +47,4 @@ def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, mo
     assert sorted(p.name for p in cache.root.iterdir()) == ["k0", "k1", "k3"]   # k2: the least recently used
     monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "lots")
     with pytest.raises(CompileError, match="SHARD_BUILD_CACHE_SIZE='LOTS': expected bytes"):
-        BuildCache(tmp_path / "cache", "rk3588", "toolkit", {})
+        BuildCache(tmp_path / "cache", "rk3588", "toolkit")

@@ -70,6 +70,28 @@ def test_stats_are_ranges_and_channel_maxima_over_all_samples():
     assert stats["x"].channel_absmax.tolist() == [1.0, 2.0, 4.0] and stats["y"].absmax == 16.0
 
 
+def test_stats_are_kept_by_the_hash_of_model_and_samples(tmp_path, monkeypatch):
+    import shard.calibration as calibration
+
+    model = make_model([helper.make_node("Mul", ["x", "x"], ["sq"]), helper.make_node("Neg", ["sq"], ["y"])],
+                       [("x", [2, 3])], [("y", [2, 3])])
+    samples = [{"x": np.array([[1, -2, 3], [0, 1, 0]], np.float32)}]
+    first = collect_stats(model, samples, cache=tmp_path)
+    assert len(list(tmp_path.glob("stats-*/stats.npz"))) == 1
+
+    def no_run(*args):
+        raise AssertionError("onnxruntime ran on a cache hit")
+
+    monkeypatch.setattr(calibration, "measure_stats", no_run)
+    again = collect_stats(model, samples, cache=tmp_path)
+    assert {n: (t.min, t.max, t.channel_absmax.tolist()) for n, t in again.items()} == \
+        {n: (t.min, t.max, t.channel_absmax.tolist()) for n, t in first.items()}
+    with pytest.raises(AssertionError, match="onnxruntime ran"):   # other samples: another key
+        collect_stats(model, [{"x": samples[0]["x"] * 2}], cache=tmp_path)
+    with pytest.raises(AssertionError, match="onnxruntime ran"):   # other tensors asked for: another key
+        collect_stats(model, samples, names=["sq"], cache=tmp_path)
+
+
 def test_cli_rejects_a_bad_calibration_file_in_one_line(tmp_path, save):
     model = save(make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [1, 4])], [("y", [1, 4])]))
     bad = npz(tmp_path, x=np.zeros((2, 1, 4), np.float64))

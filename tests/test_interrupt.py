@@ -53,8 +53,11 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
     out = tmp_path / "s2.shard"
     # A shell without job control starts background commands with SIGINT ignored, and children inherit
     # that (a CI runner may start the suite so): the compile gets SIGINT's default, as at a terminal.
+    scratch = tmp_path.with_name(f"{tmp_path.name}-tmp")   # the compile's temporary folder (TMPDIR)
+    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "shard", "compile", str(model), "-o", str(out), "--no-cache"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     workers: list[int] = []
     deadline = time.monotonic() + 300
@@ -71,6 +74,8 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
     assert "Traceback" not in proc.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert not [pid for pid in workers if alive(pid)]
+    # what stays is the build logs the error names; the workers' own folders went with them
+    assert {p.name.split("-")[1] for p in scratch.iterdir()} <= {"logs"}, list(scratch.iterdir())
 
 
 def test_a_later_compile_removes_what_a_killed_one_left(tmp_path):

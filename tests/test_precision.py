@@ -127,10 +127,10 @@ def test_build_cache_key_covers_the_quantization_samples(tmp_path, save):
     data = [tmp_path / f"{k}.npy" for k in range(2)]
     for k, path in enumerate(data):
         np.save(path, np.full((1, 8, 16), k, np.float32))
-    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit", {"config": {}})
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
     job = lambda dataset: ShardJob("s", model, None, tmp_path / "s.log", "int8", dataset)  # noqa: E731
-    assert cache.key(job([[data[0]]])) != cache.key(job([[data[1]]]))
-    assert cache.key(job([[data[0]]])) == cache.key(job([[data[0]]]))
+    assert cache.key(job([[data[0]]]), {}) != cache.key(job([[data[1]]]), {})
+    assert cache.key(job([[data[0]]]), {}) == cache.key(job([[data[0]]]), {})
     assert cache.key(job([[data[0]]]), {"float16": ["a"]}) != cache.key(job([[data[0]]]), {"float16": ["b"]})
 
 

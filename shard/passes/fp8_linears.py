@@ -25,7 +25,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from shard.calibration import calibration_samples, collect_stats, run_each
+from shard.calibration import calibration_samples, collect_stats, run_each, stats_cache
 from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes import PassContext, register
@@ -69,7 +69,8 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                          f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = gs.export_onnx(graph.copy(), do_type_check=False)
-    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph))
+    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
+                          cache=stats_cache(ctx))
     check = samples[:CHECK_SAMPLES]
     outputs = [t.name for t in graph.outputs]
     expected = list(run_each(model, check, outputs, optimize=False))

@@ -64,7 +64,7 @@ TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 @register("scale_sandwich")
 def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    from shard.calibration import calibration_samples, collect_stats
+    from shard.calibration import calibration_samples, collect_stats, stats_cache
 
     safe = fp16_safe_absmax(ctx.profile)
     if safe is None:
@@ -73,7 +73,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model = export(graph)
     try:
-        stats = collect_stats(model, samples, ranks=float_ranks(graph))
+        stats = collect_stats(model, samples, ranks=float_ranks(graph), cache=stats_cache(ctx))
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         return graph, {"skipped": f"onnxruntime cannot run the model to measure its ranges: "
                                   f"{str(exc).splitlines()[0][:200]}"}
@@ -82,7 +82,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
-        stats = collect_stats(export(graph), samples, ranks=float_ranks(graph))
+        stats = collect_stats(export(graph), samples, ranks=float_ranks(graph), cache=stats_cache(ctx))
     splits = split_outliers(graph, stats) if getattr(ctx.options, "precision", "fp16") == "mixed" else []
     if splits:
         graph.toposort()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -52,9 +53,8 @@ class Target(Protocol):
 
     def check_environment(self) -> None: ...
 
-    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
-        """Build every job; a build that fails comes back with its error, the others still build.
+    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> Builds:
+        """Builds of this target's shards, `workers` at a time (a context manager: see Builds).
         cache: a build cache directory (shard.targets.build_cache), or None to build everything."""
         ...
 
@@ -69,15 +69,51 @@ class Target(Protocol):
         ...
 
 
-def write_logs_only(jobs: list[ShardJob], note: str, on_done: Callable[[ShardBuild], None]) -> list[ShardBuild]:
-    """compile_shards of a target whose shard files are themselves what runs (cpu) or what the device
-    builds (thor, cuda): each job's log says so, nothing is built here."""
-    results = []
-    for job in jobs:
-        job.log.write_text(note + "\n")
-        results.append(ShardBuild(name=job.name, seconds=0.0))
-        on_done(results[-1])
-    return results
+class Builds(Protocol):
+    """Builds under way. `submit` may be called at any time, also while earlier jobs build (the vendor
+    alone's build runs through the passes); `results` waits for the given ones. A build that fails
+    comes back with its error, the others still build. Leaving the `with` block by an exception (a
+    bug, SIGINT or SIGTERM) ends every build under way at once.
+
+        with target.builds(workers, timeout, cache, logs) as builds:
+            first = builds.submit([vendor_alone], build, on_done)
+            ...
+            results = builds.results(first + builds.submit(shards, build, on_done))
+    """
+
+    def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]: ...
+
+    def results(self, futures: list[Future]) -> list[ShardBuild]: ...
+
+    def __enter__(self) -> Builds: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
+class LogsOnly:
+    """Builds of a target whose shard files are themselves what runs (cpu) or what the device builds
+    (thor, cuda): each job's log says so, nothing is built here."""
+
+    def __init__(self, note: str):
+        self.note = note
+
+    def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]:
+        futures = []
+        for job in jobs:
+            job.log.write_text(self.note + "\n")
+            futures.append(Future())
+            futures[-1].set_result(ShardBuild(name=job.name, seconds=0.0))
+            on_done(futures[-1].result())
+        return futures
+
+    def results(self, futures: list[Future]) -> list[ShardBuild]:
+        return [f.result() for f in futures]
+
+    def __enter__(self) -> LogsOnly:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def get_target(name: str) -> Target:

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from shard.errors import CompileError
 from shard.graph import sha256_file
@@ -49,18 +50,16 @@ def size_limit() -> int:
 
 
 class BuildCache:
-    def __init__(self, root: Path, target: str, toolkit: str, build: dict):
+    def __init__(self, root: Path, target: str, toolkit: str):
         self.root = Path(root)
-        self.salt = json.dumps([VERSION, target, toolkit, build], sort_keys=True).encode()
+        self.salt = json.dumps([VERSION, target, toolkit], sort_keys=True).encode()
         self.used: set[str] = set()   # keys this compile read or wrote: never evicted by its prune()
         self.limit = size_limit()
 
-    def key(self, job: ShardJob, build: dict | None = None) -> str:
-        """The hash of the shard's files, the build options (`build`: this job's, if it has its own)
-        and its quantization samples, in order."""
+    def key(self, job: ShardJob, build: dict) -> str:
+        """The hash of the shard's files, its build options and its quantization samples, in order."""
         digest = hashlib.sha256(self.salt)
-        if build is not None:
-            digest.update(json.dumps(build, sort_keys=True).encode())
+        digest.update(json.dumps(build, sort_keys=True).encode())
         for path in sorted([job.onnx, *job.onnx.parent.glob(f"{job.onnx.name}.data")]):
             sha256_file(path, digest)
         for sample in job.dataset or []:
@@ -87,10 +86,9 @@ class BuildCache:
     def put(self, job: ShardJob, key: str, build: ShardBuild) -> None:
         if build.error and ("timed out" in build.error or "died" in build.error):
             return  # not a property of the shard
-        self.root.mkdir(parents=True, exist_ok=True)
         self.used.add(key)
-        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=self.root))
-        try:
+
+        def write(staging: Path) -> None:
             data = {k: v for k, v in asdict(build).items() if k not in ("name", "cached")}
             if build.error:
                 data["error"] = build.error.replace(str(job.log), LOG).replace(f"{job.name}:", f"{NAME}:")
@@ -98,19 +96,18 @@ class BuildCache:
             shutil.copyfile(job.log, staging / "build.log")
             if job.artifact is not None and build.error is None:
                 link_or_copy(job.artifact, staging / "artifact")
-            staging.rename(self.root / key)
-        except OSError:  # another compile stored the same build first, or the disk is full: no entry
-            shutil.rmtree(staging, ignore_errors=True)
 
+        store_entry(self.root, key, write)
 
     def prune(self, limit: int | None = None) -> tuple[int, int]:
         """Evict the least recently used entries (not this compile's) until the cache holds at most
         `limit` bytes ($SHARD_BUILD_CACHE_SIZE if None); returns what was evicted (entries, bytes)."""
         limit = self.limit if limit is None else limit
         entries = []
-        for entry in self.root.glob("*/build.json"):
+        for folder in self.root.glob("[!.]*/"):   # an entry's last use: its newest file
             try:
-                entries.append((entry.stat().st_mtime, entry.parent, folder_size(entry.parent, "build.json")[1]))
+                used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
+                entries.append((used, folder, folder_size(folder, "*")[1]))
             except OSError:   # another compile evicted it first
                 continue
         total = sum(size for _, _, size in entries)
@@ -125,6 +122,27 @@ class BuildCache:
             evicted[0] += 1
             evicted[1] += size
         return evicted[0], evicted[1]
+
+
+def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:
+    """Write an entry whole or not at all: `write` fills a staging folder, renamed to `root/key`."""
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        write(staging)
+        staging.rename(root / key)
+    except OSError:  # another compile stored the same entry first, or the disk is full: no entry
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def entry_file(root: Path, key: str, name: str) -> Path | None:
+    """A cache entry's file, marked used now (the last to be evicted); None on a miss."""
+    path = Path(root) / key / name
+    try:
+        os.utime(path)
+    except OSError:
+        return None
+    return path
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 from shard.passes import PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
-from shard.targets import ShardBuild, ShardJob, write_logs_only
+from shard.targets import LogsOnly
 
 
 class CpuTarget:
@@ -34,6 +32,5 @@ class CpuTarget:
     def edge_layouts(self, log, inputs, outputs) -> tuple[dict, dict]:
         return {}, {}  # onnxruntime takes any shape as it is
 
-    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None], cache=None) -> list[ShardBuild]:
-        return write_logs_only(jobs, "cpu target: the shard ONNX file is run as is by onnxruntime", on_done)
+    def builds(self, workers: int, timeout: float, cache, log_dir) -> LogsOnly:
+        return LogsOnly("cpu target: the shard ONNX file is run as is by onnxruntime")

@@ -9,7 +9,7 @@ each with its source, and the limits and peak rates in the chip's profile, which
 from __future__ import annotations
 
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -113,43 +113,53 @@ class RknnTarget:
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
                           timeout=getattr(options, "timeout", 300.0))
 
-    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
-        """Build every shard, `workers` at a time, each worker process reused for many builds; jobs
-        start in the order given (put the longest first). Builds seen before come from `cache`."""
-        workers = max(1, min(workers, len(jobs)))
-        pool = WorkerPool(find_python(self.name), jobs[0].log.parent, workers)
-        store = BuildCache(cache, self.name, installed_label(self.name), build) if cache else None
+    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> ToolkitBuilds:
+        return ToolkitBuilds(self, workers, timeout, cache, log_dir)
 
-        def build_one(job: ShardJob) -> ShardBuild:
-            options = self.build_for(build, job.precision, job.float16)
-            key = store.key(job, options) if store else None
-            result = store.get(job, key) if store else None
-            if result is None:
-                with pool.worker() as worker:
-                    result = build_shard(worker, job, options, timeout)
-                if store:
-                    store.put(job, key, result)
-            on_done(result)
-            return result
 
-        executor = ThreadPoolExecutor(max_workers=workers)
-        futures = [executor.submit(build_one, job) for job in jobs]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f.done() and f.exception()), None)
-            if failed is not None:  # a bug or an interrupt, not a failed build: stop the others
-                pool.kill_all()
-                raise failed.exception()
-            if store:
-                store.prune()
-            return [f.result() for f in futures]
-        except BaseException:   # SIGINT or SIGTERM (shard.cli): the builds under way end now, not when done
-            pool.kill_all()
-            raise
-        finally:
-            executor.shutdown(wait=True, cancel_futures=True)
-            pool.close()
+class ToolkitBuilds:
+    """Vendor builds on at most `workers` toolkit worker processes, each started on first use and
+    reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
+    first. Builds seen before come from the cache, which is pruned to its cap when all went well."""
+
+    def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):
+        self.target, self.timeout = target, timeout
+        self.pool = WorkerPool(find_python(target.name), log_dir, workers)
+        self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
+        self.store = BuildCache(cache, target.name, installed_label(target.name)) if cache else None
+
+    def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]:
+        return [self.executor.submit(self._build, job, build, on_done) for job in jobs]
+
+    def _build(self, job: ShardJob, build: dict, on_done: Callable[[ShardBuild], None]) -> ShardBuild:
+        options = self.target.build_for(build, job.precision, job.float16)
+        key = self.store.key(job, options) if self.store else None
+        result = self.store.get(job, key) if self.store else None
+        if result is None:
+            with self.pool.worker() as worker:
+                result = build_shard(worker, job, options, self.timeout)
+            if self.store:
+                self.store.put(job, key, result)
+        on_done(result)
+        return result
+
+    def results(self, futures: list[Future]) -> list[ShardBuild]:
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f.done() and f.exception()), None)
+        if failed is not None:  # a bug, not a failed build: __exit__ stops the others
+            raise failed.exception()
+        return [f.result() for f in futures]
+
+    def __enter__(self) -> ToolkitBuilds:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:   # a bug, SIGINT or SIGTERM (shard.cli): the builds under way end now
+            self.pool.kill_all()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.pool.close()
+        if kind is None and self.store:
+            self.store.prune()
 
 
 BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")

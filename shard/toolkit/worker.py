@@ -117,12 +117,16 @@ class WorkerPool:
             self._slots.put(None)
         self.started: list[ToolkitWorker] = []
         self._lock = threading.Lock()
+        self.stopped = False
 
     @contextmanager
     def worker(self):
         worker = self._slots.get()
         if worker is None:
             with self._lock:
+                if self.stopped:   # killed: a job that starts now must not start a worker
+                    self._slots.put(None)
+                    raise WorkerFailed("stopped (the compile is ending)", self.log_dir)
                 worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
                 self.started.append(worker)
         try:
@@ -134,6 +138,8 @@ class WorkerPool:
         self._slots.put(worker if worker.alive() else None)
 
     def kill_all(self) -> None:
+        with self._lock:
+            self.stopped = True
         for worker in self.started:
             worker.kill()
 

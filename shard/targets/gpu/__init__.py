@@ -11,10 +11,8 @@ profile what `shard probe --target cuda` measured on the GPU at hand (shard.prob
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
 
-from shard.targets import ShardBuild, ShardJob, write_logs_only
+from shard.targets import LogsOnly
 
 PIPELINE = ("canonicalize", "strong_types", "fp8_linears", "stages")
 MIN_OPSET = 19            # QuantizeLinear takes FP8 from opset 19
@@ -55,7 +53,6 @@ class GpuTarget:
     def edge_layouts(self, log, inputs, outputs) -> tuple[dict, dict]:
         return {}, {}
 
-    def compile_shards(self, jobs: list[ShardJob], build: dict, workers: int, timeout: float,
-                       on_done: Callable[[ShardBuild], None], cache: Path | None = None) -> list[ShardBuild]:
-        return write_logs_only(jobs, f"{self.name}: stage ONNX written; its TensorRT engine is built on the "
-                                     f"device by `shard build-engines` with the recipe in the manifest", on_done)
+    def builds(self, workers: int, timeout: float, cache, log_dir) -> LogsOnly:
+        return LogsOnly(f"{self.name}: stage ONNX written; its TensorRT engine is built on the device by "
+                        f"`shard build-engines` with the recipe in the manifest")
