@@ -2,8 +2,10 @@
 
     python bench/compile.py [--model siglip.onnx] [--jobs 2]
 
-shard compile runs four times: cold (an empty build cache; it also builds the model as it came
-with the vendor alone, and each rewritten shard's unrewritten twin), warm (the same model again),
+One vendor build is the toolkit as a user runs it (RKNN() with its defaults: config, load_onnx,
+build, export_rknn), in the toolkit's environment. shard compile runs four times: cold (an empty
+build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
+unrewritten twin), warm (the same model again),
 the model with one linear's weights changed (the cache warm: only what changed builds again), and
 cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
 whole process tree (shard plus its toolkit workers) every 50 ms.
@@ -47,10 +49,11 @@ def tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, subprocess.CompletedProcess]:
+def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
+            ) -> tuple[float, int, subprocess.CompletedProcess]:
     """Wall seconds and peak tree RSS of a command."""
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     peak = 0
     done = threading.Event()
 
@@ -70,17 +73,14 @@ def measure(cmd: list[str], env: dict | None = None) -> tuple[float, int, subpro
 
 
 VENDOR_BUILD = """
-import sys, time
-from pathlib import Path
-from shard.targets.rknn import RknnTarget
-from shard.toolkit.env import find_python
-from shard.toolkit.worker import ToolkitWorker
-onnx, log = sys.argv[1], sys.argv[2]
-options = RknnTarget("rk3588").build_options(None)  # exactly what shard compile builds each shard with
-with ToolkitWorker(find_python("rk3588"), Path(log).with_suffix(".worker.log")) as worker:
-    answer = worker.request(op="build", onnx=onnx, rknn=None, log=log, timeout=3600,
-                            config=options["config"], build=options["build"])
-assert answer["ok"], answer
+import sys
+from rknn.api import RKNN
+onnx, out = sys.argv[1], sys.argv[2]
+rknn = RKNN()   # the toolkit as a user runs it: its defaults, the target shard builds for
+assert rknn.config(target_platform="rk3588") == 0
+assert rknn.load_onnx(model=onnx) == 0
+assert rknn.build(do_quantization=False) == 0
+assert rknn.export_rknn(out) == 0
 """
 
 
@@ -97,7 +97,10 @@ def main() -> None:
                        check=True, capture_output=True)
     print(f"machine: {os.cpu_count()} cores; model: {model} ({model.stat().st_size / 1e6:.0f} MB)")
 
-    vendor_wall, vendor_rss, res = measure([sys.executable, "-c", VENDOR_BUILD, str(model), str(work / "whole.log")])
+    from shard.toolkit.env import find_python
+
+    vendor_wall, vendor_rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model),
+                                            str(work / "whole.rknn")], cwd=work)
     if res.returncode:
         sys.exit(f"vendor build failed:\n{res.stderr}")
     bundle = work / "model.shard"

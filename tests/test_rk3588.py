@@ -117,6 +117,36 @@ def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
     assert not worker.tmp.exists()
 
 
+def test_the_worker_skips_the_check_dumps_and_the_build_logs_the_same(save, tmp_path):
+    """The worker does not write the toolkit's check0..3_*.onnx dumps (rknn_worker.skip_check_dumps);
+    with them skipped the toolkit's verbose build logs the same layers, ops and cycles."""
+    import subprocess
+
+    from shard.toolkit.env import find_python
+    from shard.toolkit.log import parse_build_log
+    from shard.toolkit.worker import WORKER_SCRIPT
+
+    model = save(make_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                            [("x", [1, 64, 96])], [("y", [1, 64, 32])],
+                            [numpy_helper.from_array(np.ones((96, 32), np.float32), "w")]))
+    script = ("import runpy, sys; from rknn.api import RKNN\n"
+              "if sys.argv[2] == 'skip': runpy.run_path(sys.argv[3])['skip_check_dumps']()\n"
+              "r = RKNN(verbose=True); r.config(target_platform='rk3588')\n"
+              "assert r.load_onnx(model=sys.argv[1]) == 0 and r.build(do_quantization=False) == 0")
+    logs, dumps = {}, {}
+    for how in ("skip", "plain"):
+        (tmp_path / how).mkdir()
+        run = subprocess.run([str(find_python("rk3588")), "-I", "-c", script, str(model), how, str(WORKER_SCRIPT)],
+                             cwd=tmp_path / how, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        logs[how] = parse_build_log(run.stdout + run.stderr)
+        dumps[how] = sorted(p.name for p in (tmp_path / how).glob("check*.onnx"))
+    assert dumps["skip"] == [] and dumps["plain"][:1] == ["check0_base_optimize.onnx"]   # (passes that changed it)
+    assert logs["skip"].layers and [(l.op, l.cycles) for l in logs["skip"].layers] == \
+        [(l.op, l.cycles) for l in logs["plain"].layers]
+    assert logs["skip"].summary() == logs["plain"].summary()
+
+
 def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     onnx_path = tmp_path / "vit.onnx"
     res = shard_cli("zoo", "export", "vit-tiny", "-o", onnx_path, "--layers", "3")
