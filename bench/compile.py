@@ -99,7 +99,7 @@ def main() -> None:
 
     from shard.toolkit.env import find_python
 
-    vendor_wall, vendor_rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model),
+    vendor_wall, vendor_rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
                                             str(work / "whole.rknn")], cwd=work)
     if res.returncode:
         sys.exit(f"vendor build failed:\n{res.stderr}")
