@@ -312,11 +312,39 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
     assert bool(sides) == bool(splits)
     kept = float16_names(graph.nodes)
     assert all(n.name in kept for n in sides) and not any(name in kept for name in splits)
+    # The Add that joins a linear and its input-outlier side linear is int8 with it (the vendor fuses
+    # the two, in the Add's precision); what it makes holds no outlier channel. Output outliers join
+    # in fp16; a linear moved to fp16 takes its joins along.
+    joins = {n.name: n for n in graph.nodes if n.op == "Add" and SIDE in n.name}
+    for name, join in joins.items():
+        linear = name.split(SIDE)[0]
+        assert (name in kept) == name.endswith(f"{SIDE}out/add")
+        if name.endswith(f"{SIDE}in/add"):
+            assert after[join.outputs[0].name].absmax < splits[linear]["range_before"][1] or \
+                not splits[linear]["output_channels"]
+        assert name in float16_names(graph.nodes, promoted={linear})
     for gather in (n for n in graph.nodes if n.name.endswith(f"{SIDE}gather")):
         # never a lone x @ S @ S^T before the Sub: toolkit 2.5.0 fuses that chain wrongly
         assert len(gather.outputs[0].outputs) >= 2
     if shared and ins:   # one masked copy of the input both linears read
         assert sum(n.op == "Sub" and n.inputs[0].name == "ln" for n in graph.nodes) == 1
+
+
+def test_a_linears_bias_add_stays_int8_with_it_and_other_adds_stay_fp16():
+    # fc1 + bias (folded into the vendor's Conv: int8 with it), a residual Add (fp16), fc2 whose
+    # output a second op also reads (its bias Add cannot fold: fp16)
+    w = numpy_helper.from_array(np.ones((8, 8), np.float32), "w")
+    b = numpy_helper.from_array(np.ones(8, np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc1"), helper.make_node("Add", ["h", "b"], ["hb"], name="bias1"),
+             helper.make_node("Add", ["hb", "x"], ["r"], name="residual"),
+             helper.make_node("MatMul", ["r", "w"], ["g"], name="fc2"), helper.make_node("Add", ["b", "g"], ["gb"], name="bias2"),
+             helper.make_node("Mul", ["g", "gb"], ["y"], name="mul")]
+    graph = gs.import_onnx(make_model(nodes, [("x", [1, 4, 8])], [("y", [1, 4, 8])], [w, b]))
+    from shard.precision import float16_names
+
+    kept = float16_names(graph.nodes)
+    assert {"fc1", "bias1", "hb", "fc2"}.isdisjoint(kept) and {"residual", "bias2", "mul"} <= set(kept)
+    assert {"fc1", "bias1", "hb"} <= set(float16_names(graph.nodes, promoted={"fc1"}))
 
 
 def test_outlier_split_only_in_mixed_precision():
