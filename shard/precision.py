@@ -45,9 +45,10 @@ def int8_owner(node: gs.Node) -> str | None:
     """The int8 linear an op runs with, where the vendor folds the op into that linear's layer: the
     linear itself; a constant it alone adds to the linear's output (an exported bias, folded into
     the Conv); the Add joining it and its input-outlier side linear (`NAME/outlier/in/add`, fused
-    into a ConvAdd). A folded layer runs in the precision of the op that makes its output, so these
-    ops go with their linear: marked fp16, the linear ran in fp16 as well (SigLIP-512, one layer:
-    7 of 8 linears, 11.8 M estimated cycles against 7.7 M). None for every other op."""
+    into a ConvAdd). These ops go with their linear: with a bias Add marked fp16, the vendor ran the
+    linear in fp16 as well, fused with the residual Add after it into an fp16 ConvAdd (vit-tiny, two
+    layers: 4 of 12 linears, 57 % of the MACs in int8 against 100 %; SigLIP-512, one layer: 11.8 M
+    estimated cycles against 7.7 M). None for every other op."""
     if is_int8_candidate(node):
         return node.name
     if node.op != "Add" or len(node.inputs) != 2:

@@ -66,6 +66,24 @@ def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
         assert spec.precision == "mixed" and set(rounds[-1]["promoted"]) <= set(spec.build_options["float16"])
 
 
+def test_mixed_runs_every_linear_with_its_exported_bias_in_int8(tmp_path):
+    """A transformer's Linear exports as MatMul + Add(bias). The vendor folds the bias into its Conv,
+    and with the bias Add marked fp16 it also fused the residual Add after it (ConvAdd), the whole in
+    fp16: two layers of vit-tiny, 4 of 12 linears in fp16, 57 % of the MACs in int8. The bias goes
+    with its linear (precision.int8_owner): every linear int8."""
+    from shard.toolkit.log import parse_build_log
+
+    model = tmp_path / "vit.onnx"
+    out = shard_cli("zoo", "export", "vit-tiny", "--layers", "2", "-o", model)
+    assert out.returncode == 0, out.stderr
+    result = shard.compile(model, "rk3588", tmp_path / "m.shard",
+                           CompileOptions(precision="mixed", promote=(), shards=1, vendor_baseline=False))
+    layers = parse_build_log((tmp_path / "m.shard" / "logs" / "shard_000.log").read_text()).layers
+    linears = [(layer.op, layer.dtype) for layer in layers if layer.op.startswith("Conv")]
+    assert len(linears) == 13 and set(linears) == {("Conv", "INT8")}, linears   # 12 linears and the patches
+    assert result.report["totals"]["int8_mac_share"] == 1.0
+
+
 def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path):
     model = tmp_path / "grow.onnx"
     out = shard_cli("zoo", "export", "growing-cnn", "-o", model)
