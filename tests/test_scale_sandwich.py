@@ -307,22 +307,16 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
         assert x.endswith(f"{SIDE}rest") == bool(change["input_channels"])
         assert after[x].absmax <= change["input_range_after"] * (1 + 1e-6) < change["range_before"][0] \
             or not change["input_channels"]
-        assert after[y].absmax < change["range_before"][1]
+        # (an input-only split can leave the output a little wider: the outlier channels' share may have
+        # cancelled part of the rest)
+        assert after[y].absmax < change["range_before"][1] or not change["output_channels"]
     sides = [n for n in graph.nodes if SIDE in n.name and n.op == "MatMul"]
     assert bool(sides) == bool(splits)
     kept = float16_names(graph.nodes)
     assert all(n.name in kept for n in sides) and not any(name in kept for name in splits)
-    # The Add that joins a linear and its input-outlier side linear is int8 with it (the vendor fuses
-    # the two, in the Add's precision); what it makes holds no outlier channel. Output outliers join
-    # in fp16; a linear moved to fp16 takes its joins along.
-    joins = {n.name: n for n in graph.nodes if n.op == "Add" and SIDE in n.name}
-    for name, join in joins.items():
-        linear = name.split(SIDE)[0]
-        assert (name in kept) == name.endswith(f"{SIDE}out/add")
-        if name.endswith(f"{SIDE}in/add"):
-            assert after[join.outputs[0].name].absmax < splits[linear]["range_before"][1] or \
-                not splits[linear]["output_channels"]
-        assert name in float16_names(graph.nodes, promoted={linear})
+    # The Adds that join the side linears stay fp16 (in int8, the linear's output would be quantized
+    # once more before them).
+    assert all(n.name in kept for n in graph.nodes if n.op == "Add" and SIDE in n.name)
     for gather in (n for n in graph.nodes if n.name.endswith(f"{SIDE}gather")):
         # never a lone x @ S @ S^T before the Sub: toolkit 2.5.0 fuses that chain wrongly
         assert len(gather.outputs[0].outputs) >= 2
