@@ -46,7 +46,7 @@ def size_limit() -> int:
         return int(float(text[:len(text) - len(unit)]) * UNITS[unit])
     except ValueError:
         raise CompileError(f"SHARD_BUILD_CACHE_SIZE={text!r}: expected bytes with an optional K, M, G or T "
-                         f"suffix, like 10G") from None
+                           f"suffix, like 10G") from None
 
 
 class BuildCache:

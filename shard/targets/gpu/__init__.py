@@ -11,7 +11,6 @@ profile what `shard probe --target cuda` measured on the GPU at hand (shard.prob
 
 from __future__ import annotations
 
-
 from shard.targets import LogsOnly
 
 PIPELINE = ("canonicalize", "strong_types", "fp8_linears", "stages")
