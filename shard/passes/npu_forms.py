@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from shard.graph import dtype_name, small_model
+from shard.graph import dtype_name, is_static, small_model
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec, Verdict
 
@@ -248,8 +248,9 @@ def resize_uncovered(node: gs.Node) -> str | None:
 def axis_matrix(node: gs.Node, axis: int) -> np.ndarray:
     """The resize along one axis as a matrix [n_out, n_in], from onnxruntime itself: the same Resize
     (attributes, and scales or sizes for that axis alone) applied to an identity."""
-    import onnxruntime as ort
     from onnx import helper
+
+    from shard.calibration import run_each
 
     n_in, n_out = node.inputs[0].shape[axis], node.outputs[0].shape[axis]
     scales = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
@@ -267,7 +268,7 @@ def axis_matrix(node: gs.Node, axis: int) -> np.ndarray:
     model = small_model([helper.make_node("Resize", inputs, ["out"], **node.attrs)], [("eye", shape)],
                         [("out", out_shape)], [given])
     eye = np.eye(n_in, dtype=np.float32)[None, None]
-    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"eye": eye})[0][0, 0]
+    out = next(run_each(model, [{"eye": eye}], ["out"], optimize=False))["out"][0, 0]
     return out if axis == 2 else out.T   # rows: output positions
 
 
@@ -327,7 +328,7 @@ def rewrite_softmaxes(graph: gs.Graph, evidence: str) -> tuple[list[dict], list[
         rank = len(shape) if shape is not None else 0
         axis = node.attrs.get("axis", -1)
         label = node.name or node.outputs[0].name
-        if not 2 <= rank <= 4 or axis % rank != rank - 1 or any(not isinstance(d, int) for d in shape):
+        if not 2 <= rank <= 4 or axis % rank != rank - 1 or not is_static(shape):
             left.append({"node": label, "op": "Softmax", "reason": f"axis {axis} of rank {rank}: only the last "
                                                                    f"axis of a static 2-D to 4-D tensor is rewritten"})
             continue
@@ -342,7 +343,7 @@ def on_cpu(node: gs.Node, legality) -> Verdict | None:
     """The one-op verdict of a float op at static shapes where it places the op on the CPU, else None:
     what nominates a rewrite here."""
     tensors = [t for t in (*node.inputs, *node.outputs) if t.name]   # not an omitted optional input
-    if any(t.shape is None or not all(isinstance(d, int) for d in t.shape) for t in tensors) or \
+    if not all(is_static(t.shape) for t in tensors) or \
             dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
         return None
     verdict = legality.check(OpSpec.of(node))
@@ -373,7 +374,7 @@ def flat_linear(node: gs.Node) -> tuple[gs.Node, np.ndarray, np.ndarray | None] 
     [N, C, H, W] to [N, C*H*W] for one Gemm or MatMul with constant weights, else None."""
     x, flat = node.inputs[0], node.outputs[0]
     shapes = (x.shape, flat.shape)
-    if any(s is None or not all(isinstance(d, int) for d in s) for s in shapes) or len(x.shape) != 4 \
+    if not all(is_static(s) for s in shapes) or len(x.shape) != 4 \
             or list(flat.shape) != [x.shape[0], int(np.prod(x.shape[1:]))] or len(flat.outputs) != 1:
         return None
     linear = flat.outputs[0]

@@ -351,21 +351,24 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
         is itself past the range, the model's last Softmax runs on the host in fp32 (with the Mul), and
         otherwise the report says so."""
         for i, t in variables:
-            if ks[i]:
-                node.inputs[i] = scaled(graph, t, -ks[i], f"{node.name}/in{i}")
-                tail = to_output(node, graph) if node.op in HOST_TAILS and len(variables) == 1 else None
-                if needed(t, stats, safe) and tail is not None:
-                    ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name, *tail})
-                    changes.append({"node": node.name, "op": node.op, "form": "range",
-                                    "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
-                                              f"fp16 range ({safe:g} with the profile's margin), and ends the model",
-                                    "action": f"it runs on the host in fp32 after the shards, its input multiplied "
-                                              f"back by 2^{ks[i]} there", "factor": 1.0})
-                elif needed(t, stats, safe):
-                    over.append({"node": node.name, "op": node.op, "tensor": node.inputs[i].name,
-                                 "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
-                                           f"fp16 range ({safe:g} with the profile's margin), at its true scale",
-                                 "action": f"{node.op} is not homogeneous, so no factor can pass it; it may overflow"})
+            if not ks[i]:
+                continue
+            node.inputs[i] = scaled(graph, t, -ks[i], f"{node.name}/in{i}")
+            if not needed(t, stats, safe):
+                continue
+            tail = to_output(node, graph) if node.op in HOST_TAILS and len(variables) == 1 else None
+            if tail is not None:
+                ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name, *tail})
+                changes.append({"node": node.name, "op": node.op, "form": "range",
+                                "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
+                                          f"fp16 range ({safe:g} with the profile's margin), and ends the model",
+                                "action": f"it runs on the host in fp32 after the shards, its input multiplied "
+                                          f"back by 2^{ks[i]} there", "factor": 1.0})
+            else:
+                over.append({"node": node.name, "op": node.op, "tensor": node.inputs[i].name,
+                             "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
+                                       f"fp16 range ({safe:g} with the profile's margin), at its true scale",
+                             "action": f"{node.op} is not homogeneous, so no factor can pass it; it may overflow"})
 
     def held(node: gs.Node, out: gs.Tensor, total: int, how: str) -> None:
         """Report that `out` is now held divided by 2^total, `how` (what the node carries for it)."""
