@@ -80,18 +80,66 @@ def default_output(model: Path) -> Path:
 
 def compile_model(model: str | Path, target: str = "rk3588", output: str | Path | None = None,
                   options: CompileOptions | None = None, progress: Progress = lambda *a: None) -> CompileResult:
-    """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
+    """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`. The same
+    model compiled again the same way comes back from the bundle cache (shard.bundle_cache)."""
+    from shard import bundle_cache
+
     options = options or CompileOptions()
     check_options(options)
-    if options.buckets:
-        return compile_buckets(model, target, output, options, progress)
-    if options.precision == "mixed" and options.promote is None:
-        return compile_mixed(model, target, output, options, progress)
     model = Path(model)
     output = Path(output) if output else default_output(model)
     tgt = get_target(target)
     check_output_path(output)
     tgt.check_environment()               # a missing toolkit fails before minutes of work
+    t0 = time.monotonic()
+    root = default_cache_dir()
+    key = bundle_cache.bundle_key(model, target, tgt.toolchain(), options) if model.is_file() else None
+    if key:
+        staging = staging_folder(output)
+        try:
+            record = bundle_cache.restore(root, key, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if record is not None:
+            return restored(staging, output, record, time.monotonic() - t0)
+        staging.rmdir()
+    result = compile_uncached(model, target, output, options, progress)
+    if key:
+        bundle_cache.store(root, key, result.bundle, time.monotonic() - t0)
+    return result
+
+
+def restored(staging: Path, output: Path, record: dict, seconds: float) -> CompileResult:
+    """A bundle from the cache, put in place, its report (of each bucket) saying where it came from."""
+    from shard.runtime.buckets import is_bucketed, read_buckets
+
+    folders = [staging / b.name for b in read_buckets(staging).buckets] if is_bucketed(staging) else [staging]
+    reports = {}
+    for folder in folders:
+        report = json.loads((folder / "report.json").read_text())
+        report["from_bundle_cache"] = {"seconds": round(seconds, 2), "compiled_in": record["seconds"]}
+        (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        reports[folder.name] = report
+    replace_dir(staging, output)
+    manifest = read_manifest(output / folders[-1].relative_to(staging))
+    return CompileResult(bundle=output, manifest=manifest,
+                         report={"buckets": reports} if folders[0] != staging else reports[staging.name])
+
+
+def compile_uncached(model: Path, target: str, output: Path, options: CompileOptions,
+                     progress: Progress) -> CompileResult:
+    if options.buckets:
+        return compile_buckets(model, target, output, options, progress)
+    if options.precision == "mixed" and options.promote is None:
+        return compile_mixed(model, target, output, options, progress)
+    return compile_one(model, target, output, options, progress)
+
+
+def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
+                progress: Progress) -> CompileResult:
+    """One bundle of one precision at fixed input shapes: the stages, in order."""
+    tgt = get_target(target)
     if options.precision not in tgt.precisions and (options.precision != "fp16" or tgt.vendor):  # cpu: fp32 as asked
         raise ShardError(f"--precision {options.precision}: target {target} builds {', '.join(tgt.precisions)}"
                          + (" (pass --precision int8 with --calib FILE.npz)" if "fp16" not in tgt.precisions else ""))
@@ -238,12 +286,18 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
-    """The staging bundle beside the output (.NAME.tmp-PID-*) and a folder for the build logs."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+    """The staging bundle beside the output and a folder for the build logs."""
     logs = Path(tempfile.mkdtemp(prefix=f"shard-logs-{output.stem}-"))
-    for folder in (staging, logs):
-        folder.chmod(0o755)  # mkdtemp makes them private; a bundle is an ordinary directory
-    return staging, logs
+    logs.chmod(0o755)
+    return staging_folder(output), logs
+
+
+def staging_folder(output: Path) -> Path:
+    """A folder beside the output (.NAME.tmp-PID-*: same filesystem, so the final rename is atomic;
+    removed by a later compile of the same output if this process dies)."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary directory
+    return staging
 
 
 PRECISIONS = ("fp16", "int8", "mixed", "fp8")
@@ -260,8 +314,7 @@ def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress)
     return {"linears": [asdict(c) for c in ranked], "replica_cosine": every}
 
 
-def compile_mixed(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
-                  progress: Progress) -> CompileResult:
+def compile_mixed(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
     """--precision mixed: compile with the linears in int8 (their outlier channels on fp16 side
     linears) and everything else in fp16, and measure the bundle on the simulator with the
     calibration samples. Where that falls short of options.min_cosine, rank the linears once with
@@ -274,8 +327,6 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
 
     from shard.calibration import compile_samples
 
-    output = Path(output) if output else default_output(Path(model))
-    check_output_path(output)
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
     rounds, best, ranking, samples = [], None, None, []
     try:
@@ -283,7 +334,7 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
         while True:
             k = len(rounds)
             progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
-            result = compile_model(model, target, work / f"round{k}.shard",
+            result = compile_one(model, target, work / f"round{k}.shard",
                                    replace(options, promote=tuple(promoted), check_fidelity=False), progress)
             if not rounds:
                 samples, _ = compile_samples(options, result.manifest.inputs)   # its warning: in the report
@@ -320,24 +371,20 @@ def compile_mixed(model: str | Path, target: str, output: str | Path | None, opt
     return CompileResult(bundle=output, manifest=read_manifest(output), report=report)
 
 
-def compile_buckets(model: str | Path, target: str, output: str | Path | None, options: CompileOptions,
-                    progress: Progress) -> CompileResult:
+def compile_buckets(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
     """One bundle per bucket of input shapes (shard.runtime.buckets), smallest first, in one folder
     with buckets.json; written whole or not at all."""
     from dataclasses import replace
 
     from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
 
-    output = Path(output) if output else default_output(Path(model))
-    check_output_path(output)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
-    staging.chmod(0o755)
+    staging = staging_folder(output)
     ordered = sorted(options.buckets, key=lambda shapes: sum(int(np.prod(s)) for s in shapes.values()))
     try:
         results, buckets = [], []
         for k, shapes in enumerate(ordered):
             step = lambda what, done, total, k=k: progress(f"bucket {k + 1}/{len(ordered)}: {what}", done, total)  # noqa: E731
-            result = compile_model(model, target, staging / f"b{k}",
+            result = compile_uncached(model, target, staging / f"b{k}",
                                    replace(options, buckets=[], input_shapes={**options.input_shapes, **shapes}), step)
             results.append(result)
             buckets.append(Bucket(f"b{k}", {t.name: t.shape for t in result.manifest.inputs},

@@ -53,6 +53,11 @@ class Target(Protocol):
 
     def check_environment(self) -> None: ...
 
+    def toolchain(self) -> str:
+        """What builds its shards here, with its version ("rknn-toolkit2 2.5.0"; "" where nothing
+        does): part of every cache key."""
+        ...
+
     def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> Builds:
         """Builds of this target's shards, `workers` at a time (a context manager: see Builds).
         cache: a build cache directory (shard.targets.build_cache), or None to build everything."""

@@ -102,26 +102,31 @@ class BuildCache:
     def prune(self, limit: int | None = None) -> tuple[int, int]:
         """Evict the least recently used entries (not this compile's) until the cache holds at most
         `limit` bytes ($SHARD_BUILD_CACHE_SIZE if None); returns what was evicted (entries, bytes)."""
-        limit = self.limit if limit is None else limit
-        entries = []
-        for folder in self.root.glob("[!.]*/"):   # an entry's last use: its newest file
-            try:
-                used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
-                entries.append((used, folder, folder_size(folder, "*")[1]))
-            except OSError:   # another compile evicted it first
-                continue
-        total = sum(size for _, _, size in entries)
-        evicted = [0, 0]
-        for _, folder, size in sorted(entries, key=lambda e: e[0]):
-            if total <= limit:
-                break
-            if folder.name in self.used:
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
-            total -= size
-            evicted[0] += 1
-            evicted[1] += size
-        return evicted[0], evicted[1]
+        return prune(self.root, self.limit if limit is None else limit, self.used)
+
+
+def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
+    """Evict a cache folder's least recently used entries, none named in `keep`, until it holds at
+    most `limit` bytes; returns what was evicted (entries, bytes)."""
+    entries = []
+    for folder in Path(root).glob("[!.]*/"):   # an entry's last use: its newest file
+        try:
+            used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
+            entries.append((used, folder, folder_size(folder, "*")[1]))
+        except OSError:   # another compile evicted it first
+            continue
+    total = sum(size for _, _, size in entries)
+    evicted = [0, 0]
+    for _, folder, size in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if folder.name in keep:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        evicted[0] += 1
+        evicted[1] += size
+    return evicted[0], evicted[1]
 
 
 def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:

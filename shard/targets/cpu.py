@@ -26,6 +26,9 @@ class CpuTarget:
     def check_environment(self) -> None:
         pass
 
+    def toolchain(self) -> str:
+        return ""   # onnxruntime runs the shard files as they are
+
     def pass_toolkit(self, profile, options):
         return None
 

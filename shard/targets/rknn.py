@@ -102,6 +102,9 @@ class RknnTarget:
     def check_environment(self) -> None:
         find_python(self.name)
 
+    def toolchain(self) -> str:
+        return installed_label(self.name)
+
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
                      ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """Edges the vendor reshaped on the CPU, with the 4-D shape it wanted (shard.edges)."""
@@ -126,7 +129,7 @@ class ToolkitBuilds:
         self.target, self.timeout = target, timeout
         self.pool = WorkerPool(find_python(target.name), log_dir, workers)
         self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
-        self.store = BuildCache(cache, target.name, installed_label(target.name)) if cache else None
+        self.store = BuildCache(cache, target.name, target.toolchain()) if cache else None
 
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]:
         return [self.executor.submit(self._build, job, build, on_done) for job in jobs]

@@ -46,6 +46,9 @@ class GpuTarget:
     def check_environment(self) -> None:
         pass   # compiling needs no TensorRT; building engines does (shard build-engines says so)
 
+    def toolchain(self) -> str:
+        return ""   # engines are built on the device
+
     def pass_toolkit(self, profile, options):
         return None
 

@@ -1,0 +1,121 @@
+"""Whole bundles kept by content: compiling an unchanged model again puts its bundle back, building
+and rewriting nothing.
+
+The key is the hash of all a compile reads: the model file (its name, its bytes and the external
+data files it names), the options that shape the bundle, the profile file when one is given, the
+calibration samples, the target's toolchain and shard's own code (its shipped profiles included).
+A hit links the bundle's large files from the cache, copies the small ones and marks the report;
+after a miss, the finished bundle is stored. Entries (`bundle-KEY`) share the build cache's folder
+and cap (shard.targets.build_cache), and are evicted with its entries, least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+import shard
+from shard.graph import sha256_file
+from shard.targets.build_cache import entry_file, link_or_copy, prune, size_limit, store_entry
+
+VERSION = 1
+MARKER = "bundle.json"     # an entry's record, touched on each hit
+LINKED = 1 << 20           # files at least this large are hard-linked (the bundle's shard files), the rest copied
+IGNORED = ("jobs", "build_cache")   # options that do not change the bundle
+
+
+@cache
+def code_digest() -> str:
+    """The hash of shard's package files: a new version or an edited pass misses every entry."""
+    digest = hashlib.sha256()
+    root = Path(shard.__file__).parent
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        sha256_file(path, digest)
+    return digest.hexdigest()
+
+
+def model_digest(model: Path, digest) -> None:
+    """The model's name and bytes, and those of each external data file it names, into `digest`."""
+    data = model.read_bytes()
+    digest.update(model.name.encode() + b"\0")
+    digest.update(data)
+    if b"location" in data:   # some tensor may keep its bytes in a file beside the model
+        proto = onnx.load(str(model), load_external_data=False)
+        for location in sorted({ExternalDataInfo(t).location for t in tensors(proto.graph) if uses_external_data(t)}):
+            digest.update(location.encode() + b"\0")
+            sha256_file(model.parent / location, digest)
+
+
+def tensors(graph: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and attribute tensors, subgraphs' included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            yield from ([attr.t] if attr.HasField("t") else [])
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from tensors(sub)
+
+
+def bundle_key(model: Path, target: str, toolchain: str, options) -> str | None:
+    """The key of this compile's bundle; None where the compile must run (no cache, --dump-after)."""
+    if not options.build_cache or options.dump_after:
+        return None
+    digest = hashlib.sha256(json.dumps([VERSION, target, toolchain, code_digest()]).encode())
+    chosen = {k: v for k, v in asdict(options).items() if k not in IGNORED}
+    digest.update(json.dumps(chosen, sort_keys=True, default=str).encode())
+    for path in (options.profile, options.calib):
+        if path:
+            sha256_file(path, digest)
+    model_digest(Path(model), digest)
+    return digest.hexdigest()[:32]
+
+
+def entry_name(key: str) -> str:
+    return f"bundle-{key}"
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """The files under src at the same places under dst: large ones hard-linked, small ones copied
+    (a report rewritten in one folder never changes the other)."""
+    for path in sorted(src.rglob("*")):
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.stat().st_size >= LINKED:
+            link_or_copy(path, target)
+        else:
+            shutil.copyfile(path, target)
+
+
+def restore(root: Path, key: str, staging: Path) -> dict | None:
+    """Fill `staging` with the stored bundle; its record, or None on a miss."""
+    marker = entry_file(root, entry_name(key), MARKER)   # marks it used
+    if marker is None:
+        return None
+    try:
+        record = json.loads(marker.read_text())
+        copy_tree(marker.parent / "bundle", staging)
+    except (OSError, json.JSONDecodeError):   # evicted under our feet
+        return None
+    return record
+
+
+def store(root: Path, key: str, bundle: Path, seconds: float) -> None:
+    """Keep a finished bundle, then bring the cache back under its cap (this entry kept)."""
+    def write(staging: Path) -> None:
+        copy_tree(bundle, staging / "bundle")
+        (staging / MARKER).write_text(json.dumps({"seconds": round(seconds, 2), "stored": time.time()}))
+
+    store_entry(root, entry_name(key), write)
+    prune(root, size_limit(), keep={entry_name(key)})
+
