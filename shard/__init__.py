@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 _API = {
     "compile": ("shard.compiler", "compile_model"),
-    "CompileOptions": ("shard.compiler", "CompileOptions"),
+    "CompileOptions": ("shard.options", "CompileOptions"),
     "load": ("shard.runtime", "load"),
     "verify": ("shard.verifier", "verify_bundle"),
     "ShardError": ("shard.errors", "ShardError"),

@@ -24,6 +24,7 @@ import onnx
 
 from shard.errors import ShardError
 from shard.graph import fits_protobuf
+from shard.options import CompileOptions
 from shard.targets.build_cache import entry_file, store_entry
 
 RANDOM_SAMPLES = 8
@@ -266,13 +267,13 @@ def return_freed_memory() -> None:
         trim(0)
 
 
-def compile_samples(options, inputs: list) -> tuple[list[dict[str, np.ndarray]], str | None]:
+def compile_samples(options: CompileOptions, inputs: list) -> tuple[list[dict[str, np.ndarray]], str | None]:
     """A compile's samples: the --calib file checked against the model's inputs, or seeded random ones
     (RANDOM_SAMPLES where the precision quantizes, else one) and, for a quantized compile, the
     warning that says what that costs."""
-    if getattr(options, "calib", None):
+    if options.calib:
         return load_samples(options.calib, inputs), None
-    if getattr(options, "precision", "fp16") == "fp16":
+    if options.precision == "fp16":
         return random_samples(inputs, 1), None
     samples = random_samples(inputs)
     return samples, RANDOM_WARNING.format(n=len(samples))
@@ -282,7 +283,7 @@ def stats_cache(ctx) -> Path | None:
     """Where a compile keeps range statistics: the build cache, unless --no-cache."""
     from shard.targets.build_cache import default_cache_dir
 
-    return default_cache_dir() if getattr(ctx.options, "build_cache", False) else None
+    return default_cache_dir() if ctx.options.build_cache else None
 
 
 def calibration_samples(ctx, inputs: list) -> list[dict[str, np.ndarray]]:

@@ -66,7 +66,7 @@ def test_noop_casts_are_removed_and_real_ones_kept():
     model = make_model([helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT),
                         helper.make_node("Cast", ["c"], ["h"], to=TensorProto.FLOAT16),
                         helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT)], [("x", [2, 3])], [("y", [2, 3])])
-    graph, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu"), None))
+    graph, report = canonicalize(gs.import_onnx(model), PassContext(load_profile("cpu")))
     assert [n.op for n in graph.nodes] == ["Cast", "Cast"] and report["identities_removed"] == 1
 
 

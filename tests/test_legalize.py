@@ -29,7 +29,7 @@ EMPTY = Profile("cpu", 1, "none")
 
 def legalized(model: onnx.ModelProto, width: int) -> tuple[gs.Graph, PassContext]:
     graph = infer_shapes(gs.import_onnx(model))
-    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, WidthLimit(width)))
+    ctx = PassContext(profile=EMPTY, legality=Legality(EMPTY, WidthLimit(width)))
     graph, ctx.reports["legalize"] = legalize(graph, ctx)
     graph.cleanup().toposort()
     graph, ctx.reports["host_edges"] = host_edges(graph, ctx)
@@ -277,7 +277,7 @@ def test_an_op_over_a_limit_in_several_axes_is_split_along_each(op, shapes):
     model = make_model([helper.make_node(op, [names[0], names[-1]] if op == "MatMul" else ["x", "x"], ["y"],
                                          name="op")], inputs, [("y", out)], inits)
     graph = infer_shapes(gs.import_onnx(model))
-    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, TwoAxes(32)))
+    ctx = PassContext(profile=EMPTY, legality=Legality(EMPTY, TwoAxes(32)))
     graph, report = legalize(graph, ctx)
     graph.cleanup().toposort()
     assert report["not_fixed"] == [] and "each piece split again" in report["changes"][0]["action"]
@@ -310,7 +310,7 @@ def test_a_failure_no_split_can_fix_costs_two_checks_not_a_search(op, shape):
     model = make_model([helper.make_node(op, ["x", "x"] if op == "Add" else ["x"], ["y"], name="op")],
                        [("x", shape)], [("y", shape)])
     builds = FailsAtEverySize()
-    ctx = PassContext(profile=EMPTY, options=None, legality=Legality(EMPTY, builds))
+    ctx = PassContext(profile=EMPTY, legality=Legality(EMPTY, builds))
     graph, report = legalize(infer_shapes(gs.import_onnx(model)), ctx)
     assert builds.asked == 2 and report["changes"] == []
     assert "the smallest piece a split makes fails too" in report["not_fixed"][0]["action"]

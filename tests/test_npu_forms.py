@@ -28,7 +28,7 @@ NO_SOFTMAX = Profile("rk3568", 1, "test", {
 def rewritten(model, profile=NO_SOFTMAX, on_cpu=()):
     graph = infer_shapes(gs.import_onnx(model))
     legality = Legality(profile, OnCpu(*on_cpu)) if on_cpu else None
-    graph, report = npu_forms(graph, PassContext(profile=profile, options=None, legality=legality))
+    graph, report = npu_forms(graph, PassContext(profile=profile, legality=legality))
     graph.cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = 8

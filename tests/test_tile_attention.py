@@ -196,7 +196,7 @@ def test_auto_tiles_within_a_tile_budget_or_leaves_the_attention(rows, cols, til
     model = attention_model(t=64, s=64)
     graph = infer_shapes(gs.import_onnx(model))
     ops = CleanBelow(rows, cols)
-    ctx = PassContext(profile=None, options=None, ops=ops)
+    ctx = PassContext(profile=None, ops=ops)
     choice = auto_tiles(ctx, find_attention(graph)[0])
     assert ops.builds <= 8     # the whole, then halvings: a search bounded by the budget
     if tiled_to is None:

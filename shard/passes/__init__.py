@@ -11,6 +11,7 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
 from shard.graph import toposort
+from shard.options import CompileOptions
 from shard.profile import Profile
 
 PassFn = Callable[[gs.Graph, "PassContext"], tuple[gs.Graph, dict]]
@@ -29,7 +30,7 @@ class PassContext:
     """What passes read (profile: hardware facts; options: the user's choices) and what they leave."""
 
     profile: Profile
-    options: object
+    options: CompileOptions = field(default_factory=CompileOptions)
     legality: object = None          # shard.passes.fit.Legality; None where the target has no limits
     ops: object = None               # small vendor builds (shard.toolkit.ops.ToolkitOps) or None
     reports: dict[str, dict] = field(default_factory=dict)

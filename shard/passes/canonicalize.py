@@ -128,7 +128,7 @@ def remove_identities(graph: gs.Graph) -> int:
 @register("canonicalize")
 def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     nodes_before = len(graph.nodes)
-    fixed = fix_input_shapes(graph, getattr(ctx.options, "input_shapes", {}) or {})
+    fixed = fix_input_shapes(graph, ctx.options.input_shapes)
     graph = infer_shapes(graph)
     folding_failed = None
     # Shape ops fold only once shapes are known, and folding them reveals more shapes: iterate.

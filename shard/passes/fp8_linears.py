@@ -59,8 +59,8 @@ def fp8_variable(name: str, shape) -> gs.Variable:
 def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     from shard.verifier import compare   # here: every compile imports the passes, few take this one
 
-    if getattr(ctx.options, "precision", "fp16") != "fp8":
-        return graph, {"skipped": f"precision {getattr(ctx.options, 'precision', 'fp16')}"}
+    if ctx.options.precision != "fp8":
+        return graph, {"skipped": f"precision {ctx.options.precision}"}
     found = linears(graph)
     if not found:
         return graph, {"changes": []}
@@ -91,12 +91,12 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         cosine = min(compare(name, e[name], g[name]).cosine for e, g in zip(expected, got) for name in outputs)
         rounds.append({"fp16_share_of_linears": share, "promoted": promoted, "cosine": cosine,
                        "fp8_linear_macs": 1 - sum(macs[n] for n in promoted) / total})
-        if cosine >= getattr(ctx.options, "min_cosine", 0.999):
+        if cosine >= ctx.options.min_cosine:
             break
     if not changes:
         ctx.warnings.append(f"fp8: every linear in FP8 gives cosine {rounds[0]['cosine']:.5f} on the calibration "
                             f"samples (onnxruntime), and no share of them in FP8 keeps --min-cosine "
-                            f"{getattr(ctx.options, 'min_cosine', 0.999)}: every linear stays fp16")
+                            f"{ctx.options.min_cosine}: every linear stays fp16")
     return graph, {"changes": changes, "rounds": rounds, "samples": len(samples), "checked_on": len(check),
                    "format": "FP8 E4M3: activations per tensor, weights per output channel",
                    "fp8_linear_macs": rounds[-1]["fp8_linear_macs"]}

@@ -56,8 +56,8 @@ def add_pill(graph: gs.Graph, out_node: gs.Node, source: gs.Tensor, eps: float) 
 
 @register("fusion_barrier")
 def fusion_barrier(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    mode = getattr(ctx.options, "fusion_barrier", "check") or "check"
-    rules = list(getattr(ctx.options, "disable_rules", ()) or ())
+    mode = ctx.options.fusion_barrier
+    rules = list(ctx.options.disable_rules)
     report: dict = {"mode": mode}
     if mode == "rules":
         ctx.build_config["disable_rules"] = rules

@@ -78,12 +78,12 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         return graph, {"skipped": f"onnxruntime cannot run the model to measure its ranges: "
                                   f"{str(exc).splitlines()[0][:200]}"}
     before = graph.copy()
-    quantized = getattr(ctx.options, "precision", "fp16") != "fp16"
+    quantized = ctx.options.precision != "fp16"
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
         stats = collect_stats(export(graph), samples, ranks=float_ranks(graph), cache=stats_cache(ctx))
-    splits = split_outliers(graph, stats) if getattr(ctx.options, "precision", "fp16") == "mixed" else []
+    splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
         graph.toposort()
     rescaled, over = rescale_ranges(graph, stats, safe, ctx)

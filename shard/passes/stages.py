@@ -39,7 +39,7 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError("the model has no operators left after constant folding")
     facts = ctx.profile.facts
     costs = [node_cost(node, facts).predicted_s for node in graph.nodes]
-    wanted = getattr(ctx.options, "shards", None) or DEFAULT_STAGES
+    wanted = ctx.options.shards or DEFAULT_STAGES
     dag = build_dataflow(graph)
     if not nx.is_directed_acyclic_graph(dag):
         raise ModelError("the graph has a cycle")

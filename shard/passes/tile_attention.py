@@ -261,7 +261,7 @@ def auto_tiles(ctx: PassContext, att: Attention) -> tuple[int | None, int | None
 
 @register("tile_attention")
 def tile_attention(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    mode = getattr(ctx.options, "tile_attention", "auto") or "auto"
+    mode = ctx.options.tile_attention
     found = find_attention(graph)
     report = {"mode": mode, "found": len(found), "changes": [], "not_fixed": []}
     if mode == "off":

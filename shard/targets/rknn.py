@@ -114,7 +114,7 @@ class RknnTarget:
         from shard.toolkit.ops import ToolkitOps
 
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
-                          timeout=getattr(options, "timeout", 300.0))
+                          timeout=options.timeout)
 
     def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> ToolkitBuilds:
         return ToolkitBuilds(self, workers, timeout, cache, log_dir)

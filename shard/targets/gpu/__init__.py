@@ -34,7 +34,7 @@ class GpuTarget:
         """The engine recipe every stage shares: a strongly typed network (what TensorRT 11 requires and
         10 accepts), so the ONNX's types and Q/DQ decide each layer's precision; for TensorRT 10
         weakly typed builds, the flags that ask for the same. One timing cache for all stages."""
-        precision = getattr(options, "precision", "fp16")
+        precision = options.precision if options is not None else "fp16"
         return {"precision": precision,
                 "tensorrt": {"strongly_typed": True, "workspace_bytes": WORKSPACE_BYTES,
                              "timing_cache": "engines/timing.cache", "profiling_verbosity": "DETAILED",

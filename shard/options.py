@@ -1,0 +1,33 @@
+"""The user's choices for one compile (hardware facts live in the target's profile)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompileOptions:
+    """What `shard compile`'s flags set; shard.compiler.compile_model takes it, and every pass reads it
+    as PassContext.options."""
+
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shards: int | None = None       # default: one per NPU core
+    max_ops: int | None = None      # more shards if any would hold more ops than this
+    jobs: int = 2                   # vendor builds in parallel
+    timeout: float = 1800.0         # seconds one vendor build may take
+    profile: str | None = None      # a profile file instead of the shipped one
+    disable: tuple[str, ...] = ()   # optional passes to skip
+    tile_attention: str = "auto"    # auto (only where a limit requires it), off, force
+    fusion_barrier: str = "check"   # check, rules (with disable_rules), pill
+    disable_rules: tuple[str, ...] = ()   # toolkit fusion rules to switch off (--fusion-barrier rules)
+    dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
+    vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
+    vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
+    build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
+    check_fidelity: bool | None = None   # also run shard's bundle and the vendor alone's on the simulator
+                                         # (None: only where the precision is not the target's default)
+    precision: str = "fp16"         # fp16, int8 or mixed (rk3588)
+    calib: str | None = None        # calibration samples (.npz, shard.calibration); seeded random without
+    min_cosine: float = 0.999       # mixed: the simulator cosine on the calibration samples to reach
+    promote: tuple[str, ...] | None = None   # mixed: linears kept in fp16 (None: search, compile_mixed)
+    buckets: list[dict[str, tuple[int, ...]]] = field(default_factory=list)   # input shapes per bucket
