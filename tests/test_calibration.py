@@ -92,6 +92,37 @@ def test_stats_are_kept_by_the_hash_of_model_and_samples(tmp_path, monkeypatch):
         collect_stats(model, samples, names=["sq"], cache=tmp_path)
 
 
+def test_lifted_weights_give_the_same_stats_without_copies_and_key_the_cache(tmp_path, monkeypatch):
+    """A weight past LIFTED_BYTES is fed to onnxruntime as an input (the graph's own array); the
+    statistics equal those of the model holding it, and another weight misses the cache."""
+    import onnx_graphsurgeon as gs
+    from onnx import numpy_helper
+
+    import shard.calibration as calibration
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 1024)).astype(np.float32)   # 1 MiB: lifted
+    b = rng.standard_normal(1024).astype(np.float32)          # 4 KiB: stays a constant
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])],
+                       [("x", [4, 256])], [("y", [4, 1024])],
+                       [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    graph = gs.import_onnx(model)
+    light, weights = calibration.lifted(graph)
+    assert list(weights) == ["w"] and np.shares_memory(weights["w"], graph.tensors()["w"].values)
+    assert [t.name for t in light.graph.initializer] == ["b"] and "w" in [i.name for i in light.graph.input]
+    samples = [{"x": rng.standard_normal((4, 256)).astype(np.float32)} for _ in range(2)]
+    whole = collect_stats(model, samples)
+    stats = collect_stats(light, samples, cache=tmp_path, weights=weights)
+    assert set(stats) == set(whole) == {"x", "h", "y"}
+    for name in ("h", "y"):
+        assert np.isclose(stats[name].max, whole[name].max, rtol=1e-5)
+        assert np.allclose(stats[name].channel_absmax, whole[name].channel_absmax, rtol=1e-5)
+    monkeypatch.setattr(calibration, "measure_stats", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+    collect_stats(light, samples, cache=tmp_path, weights=weights)   # a hit
+    with pytest.raises(AssertionError, match="ran"):   # other weights: another key
+        collect_stats(light, samples, cache=tmp_path, weights={"w": w * 2})
+
+
 def test_cli_rejects_a_bad_calibration_file_in_one_line(tmp_path, save):
     model = save(make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [1, 4])], [("y", [1, 4])]))
     bad = npz(tmp_path, x=np.zeros((2, 1, 4), np.float64))

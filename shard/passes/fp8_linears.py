@@ -25,7 +25,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from shard.calibration import calibration_samples, collect_stats, run_each, stats_cache
+from shard.calibration import calibration_samples, collect_stats, lifted, run_each, stats_cache
 from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes import PassContext, register
@@ -68,13 +68,13 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError(f"--precision fp8 needs opset 19 (QuantizeLinear to FP8); the onnx version converter could "
                          f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
-    model = gs.export_onnx(graph.copy(), do_type_check=False)
+    model, weights = lifted(graph)
     stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
-                          cache=stats_cache(ctx))
+                          cache=stats_cache(ctx), weights=weights)
     check = samples[:CHECK_SAMPLES]
     outputs = [t.name for t in graph.outputs]
-    expected = list(run_each(model, check, outputs, optimize=False))
-    del model
+    expected = list(run_each(model, [{**s, **weights} for s in check], outputs, optimize=False))
+    del model, weights
     macs = {node.name: estimate_macs(node) for node, _ in found}
     # the smallest first: each adds about the same E4M3 noise, so the FP8 FLOPs kept are the most
     order = [{"node": n, "macs": m} for n, m in sorted(macs.items(), key=lambda item: (item[1], item[0]))]

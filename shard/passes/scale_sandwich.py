@@ -64,16 +64,16 @@ TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 @register("scale_sandwich")
 def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    from shard.calibration import calibration_samples, collect_stats, stats_cache
+    from shard.calibration import calibration_samples, collect_stats, lifted, stats_cache
 
     safe = fp16_safe_absmax(ctx.profile)
     if safe is None:
         return graph, {"skipped": f"profile {ctx.profile.target} has no {FP16_RANGE} limit (a target computing in "
                                   f"fp32, or a profile probed before that family)"}
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
-    model = export(graph)
+    model, weights = lifted(graph)
     try:
-        stats = collect_stats(model, samples, ranks=float_ranks(graph), cache=stats_cache(ctx))
+        stats = collect_stats(model, samples, ranks=float_ranks(graph), cache=stats_cache(ctx), weights=weights)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         return graph, {"skipped": f"onnxruntime cannot run the model to measure its ranges: "
                                   f"{str(exc).splitlines()[0][:200]}"}
@@ -82,7 +82,9 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
-        stats = collect_stats(export(graph), samples, ranks=float_ranks(graph), cache=stats_cache(ctx))
+        clamped, clamped_weights = lifted(graph)
+        stats = collect_stats(clamped, samples, ranks=float_ranks(graph), cache=stats_cache(ctx),
+                              weights=clamped_weights)
     splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
         graph.toposort()
@@ -95,7 +97,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if not changes:
         return graph, report
     graph.cleanup().toposort()
-    moved = largest_change(model, export(graph), samples, [t.name for t in graph.outputs])
+    moved = largest_change((model, weights), lifted(graph), samples, [t.name for t in graph.outputs])
     report["max_relative_change"] = moved
     if moved > CHECK_RTOL:
         ctx.host_candidates -= {c["node"] for c in changes}
@@ -119,17 +121,16 @@ def fp16_safe_absmax(profile) -> float | None:
     return 2.0 * limit.value / float(profile.facts.get("fp16_range_margin", 4.0))
 
 
-def export(graph: gs.Graph):
-    return gs.export_onnx(graph.copy(), do_type_check=False)
-
-
-def largest_change(before, after, samples: list, outputs: list[str]) -> float:
-    """The largest change of an output over the samples, relative to that output's largest value."""
+def largest_change(before: tuple, after: tuple, samples: list, outputs: list[str]) -> float:
+    """The largest change of an output over the samples, relative to that output's largest value;
+    before and after: lifted models with their weights (shard.calibration.lifted)."""
     from shard.calibration import run_each
 
+    def run(model, weights):
+        return run_each(model, [{**s, **weights} for s in samples], outputs, optimize=False)
+
     worst = 0.0
-    for old, new in zip(run_each(before, samples, outputs, optimize=False),
-                        run_each(after, samples, outputs, optimize=False)):
+    for old, new in zip(run(*before), run(*after)):
         for name, value in old.items():
             a, b = np.asarray(value, np.float64), np.asarray(new[name], np.float64)
             if a.dtype.kind != "f" or not a.size:
