@@ -74,8 +74,10 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
     assert "Traceback" not in proc.stderr.read()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert not [pid for pid in workers if alive(pid)]
-    # what stays is the build logs the error names; the workers' own folders went with them
-    assert {(p.name.split("-") + [p.name])[1] for p in scratch.iterdir()} <= {"logs"}, list(scratch.iterdir())
+    # what stays is the build logs the error names; the workers' own folders went with them. (`.ses` is
+    # onnxruntime's: 1.32 writes it into TMPDIR when a process first starts a session, and keeps it.)
+    left = [p for p in scratch.iterdir() if p.name != ".ses"]
+    assert {(p.name.split("-") + [p.name])[1] for p in left} <= {"logs"}, left
 
 
 def test_a_later_compile_removes_what_a_killed_one_left(tmp_path):
