@@ -680,6 +680,7 @@ def cache_folders() -> dict[str, tuple[Path, str]]:
 @cache_app.command("info")
 def cache_info() -> None:
     """Where the caches are and what they hold (vendor builds by content; probe points by toolkit and target)."""
+    from shard.bundle_cache import MARKER
     from shard.targets.build_cache import folder_size, size_limit
 
     table = Table(title="shard caches")
@@ -689,8 +690,12 @@ def cache_info() -> None:
         entries, size = folder_size(folder, entry)
         table.add_row(name, str(folder), str(entries), f"{size / 1e6:.1f}")
     console.print(table)
+    builds, _ = cache_folders()["builds"]
+    bundles = sum(1 for _ in builds.glob(f"bundle-*/{MARKER}")) if builds.is_dir() else 0
     console.print(f"builds: at most {size_limit() / 2**30:g} GiB ($SHARD_BUILD_CACHE_SIZE), the least recently "
-                  "used go first; $SHARD_BUILD_CACHE, $SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
+                  f"used go first; beside vendor builds and range statistics it holds {bundles} whole bundles "
+                  "(a recompile of an unchanged model takes its bundle from there); $SHARD_BUILD_CACHE, $SHARD_PROBE_CACHE move them; `shard cache clear` "
+                  "empties them")
 
 
 @cache_app.command("clear")
