@@ -5,7 +5,7 @@
 One vendor build is the toolkit as a user runs it (RKNN() with its defaults: config, load_onnx,
 build, export_rknn), in the toolkit's environment. shard compile runs four times: cold (an empty
 build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
-unrewritten twin), warm (the same model again),
+unrewritten twin), warm (the same model again: its bundle comes from the cache, shard.bundle_cache),
 the model with one linear's weights changed (the cache warm: only what changed builds again), and
 cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
 whole process tree (shard plus its toolkit workers) every 50 ms.
@@ -116,10 +116,10 @@ def main() -> None:
             sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
     shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
 
-    print(f"{'':40}{'wall s':>10}{'peak RSS GB':>14}")
-    print(f"{'one vendor build (whole)':40}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
+    print(f"{'':54}{'wall s':>10}{'peak RSS GB':>14}")
+    print(f"{'one vendor build (whole)':54}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
     for label, (wall, rss, _) in runs.items():
-        print(f"{f'shard compile, {label} (-j{args.jobs})':40}{wall:>10.1f}{rss / 1e9:>14.2f}")
+        print(f"{f'shard compile, {label} (-j{args.jobs})':54}{wall:>10.1f}{rss / 1e9:>14.2f}")
     cold_wall, cold_rss, _ = runs["cold"]
     one_layer = runs["one layer's weights changed"][0]
     print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "

@@ -45,10 +45,14 @@ def code_digest() -> str:
 
 def model_digest(model: Path, digest) -> None:
     """The model's name and bytes, and those of each external data file it names, into `digest`."""
-    data = model.read_bytes()
     digest.update(model.name.encode() + b"\0")
-    digest.update(data)
-    if b"location" in data:   # some tensor may keep its bytes in a file beside the model
+    named, tail = False, b""   # does "location" occur: some tensor may keep its bytes in a file beside it
+    with open(model, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            named = named or b"location" in tail + block[:16] or b"location" in block
+            tail = block[-8:]
+    if named:
         proto = onnx.load(str(model), load_external_data=False)
         for location in sorted({ExternalDataInfo(t).location for t in tensors(proto.graph) if uses_external_data(t)}):
             digest.update(location.encode() + b"\0")
@@ -119,3 +123,6 @@ def store(root: Path, key: str, bundle: Path, seconds: float) -> None:
     store_entry(root, entry_name(key), write)
     prune(root, size_limit(), keep={entry_name(key)})
 
+
+def discard(root: Path, key: str) -> None:
+    shutil.rmtree(Path(root) / entry_name(key), ignore_errors=True)

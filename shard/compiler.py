@@ -72,12 +72,12 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
         staging = staging_folder(output)
         try:
             record = bundle_cache.restore(root, key, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if record is not None:
-            return restored(staging, output, record, time.monotonic() - t0)
-        staging.rmdir()
+            if record is not None:
+                return restored(staging, output, record, time.monotonic() - t0)
+        except (OSError, ValueError, KeyError, ShardError):   # a damaged entry: dropped, the model compiled
+            bundle_cache.discard(root, key)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)   # where the bundle took its place, gone already
     result = compile_uncached(model, target, output, options, progress)
     if key:
         bundle_cache.store(root, key, result.bundle, time.monotonic() - t0)
@@ -89,6 +89,7 @@ def restored(staging: Path, output: Path, record: dict, seconds: float) -> Compi
     from shard.runtime.buckets import is_bucketed, read_buckets
 
     folders = [staging / b.name for b in read_buckets(staging).buckets] if is_bucketed(staging) else [staging]
+    manifests = [read_manifest(folder) for folder in folders]   # every file there: else a damaged entry
     reports = {}
     for folder in folders:
         report = json.loads((folder / "report.json").read_text())
@@ -96,8 +97,7 @@ def restored(staging: Path, output: Path, record: dict, seconds: float) -> Compi
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         reports[folder.name] = report
     replace_dir(staging, output)
-    manifest = read_manifest(output / folders[-1].relative_to(staging))
-    return CompileResult(bundle=output, manifest=manifest,
+    return CompileResult(bundle=output, manifest=manifests[-1],
                          report={"buckets": reports} if folders[0] != staging else reports[staging.name])
 
 

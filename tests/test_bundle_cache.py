@@ -34,6 +34,12 @@ def test_an_unchanged_compile_comes_back_from_the_cache(save, tmp_path, monkeypa
     assert files(tmp_path / "a.shard") == files(tmp_path / "b.shard")
     assert again.manifest == first.manifest
     assert shard.verify(again.bundle, model, backend="cpu").passed
+    # A damaged entry is dropped and the model compiled again.
+    entry, = (tmp_path / "cache").glob("bundle-*")
+    (entry / "bundle" / "manifest.json").unlink()
+    mended = compile_cpu(model, tmp_path / "m.shard")
+    assert "from_bundle_cache" not in mended.report and files(mended.bundle) == files(tmp_path / "a.shard")
+    assert "from_bundle_cache" in compile_cpu(model, tmp_path / "n.shard").report
     # The restored report is a copy: rewriting it leaves the stored one as it was.
     (again.bundle / "report.json").write_text("{}")
     third = compile_cpu(model, tmp_path / "c.shard")
