@@ -264,8 +264,9 @@ def print_compile_report(report: dict) -> None:
     for when, key in (("before", "host_pre"), ("after", "host_post")):
         for step in report.get(key, []):
             console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")
-    if report.get("host_ms") is not None:
-        console.print(f"host steps before the shards: {report['host_ms']:.3f} ms per frame on this machine")
+    for when, key in (("before", "host_ms"), ("after", "host_post_ms")):
+        if report.get(key) is not None:
+            console.print(f"host steps {when} the shards: {report[key]:.3f} ms per frame on this machine")
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])

@@ -494,6 +494,7 @@ class BundleWriter:
         report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
                       versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
+                      host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder),
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
                                                "diagnostics": vendor.diagnostics})
         (folder / MANIFEST).write_text(manifest.to_json())
@@ -576,14 +577,16 @@ def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> 
     return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
 
 
-def time_host_steps(steps: list[dict], inputs: list, bundle: Path) -> float | None:
-    """Milliseconds the runtime spends on the steps before the shards, on seeded inputs (best of 3)."""
+def time_host_steps(steps: list[dict], tensors: list, bundle: Path) -> float | None:
+    """Milliseconds the runtime spends on host steps (before or after the shards), on seeded values
+    of the `tensors` they read (best of 3)."""
     from shard.runtime import random_inputs
-    from shard.runtime.host import load_tables, run_host
+    from shard.runtime.host import load_tables, run_host, step_inputs
 
     if not steps:
         return None
-    tables, feeds = load_tables(bundle, steps), random_inputs(inputs)
+    read = {name for step in steps for name in step_inputs(step)}
+    tables, feeds = load_tables(bundle, steps), random_inputs([t for t in tensors if t.name in read])
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()

@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from shard.graph import infer_shapes
 from shard.passes import PassContext
-from shard.passes.fit import Legality, OnCpu
+from shard.passes.fit import Legality, OnCpu, WidthLimit
 from shard.passes.npu_forms import FORMS, npu_forms
 from shard.profile import Limit, Profile, load_profile
 
@@ -279,6 +279,67 @@ def test_t5s_rms_norm_runs_on_the_rk3588_npu(tmp_path):
     report = json.loads((tmp_path / "r.shard" / "report.json").read_text())
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
     res = shard_cli("verify", tmp_path / "r.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def output_linear_model(lead: list[int], m: int, k: int, n: int, seed: int, then: str | None = None):
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p" if then else "y"])]
+    if then:
+        nodes.append(helper.make_node(then, ["p"], ["y"]))
+    return make_model(nodes, [("x", [*lead, m, k])], [("y", [*lead, m, n])], [numpy_helper.from_array(w, "w")])
+
+
+def with_width_limit(model, width: int):
+    graph = infer_shapes(gs.import_onnx(model))
+    ctx = PassContext(profile=load_profile("cpu"), legality=Legality(load_profile("cpu"), WidthLimit(width)))
+    graph, report = npu_forms(graph, ctx)
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph)
+    out.ir_version = 8
+    return out, report, ctx
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.sampled_from([[], [1], [2, 3]]), m=st.integers(1, 9), k=st.integers(1, 16), seed=st.integers(0, 100))
+def test_a_too_wide_output_linear_becomes_the_transposed_product_and_a_host_transpose(lead, m, k, seed):
+    """An LM head: x [.., M, K] @ W [K, N], a graph output whose N passes the limit (40 > 32 here;
+    gpt2's 50257 rows on RK3588): W^T @ x^T on the NPU, the Transpose back marked for the host."""
+    model = output_linear_model(lead, m, k, 40, seed)
+    out, report, ctx = with_width_limit(model, 32)
+    ops = [n.op_type for n in out.graph.node]
+    assert ops == ["Transpose", "MatMul", "Transpose"] and report["changes"][0]["op"] == "MatMul"
+    product = out.graph.node[1]
+    weights = {t.name: t for t in out.graph.initializer}[product.input[0]]
+    assert list(weights.dims) == [40, k]                                   # the constant comes first
+    assert out.graph.node[2].name in ctx.host_candidates and out.graph.node[2].output[0] == "y"
+    x = np.random.default_rng(seed).standard_normal([*lead, m, k]).astype(np.float32)
+    np.testing.assert_allclose(run_ort(out, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_an_output_linear_is_left_where_it_fits_feeds_more_ops_or_its_transposed_product_fails_too():
+    for model, width in ((output_linear_model([1], 4, 8, 40, 0), 64),          # fits
+                         (output_linear_model([1], 4, 8, 40, 0, "Relu"), 32),  # not a graph output
+                         (output_linear_model([1], 48, 8, 40, 0), 32)):        # [1, 40, 48] is too wide as well
+        out, report, ctx = with_width_limit(model, width)
+        assert [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node] and not ctx.host_candidates
+    assert "the transposed product too" in report["not_fixed"][0]["reason"]
+
+
+@pytest.mark.toolkit
+def test_an_lm_head_runs_on_the_rk3588_npu_and_its_transpose_on_the_host(tmp_path):
+    """A 50257-word head after 16 tokens: the vendor alone logs `channel is too large, may produce
+    thousands of regtask, fallback to cpu` and transposes the result on the CPU; shard's bundle has
+    no CPU op, a host transpose after the shards, and verifies."""
+    path = tmp_path / "head.onnx"
+    path.write_bytes(output_linear_model([1], 16, 64, 50257, 0).SerializeToString())
+    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "h.shard")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "h.shard" / "report.json").read_text())
+    assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+    assert [step["op"] for step in report["host_post"]] == ["transpose"] and report["host_post_ms"] > 0
+    assert report["versus_vendor"]["verdict"] == "better"
+    res = shard_cli("verify", tmp_path / "h.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -36,8 +36,10 @@ toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do):
                    fractional exponent is on the CPU; 0.75, AlexNet's and GoogLeNet's, is
                    sqrt(s) * sqrt(sqrt(s)))
 
-Two patterns, where the op that starts them lands on the CPU alone: a flatten before a linear
-(rewrite_flat_linears) and a reciprocal that Muls read (rewrite_reciprocals).
+Three patterns, where the op that starts them lands on the CPU alone: a flatten before a linear
+(rewrite_flat_linears), a reciprocal that Muls read (rewrite_reciprocals), and a linear whose
+product is a graph output, such as an LM head, whose build fails or transposes its result back on
+the CPU (rewrite_output_linears: the transposed product on the NPU, the Transpose on the host).
 
 A one-op verdict only nominates: every rewritten shard is built beside its unrewritten twin, and the
 compile keeps the rewrite only where that build is better (shard.never_worse).
@@ -464,14 +466,63 @@ def rewrite_reciprocals(graph: gs.Graph, legality) -> list[dict]:
     return changes
 
 
+def output_linear(node: gs.Node, graph: gs.Graph) -> np.ndarray | None:
+    """The weights [K, N] where `node` is a MatMul of a static activation [..., M, K] by them whose
+    product is a graph output, else None."""
+    if node.op != "MatMul" or len(node.inputs) != 2 or not isinstance(node.inputs[1], gs.Constant) \
+            or isinstance(node.inputs[0], gs.Constant) or not any(node.outputs[0] is t for t in graph.outputs):
+        return None
+    w, shape = node.inputs[1].values, node.inputs[0].shape
+    return w if w.ndim == 2 and is_static(shape) and len(shape) >= 2 else None
+
+
+def rewrite_output_linears(graph: gs.Graph, legality, host: set[str]) -> tuple[list[dict], list[dict]]:
+    """A linear whose product is a graph output and whose one-op build fails or lands on the CPU
+    becomes the transposed product, W^T @ x^T, and a Transpose back that runs on the host after the
+    last shard (host_edges). An LM head is one: the compiler lowers x [1, M, K] @ W [K, N] to a Conv
+    whose result is [1, N, 1, M] and transposes that back on the CPU, N = 50257 rows (gpt2) or
+    151936 (Qwen2) wide; the transposed product ends with the Conv's own layout (gpt2's head on
+    RK3588: 1 CPU op -> 0, 4.8 M estimated cycles both)."""
+    changes, left = [], []
+    for node in [n for n in graph.nodes if n.op == "MatMul"]:
+        w = output_linear(node, graph)
+        if w is None:
+            continue
+        verdict = legality.check(OpSpec.of(node))
+        if verdict.ok and verdict.failure != "cpu-fallback":
+            continue
+        e, x, y = Emit(graph, node), node.inputs[0], node.outputs[0]
+        rank, (m, k), n = len(x.shape), x.shape[-2:], w.shape[1]
+        perm = [*range(rank - 2), rank - 1, rank - 2]
+        xt, yt = e.var("x_t", [*x.shape[:-2], k, m]), e.var("y_t", [*x.shape[:-2], n, m])
+        product = gs.Node("MatMul", f"{e.base}/npu/MatMul", {}, [e.const("weights_t", w.T.copy()), xt], [yt])
+        transposed = legality.check(OpSpec.of(product))
+        label = node.name or y.name
+        if not transposed.ok or transposed.failure == "cpu-fallback":
+            left.append({"node": label, "op": "MatMul", "reason": f"{verdict.reason}; the transposed product too: "
+                                                                 f"{transposed.reason}", "action": "left to the compiler"})
+            continue
+        node.outputs.clear()
+        e.op("Transpose", "Transpose_in", [x], [xt], perm=perm)
+        graph.nodes.append(product)
+        e.op("Transpose", "Transpose_out", [yt], [y], perm=perm)
+        host.add(graph.nodes[-1].name)
+        changes.append({"node": label, "op": "MatMul", "shape": list(y.shape), "reason": verdict.reason,
+                        "action": f"the transposed product W^T @ x^T ({[*x.shape[:-2], n, m]}) on the NPU, "
+                                  f"transposed back on the host"})
+    return changes, left
+
+
 @register("npu_forms")
 def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     evidence = softmax_never_on_npu(ctx.profile)
     changes, left = rewrite_softmaxes(graph, evidence) if evidence else ([], [])
     if ctx.legality is not None:
         more, others = rewrite_forms(graph, ctx.legality)
-        changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
-        left = left + others
+        heads, unfit = rewrite_output_linears(graph, ctx.legality, ctx.host_candidates)
+        changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality) \
+            + heads
+        left = left + others + unfit
     report = {"changes": changes, "not_fixed": left}
     if evidence is None:
         report["note"] = "the profile finds Softmax on the NPU: Softmax left to the compiler"
