@@ -494,7 +494,8 @@ class BundleWriter:
         report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
                       versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
-                      host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder),
+                      host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder,
+                                                   before=False),
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
                                                "diagnostics": vendor.diagnostics})
         (folder / MANIFEST).write_text(manifest.to_json())
@@ -577,9 +578,9 @@ def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> 
     return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
 
 
-def time_host_steps(steps: list[dict], tensors: list, bundle: Path) -> float | None:
-    """Milliseconds the runtime spends on host steps (before or after the shards), on seeded values
-    of the `tensors` they read (best of 3)."""
+def time_host_steps(steps: list[dict], tensors: list, bundle: Path, before: bool = True) -> float | None:
+    """Milliseconds the runtime spends on host steps (before the shards, or after them), on seeded
+    values of the `tensors` they read (best of 3)."""
     from shard.runtime import random_inputs
     from shard.runtime.host import load_tables, run_host, step_inputs
 
@@ -590,7 +591,7 @@ def time_host_steps(steps: list[dict], tensors: list, bundle: Path) -> float | N
     best = float("inf")
     for _ in range(3):
         started = time.perf_counter()
-        run_host(steps, dict(feeds), tables)
+        run_host(steps, dict(feeds), tables, contiguous=before)
         best = min(best, time.perf_counter() - started)
     return round(1000 * best, 3)
 

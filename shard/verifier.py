@@ -50,10 +50,13 @@ def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
 
 
 def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The reference's values of the pieces the runtime concatenates into graph outputs on the host."""
+    """The reference's values of the shard outputs the runtime concatenates or transposes into graph
+    outputs on the host."""
     shapes = {t.name: t.shape for s in manifest.shards for t in s.outputs}
     pieces = {}
     for step in manifest.host_post:
+        if step["op"] == "transpose" and step["output"] in expected and step["input"] in shapes:
+            pieces[step["input"]] = expected[step["output"]].transpose(np.argsort(step["perm"]))
         if step["op"] != "concat" or step["output"] not in expected or not all(n in shapes for n in step["inputs"]):
             continue
         edges = np.cumsum([shapes[n][step["axis"]] for n in step["inputs"]])[:-1]

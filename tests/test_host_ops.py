@@ -168,3 +168,15 @@ def test_a_mean_poolings_token_count_runs_on_the_host(save, tmp_path):
     x = rng.standard_normal((1, 8, 16)).astype(np.float32)
     got = shard.load(result.bundle, backend="cpu").run({"attention_mask": mask, "x": x})["y"]
     np.testing.assert_allclose(got, run_ort(model, {"attention_mask": mask, "x": x})[0], rtol=1e-6)
+
+
+def test_a_transpose_after_the_shards_is_a_view_and_before_them_a_contiguous_copy():
+    from shard.runtime.host import run_host
+
+    x = np.arange(24, dtype=np.float32).reshape(1, 4, 6)
+    step = [{"op": "transpose", "input": "x", "output": "y", "perm": [0, 2, 1]}]
+    before = run_host(step, {"x": x})["y"]
+    after = run_host(step, {"x": x}, contiguous=False)["y"]
+    assert np.array_equal(before, after) and np.array_equal(after, x.transpose(0, 2, 1))
+    assert before.flags.c_contiguous and not np.shares_memory(before, x)
+    assert np.shares_memory(after, x)

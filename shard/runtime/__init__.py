@@ -150,7 +150,7 @@ class Session:
 
     def _outputs(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         started = time.perf_counter()
-        run_host(self.manifest.host_post, tensors)
+        run_host(self.manifest.host_post, tensors, contiguous=False)
         self.host_seconds += time.perf_counter() - started
         return {t.name: tensors[t.name] for t in self.manifest.outputs}
 
