@@ -469,7 +469,7 @@ def rewrite_reciprocals(graph: gs.Graph, legality) -> list[dict]:
 def output_linear(node: gs.Node, graph: gs.Graph) -> np.ndarray | None:
     """The weights [K, N] where `node` is a MatMul of a static activation [..., M, K] by them whose
     product is a graph output, else None."""
-    if node.op != "MatMul" or len(node.inputs) != 2 or not isinstance(node.inputs[1], gs.Constant) \
+    if node.op != "MatMul" or not node.outputs or len(node.inputs) != 2 or not isinstance(node.inputs[1], gs.Constant) \
             or isinstance(node.inputs[0], gs.Constant) or not any(node.outputs[0] is t for t in graph.outputs):
         return None
     w, shape = node.inputs[1].values, node.inputs[0].shape
@@ -482,7 +482,8 @@ def rewrite_output_linears(graph: gs.Graph, legality, host: set[str]) -> tuple[l
     last shard (host_edges). An LM head is one: the compiler lowers x [1, M, K] @ W [K, N] to a Conv
     whose result is [1, N, 1, M] and transposes that back on the CPU, N = 50257 rows (gpt2) or
     151936 (Qwen2) wide; the transposed product ends with the Conv's own layout (gpt2's head on
-    RK3588: 1 CPU op -> 0, 4.8 M estimated cycles both)."""
+    RK3588 against its unrewritten twin: 0 CPU ops and 0 `E` lines against 1 and 5, 5.1 M costed
+    cycles against 5.4 M)."""
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op == "MatMul"]:
         w = output_linear(node, graph)
@@ -519,10 +520,9 @@ def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     changes, left = rewrite_softmaxes(graph, evidence) if evidence else ([], [])
     if ctx.legality is not None:
         more, others = rewrite_forms(graph, ctx.legality)
-        heads, unfit = rewrite_output_linears(graph, ctx.legality, ctx.host_candidates)
-        changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality) \
-            + heads
-        left = left + others + unfit
+        changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
+        heads, unfit = rewrite_output_linears(graph, ctx.legality, ctx.host_candidates)   # after: a flatten's is a Conv
+        changes, left = changes + heads, left + others + unfit
     report = {"changes": changes, "not_fixed": left}
     if evidence is None:
         report["note"] = "the profile finds Softmax on the NPU: Softmax left to the compiler"
