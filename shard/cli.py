@@ -695,8 +695,8 @@ def cache_info() -> None:
     bundles = sum(1 for _ in builds.glob(f"bundle-*/{MARKER}")) if builds.is_dir() else 0
     console.print(f"builds: at most {size_limit() / 2**30:g} GiB ($SHARD_BUILD_CACHE_SIZE), the least recently "
                   f"used go first; beside vendor builds and range statistics it holds {bundles} whole bundles "
-                  "(a recompile of an unchanged model takes its bundle from there); $SHARD_BUILD_CACHE, $SHARD_PROBE_CACHE move them; `shard cache clear` "
-                  "empties them")
+                  "(a recompile of an unchanged model takes its bundle from there); $SHARD_BUILD_CACHE, "
+                  "$SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
 
 
 @cache_app.command("clear")
