@@ -88,6 +88,11 @@ FORM_CASES = {
     "Exp": lambda shape: single("Exp", shape),
     "Tile": lambda shape: single("Tile", shape, [r * d for r, d in zip([1, 2, 1, 3][-len(shape):], shape)],
                                  inits=[numpy_helper.from_array(np.array([1, 2, 1, 3][-len(shape):], np.int64), "r")]),
+    "LayerNormalization": lambda shape: single("LayerNormalization", shape, inits=[
+        numpy_helper.from_array(np.linspace(0.5, 1.5, shape[-1], dtype=np.float32), "gamma"),
+        numpy_helper.from_array(np.linspace(-1, 1, shape[-1], dtype=np.float32), "beta")], axis=-1, epsilon=1e-5),
+    "LayerNormalization-scale-only": lambda shape: single("LayerNormalization", shape, inits=[
+        numpy_helper.from_array(np.linspace(0.5, 1.5, shape[-1], dtype=np.float32), "gamma")], axis=-1, epsilon=1e-6),
 }
 
 
@@ -158,7 +163,10 @@ def test_forms_only_where_the_op_lands_on_the_cpu_and_what_they_cannot_take():
     model = single("AveragePool", [1, 2, 6, 6], [1, 2, 4, 4], kernel_shape=[3, 3])
     out, report = rewritten(model, load_profile("rk3588"), on_cpu=["AveragePool"])
     assert [n.op_type for n in out.graph.node] == ["AveragePool"] and "no explicit padding" in report["not_fixed"][0]["reason"]
-    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize"}
+    model = single("LayerNormalization", [2, 4, 6], axis=1, inits=[numpy_helper.from_array(np.ones(4, np.float32), "g")])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["LayerNormalization"])
+    assert [n.op_type for n in out.graph.node] == ["LayerNormalization"] and "last axis" in report["not_fixed"][0]["reason"]
+    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize", "LayerNormalization"}
 
 
 @pytest.mark.toolkit
@@ -324,6 +332,30 @@ def test_an_output_linear_is_left_where_it_fits_feeds_more_ops_or_its_transposed
         out, report, ctx = with_width_limit(model, width)
         assert [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node] and not ctx.host_candidates
     assert "the transposed product too" in report["not_fixed"][0]["reason"]
+
+
+@pytest.mark.toolkit
+def test_a_layernorm_runs_on_the_rk2118_npu_and_verifies(tmp_path):
+    """rk2118's NPU runs no LayerNorm (the vendor's exNorm lands on the CPU at every size, and so
+    does ReduceMean, Sub, Mul, ReduceMean: the compiler fuses them back); with the means as MatMuls
+    every op runs on the NPU."""
+    shape = [1, 64, 768]
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("Mul", ["x", "two"], ["a"]),
+                        helper.make_node("LayerNormalization", ["a", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-6)],
+                       [("x", shape)], [("y", shape)],
+                       [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+                        numpy_helper.from_array(rng.uniform(0.5, 1.5, 768).astype(np.float32), "gamma"),
+                        numpy_helper.from_array((rng.standard_normal(768) * 0.1).astype(np.float32), "beta")])
+    path = tmp_path / "ln.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = shard_cli("compile", path, "--target", "rk2118", "-o", tmp_path / "ln.shard")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "ln.shard" / "report.json").read_text())
+    assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]] == ["LayerNormalization"]
+    assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+    res = shard_cli("verify", tmp_path / "ln.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.toolkit

@@ -21,12 +21,17 @@ costed cycles against 1332 M (the vendor's exSoftmax13 on the CPU takes the matm
 A chip whose NPU runs some Softmax is left to the compiler.
 
 Other ops (FORMS), where the one-op build of the op at its real shapes lands on the CPU (RK3588,
-toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do):
+toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do; RK2118: LayerNorm at every
+size):
 
     Selu(x)        Elu(x, alpha) * gamma
     Min(a, b, ..)  -Max(-a, -b, ..)                 (Max runs on the NPU in 4-D)
     Exp(x)         (Sigmoid(x/2) / Sigmoid(-x/2))^2
     Tile(x, r)     r copies joined by Concat, axis by axis
+    LayerNorm      (x - x @ 1/C) / sqrt((d * 2^-k)^2 @ 2^2k/C + eps): the means as MatMuls with a
+                   constant column (ReduceMean, Sub, Mul, ReduceMean are fused back into the CPU's
+                   exNorm), the deviation scaled by the power of two nearest 1/sqrt(C) before it is
+                   squared so the squares stay in fp16
     AveragePool    with padding left out of the count: the pool counting it, times k*k / count
     Resize         separable (linear, cubic, nearest): x @ A_w^T, then A_h @ that, the matrices
                    onnxruntime's own Resize of an identity (DPT's align_corners upsampling)
@@ -292,6 +297,50 @@ def resize(e: Emit, node: gs.Node) -> None:
         e.op("Identity", "Identity", [x], [y])
 
 
+def layernorm_uncovered(node: gs.Node) -> str | None:
+    rank = len(node.inputs[0].shape)
+    if node.attrs.get("axis", -1) % rank != rank - 1:
+        return f"axis {node.attrs.get('axis')}: only a LayerNorm over the last axis is rewritten"
+    if any(not isinstance(t, gs.Constant) for t in node.inputs[1:] if t.name) or len(node.outputs) > 1:
+        return "a scale or bias computed in the graph, or the mean and deviation as outputs"
+    return None
+
+
+FP16_TINY = 2.0 ** -24   # fp16's smallest step: an epsilon below it would be 0 there (a constant row: 0 / 0)
+
+
+def layernorm(e: Emit, node: gs.Node) -> None:
+    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis C, the means as MatMuls with a
+    constant column (the compiler fuses ReduceMean, Sub, Mul, ReduceMean back into its CPU exNorm).
+    The deviation is scaled by the power of two nearest 1 / sqrt(C) before it is squared, so the
+    squares stay in fp16 for deviations up to 255 sqrt(C); an epsilon under fp16's smallest step
+    is raised to it."""
+    x, y = node.inputs[0], node.outputs[0]
+    shape = [int(d) for d in x.shape]
+    c = shape[-1]
+    step = 2.0 ** -round(np.log2(np.sqrt(c)))
+    eps = max(float(node.attrs.get("epsilon", 1e-5)), FP16_TINY)
+    column = [*shape[:-1], 1]
+    m, v, ve, root = (e.var(n, column) for n in ("mean", "variance", "variance_eps", "deviation"))
+    d, t, sq = (e.var(n, shape) for n in ("centred", "scaled", "squares"))
+    e.op("MatMul", "Mean", [x, e.const("mean_column", np.full((c, 1), 1.0 / c))], [m])
+    e.op("Sub", "Centre", [x, m], [d])
+    e.op("Mul", "Scale", [d, e.const("step", step)], [t])
+    e.op("Mul", "Square", [t, t], [sq])
+    e.op("MatMul", "Variance", [sq, e.const("variance_column", np.full((c, 1), 1.0 / (c * step * step)))], [v])
+    e.op("Add", "Epsilon", [v, e.const("epsilon", eps)], [ve])
+    e.op("Sqrt", "Sqrt", [ve], [root])
+    extras = [t for t in node.inputs[1:] if t.name]
+    normal = e.var("normal", shape) if extras else y
+    e.op("Div", "Normalize", [d, root], [normal])
+    if len(extras) == 2:
+        scaled = e.var("times_scale", shape)
+        e.op("Mul", "ScaleBy", [normal, extras[0]], [scaled])
+        e.op("Add", "Bias", [scaled, extras[1]], [y])
+    elif extras:
+        e.op("Mul", "ScaleBy", [normal, extras[0]], [y])
+
+
 SELU_ALPHA, SELU_GAMMA = 1.67326319217681884765625, 1.05070102214813232421875
 
 
@@ -312,6 +361,8 @@ FORMS = {
     "Resize": Form(resize, "two MatMuls with its interpolation matrices (onnxruntime's own) on the NPU",
                    resize_uncovered),
     "LRN": Form(lrn, "the window sum as a 1x1 Conv, the power from Sqrt and Mul, and Div on the NPU", lrn_uncovered),
+    "LayerNormalization": Form(layernorm, "mean and variance as MatMuls with a constant column, Sub, Mul, Sqrt and "
+                                          "Div on the NPU", layernorm_uncovered),
 }
 
 
