@@ -91,3 +91,32 @@ def test_a_later_compile_removes_what_a_killed_one_left(tmp_path):
     other.mkdir()
     assert remove_stale_staging(tmp_path / "m.shard") == [left]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours.name, other.name])
+
+
+def test_a_worker_interrupted_while_it_starts_or_dropped_unheld_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C can land after a worker made its folder and before any pool holds it (seen once in a
+    full run: a shard-worker-* folder left by a stopped compile); the folder and the process go
+    with the object."""
+    import gc
+    import tempfile
+
+    from shard.toolkit import worker as workers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workers.subprocess, "Popen", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        workers.ToolkitWorker(Path(sys.executable), tmp_path / "logs" / "w.log")
+    gc.collect()
+    assert not list(tmp_path.glob("shard-worker-*"))
+    monkeypatch.undo()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dropped = workers.ToolkitWorker(Path(sys.executable), tmp_path / "logs" / "w.log")   # a process that exits
+    pid, folder = dropped.proc.pid, dropped.tmp
+    assert folder.is_dir()
+    del dropped
+    gc.collect()
+    assert not folder.exists() and not alive(pid)

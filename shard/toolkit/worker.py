@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -43,19 +44,19 @@ class ToolkitWorker:
         self.log = Path(log)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix="shard-worker-"))
+        # The process and the folder also end with this object: a compile interrupted while it
+        # starts a worker, before any pool holds it, leaves neither behind.
+        procs: list[subprocess.Popen] = []
+        self._end = weakref.finalize(self, end_worker, procs, self.tmp)
         # -I: the user's PYTHONPATH and site-packages must not leak into the toolkit's environment.
         self.proc = subprocess.Popen(
             [str(python), "-I", str(WORKER_SCRIPT), str(self.log)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
             env={**os.environ, "TMPDIR": str(self.tmp)},
         )
+        procs.append(self.proc)
         self._answers: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read_answers, daemon=True).start()
-
-    def _read_answers(self) -> None:
-        for line in self.proc.stdout:
-            self._answers.put(line)
-        self._answers.put(None)
+        threading.Thread(target=read_answers, args=(self.proc.stdout, self._answers), daemon=True).start()
 
     def request(self, timeout: float | None = None, **req) -> dict:
         """Send one request and wait for its answer; WorkerFailed if the process dies or times out."""
@@ -78,10 +79,7 @@ class ToolkitWorker:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self._end()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -98,6 +96,23 @@ class ToolkitWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_answers(stdout, answers: queue.Queue) -> None:
+    """A worker's answers, line by line, then None when its process ends (holding no reference to
+    the worker, so a dropped one is collected and ended)."""
+    for line in stdout:
+        answers.put(line)
+    answers.put(None)
+
+
+def end_worker(procs: list[subprocess.Popen], tmp: Path) -> None:
+    """Kill a worker's process if it runs and remove its temporary folder."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class WorkerPool:
