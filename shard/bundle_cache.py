@@ -23,7 +23,7 @@ import onnx
 from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 import shard
-from shard.graph import sha256_file
+from shard.graph import graph_tensors, sha256_file
 from shard.targets.build_cache import entry_file, link_or_copy, prune, size_limit, store_entry
 
 VERSION = 1
@@ -54,20 +54,9 @@ def model_digest(model: Path, digest) -> None:
             tail = block[-8:]
     if named:
         proto = onnx.load(str(model), load_external_data=False)
-        for location in sorted({ExternalDataInfo(t).location for t in tensors(proto.graph) if uses_external_data(t)}):
+        for location in sorted({ExternalDataInfo(t).location for t in graph_tensors(proto.graph) if uses_external_data(t)}):
             digest.update(location.encode() + b"\0")
             sha256_file(model.parent / location, digest)
-
-
-def tensors(graph: onnx.GraphProto):
-    """Every tensor a graph holds: initializers and attribute tensors, subgraphs' included."""
-    yield from graph.initializer
-    for node in graph.node:
-        for attr in node.attribute:
-            yield from ([attr.t] if attr.HasField("t") else [])
-            yield from attr.tensors
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                yield from tensors(sub)
 
 
 def bundle_key(model: Path, target: str, toolchain: str, options) -> str | None:

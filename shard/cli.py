@@ -687,11 +687,12 @@ def cache_info() -> None:
     table = Table(title="shard caches")
     for col in ("cache", "folder", "entries", "MB"):
         table.add_column(col, justify="right" if col in ("entries", "MB") else "left")
-    for name, (folder, entry) in cache_folders().items():
+    folders = cache_folders()
+    for name, (folder, entry) in folders.items():
         entries, size = folder_size(folder, entry)
         table.add_row(name, str(folder), str(entries), f"{size / 1e6:.1f}")
     console.print(table)
-    builds, _ = cache_folders()["builds"]
+    builds, _ = folders["builds"]
     bundles = sum(1 for _ in builds.glob(f"bundle-*/{MARKER}")) if builds.is_dir() else 0
     console.print(f"builds: at most {size_limit() / 2**30:g} GiB ($SHARD_BUILD_CACHE_SIZE), the least recently "
                   f"used go first; beside vendor builds and range statistics it holds {bundles} whole bundles "

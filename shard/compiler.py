@@ -22,8 +22,8 @@ from shard.bundle import MANIFEST, Manifest, ShardSpec, read_manifest
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
-from shard.graph import (default_opset, fits_protobuf, load_model, quiet_graphsurgeon, sha256_file, tensor_spec,
-                         to_toolkit_model)
+from shard.graph import (default_opset, fits_protobuf, graph_tensors, load_model, quiet_graphsurgeon, sha256_file,
+                         tensor_spec, to_toolkit_model)
 from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, fix_input_shapes,
                                original_plans, per_axis, prune_host_steps, verdict)
 from shard.options import CompileOptions
@@ -762,8 +762,7 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
 def relocate_weights(path: Path) -> None:
     """Point an ONNX file's external tensors at PATH.data (the file was renamed, its weights with it)."""
     model = onnx.load(str(path), load_external_data=False)
-    constants = [a.t for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
-    for tensor in [*model.graph.initializer, *constants]:
+    for tensor in graph_tensors(model.graph):
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = f"{path.name}.data"

@@ -54,6 +54,17 @@ def sha256_file(path: str | Path, digest=None):
     return digest if running else digest.hexdigest()
 
 
+def graph_tensors(graph: onnx.GraphProto):
+    """Every tensor a graph holds: initializers and attribute tensors, subgraphs' included."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            yield from ([attr.t] if attr.HasField("t") else [])
+            yield from attr.tensors
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from graph_tensors(sub)
+
+
 def default_opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
