@@ -354,3 +354,36 @@ def test_a_normalisation_that_is_not_per_channel_is_not_folded(tmp_path, save):
                        [*inner.graph.initializer, const("bg", np.ones((1, 3, 32, 32)))])
     result = shard.compile(save(model), "cpu", tmp_path / "m.shard", CompileOptions(profile=str(tmp_path / "p.json")))
     assert result.report["passes"]["slow_paths"]["changes"] == []
+
+
+class LogsErrorLines:
+    """A stand-in for the toolkit's builds: a one-op model wider than `width` returns 0 and logs `line`
+    as an `E` line; narrower ones build clean."""
+
+    def __init__(self, width: int, line: str):
+        self.width, self.line = width, line
+
+    def build(self, model):
+        from shard.toolkit.classify import Point
+
+        wide = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value > self.width
+        return Point(0, False, "error", f"1 error lines, first: E RKNN: {self.line}") if wide else Point(0, True)
+
+
+@pytest.mark.parametrize("line,split", [
+    ("emitC1HWC2_CHW_16: surf_len overflow!", False),                 # RK2118, each 3-D elementwise op alone
+    ("Unkown op target: 0", False),                                    # RK3568, the same
+    ("channel is too large, may produce thousands of regtask, fallback to cpu!", True),
+    ("emitUnpackRegtasks: equiv_channels(8196) > limitations(8192)", True)])
+def test_e_lines_alone_split_an_op_only_where_they_name_a_register_overflow_or_a_cpu_fallback(line, split):
+    """A one-op build whose only complaint is an `E` line that names neither a register overflow nor a
+    CPU fallback nominates no split: on RK2118 that split 330 ops of SigLIP-512, whose whole build logs
+    10 such lines, and the toolkit then ran for more than 8 minutes."""
+    from shard.passes.fit import OneOpBuilds
+
+    model = make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add")], [("x", [1, 16, 64])], [("y", [1, 16, 64])])
+    ctx = PassContext(profile=EMPTY, legality=Legality(EMPTY, OneOpBuilds(LogsErrorLines(32, line))))
+    graph, report = legalize(infer_shapes(gs.import_onnx(model)), ctx)
+    assert bool(report["changes"]) == split
+    if not split:
+        assert [n.op for n in graph.nodes] == ["Add"] and "E lines alone" in report["reported"][0]["reason"]

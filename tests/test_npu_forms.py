@@ -12,7 +12,7 @@ import pytest
 from conftest import make_model, run_ort, shard_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import helper, numpy_helper
+from onnx import helper, numpy_helper, shape_inference
 
 from shard.graph import infer_shapes
 from shard.passes import PassContext
@@ -397,3 +397,88 @@ def test_a_resize_as_two_matmuls_equals_the_resize(mode, transform, size, out, b
     assert "Resize" not in [n.op_type for n in result.graph.node] and report["changes"][0]["op"] == "Resize"
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     np.testing.assert_allclose(run_ort(result, {"x0": x})[0], run_ort(model, {"x0": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def value_product_model(batch: int, heads: int, rows: int, keys: int, depth: int, perm_out=(0, 2, 1, 3)):
+    return make_model([helper.make_node("Transpose", ["v"], ["v_t"], perm=[0, 2, 1, 3], name="before"),
+                       helper.make_node("MatMul", ["p", "v_t"], ["o"], name="product"),
+                       helper.make_node("Transpose", ["o"], ["y"], perm=list(perm_out), name="after")],
+                      [("p", [batch, heads, rows, keys]), ("v", [batch, keys, heads, depth])],
+                      [("y", [[batch, heads, rows, depth][i] for i in perm_out])])
+
+
+class ValueTransposeOnCpu:
+    """A stand-in for RK2118: a MatMul whose second input is a Transpose of more than `elements`
+    elements puts that Transpose on the CPU, in a model built in context; single ops fit."""
+
+    def __init__(self, elements: int):
+        self.elements, self.built = elements, []
+
+    def check(self, spec):
+        from shard.passes.fit import Verdict
+
+        return Verdict(True)
+
+    def cpu_layers(self, model) -> int:
+        self.built.append(model)
+        producer = {out: node for node in model.graph.node for out in node.output}
+        inferred = shape_inference.infer_shapes(model).graph
+        shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+                  for v in [*inferred.value_info, *inferred.input, *inferred.output]}
+        return sum(1 for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in producer
+                   and producer[node.input[1]].op_type == "Transpose"
+                   and int(np.prod(shapes[node.input[1]])) > self.elements)
+
+
+def with_value_stand_in(model, elements: int):
+    graph = infer_shapes(gs.import_onnx(model))
+    builds = ValueTransposeOnCpu(elements)
+    graph, report = npu_forms(graph, PassContext(profile=load_profile("cpu"), legality=Legality(load_profile("cpu"), builds)))
+    graph.cleanup().toposort()
+    out = gs.export_onnx(graph)
+    out.ir_version = 8
+    return out, report, builds
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 2), heads=st.integers(2, 6), rows=st.integers(1, 9), keys=st.integers(1, 9),
+       depth=st.integers(1, 8), seed=st.integers(0, 100))
+def test_attention_value_product_head_by_head_equals_the_product(batch, heads, rows, keys, depth, seed):
+    """Where the value path in context puts V's Transpose on the CPU and head by head does not (RK2118
+    from 512 tokens), P @ V becomes one product per head, joined along the head axis: exact."""
+    model = value_product_model(batch, heads, rows, keys, depth)
+    out, report, builds = with_value_stand_in(model, batch * keys * depth)   # one head's V fits, all of them not
+    assert [c["op"] for c in report["changes"]] == ["MatMul"] and len(builds.built) == 2
+    ops = [n.op_type for n in out.graph.node]
+    assert ops.count("MatMul") == heads and ops[-1] == "Concat" and ops.count("Transpose") == 2 * heads
+    assert builds.cpu_layers(out) == 0
+    rng = np.random.default_rng(seed)
+    feeds = {"p": rng.standard_normal([batch, heads, rows, keys]).astype(np.float32),
+             "v": rng.standard_normal([batch, keys, heads, depth]).astype(np.float32)}
+    np.testing.assert_array_equal(run_ort(out, feeds)[0], run_ort(model, feeds)[0])
+
+
+def test_the_value_product_is_left_where_it_fits_in_context_or_is_not_attentions():
+    for model, elements in ((value_product_model(1, 4, 8, 8, 4), 10 ** 6),                 # fits in context
+                            (value_product_model(1, 4, 8, 8, 4), 1),                        # a head does not fit either
+                            (value_product_model(1, 4, 8, 8, 4, perm_out=(0, 1, 3, 2)), 40),  # not transposed back
+                            (value_product_model(1, 1, 8, 8, 4), 1)):                       # one head
+        out, report, _ = with_value_stand_in(model, elements)
+        assert report["changes"] == [] and [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node]
+
+
+@pytest.mark.toolkit
+def test_attention_values_run_on_the_rk2118_npu_and_verify(tmp_path):
+    """The value path of a 12-head attention at 512 tokens: the vendor alone transposes V on RK2118's
+    CPU; head by head, every op runs on the NPU."""
+    from shard.passes.npu_forms import value_context
+
+    path = tmp_path / "values.onnx"
+    path.write_bytes(value_context([1, 12, 512, 512], [1, 512, 12, 64], per_head=False).SerializeToString())
+    res = shard_cli("compile", path, "--target", "rk2118", "-o", tmp_path / "v.shard")
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "v.shard" / "report.json").read_text())
+    assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]] == ["MatMul"]
+    assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+    res = shard_cli("verify", tmp_path / "v.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr

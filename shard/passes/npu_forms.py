@@ -45,6 +45,8 @@ Three patterns, where the op that starts them lands on the CPU alone: a flatten 
 (rewrite_flat_linears), a reciprocal that Muls read (rewrite_reciprocals), and a linear whose
 product is a graph output, such as an LM head, whose build fails or transposes its result back on
 the CPU (rewrite_output_linears: the transposed product on the NPU, the Transpose on the host).
+One where a small model of its context does: attention's value product, head by head
+(rewrite_value_products; RK2118 transposes V on the CPU from 512 tokens).
 
 A one-op verdict only nominates: every rewritten shard is built beside its unrewritten twin, and the
 compile keeps the rewrite only where that build is better (shard.never_worse).
@@ -56,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from shard.graph import dtype_name, is_static, small_model
 from shard.passes import PassContext, register
@@ -565,6 +568,102 @@ def rewrite_output_linears(graph: gs.Graph, legality, host: set[str]) -> tuple[l
     return changes, left
 
 
+def value_product(node: gs.Node) -> tuple[gs.Node, gs.Node] | None:
+    """(the Transpose before it, the Transpose after it) where `node` is attention's value product as
+    transformers export it: P [B, H, S, S'] @ Transpose(V [B, S', H, D], 0213), read only by a
+    Transpose 0213 back to [B, S, H, D], with more than one head and static shapes."""
+    if node.op != "MatMul" or not node.outputs or len(node.outputs[0].outputs) != 1 or not node.inputs[1].inputs:
+        return None
+    before, after = node.inputs[1].inputs[0], node.outputs[0].outputs[0]
+    if any(t.op != "Transpose" or list(t.attrs.get("perm", [])) != [0, 2, 1, 3] for t in (before, after)):
+        return None
+    shapes = [node.inputs[0].shape, before.inputs[0].shape, after.outputs[0].shape]
+    if len(node.inputs[1].outputs) != 1 or not all(s is not None and len(s) == 4 and is_static(s) for s in shapes):
+        return None
+    return (before, after) if shapes[1][2] > 1 else None
+
+
+def split_heads(graph: gs.Graph, node: gs.Node, before: gs.Node, after: gs.Node) -> None:
+    """The value product head by head: each head's V sliced, transposed and multiplied by its slice
+    of P, transposed back, and the heads joined along the head axis of [B, S, H, D]. Exact."""
+    e = Emit(graph, node)
+    p, v, y = node.inputs[0], before.inputs[0], after.outputs[0]
+    batch, keys, heads, depth = (int(d) for d in v.shape)
+    rows = int(p.shape[2])
+    head_axis_p, head_axis_v = e.const("axis_p", [1], np.int64), e.const("axis_v", [2], np.int64)
+    joined = []
+    for h in range(heads):
+        start, end = e.const(f"h{h}/start", [h], np.int64), e.const(f"h{h}/end", [h + 1], np.int64)
+        vh, vt = e.var(f"h{h}/v", [batch, keys, 1, depth]), e.var(f"h{h}/v_t", [batch, 1, keys, depth])
+        ph, oh = e.var(f"h{h}/p", [batch, 1, rows, keys]), e.var(f"h{h}/o", [batch, 1, rows, depth])
+        ot = e.var(f"h{h}/o_t", [batch, rows, 1, depth])
+        e.op("Slice", f"h{h}/SliceV", [v, start, end, head_axis_v], [vh])
+        e.op("Transpose", f"h{h}/TransposeV", [vh], [vt], perm=[0, 2, 1, 3])
+        e.op("Slice", f"h{h}/SliceP", [p, start, end, head_axis_p], [ph])
+        e.op("MatMul", f"h{h}/MatMul", [ph, vt], [oh])
+        e.op("Transpose", f"h{h}/TransposeOut", [oh], [ot], perm=[0, 2, 1, 3])
+        joined.append(ot)
+    for n in (before, node, after):
+        n.outputs.clear()
+    e.op("Concat", "Concat", joined, [y], axis=2)
+
+
+def value_context(p_shape: list[int], v_shape: list[int], per_head: bool) -> onnx.ModelProto:
+    """The value path alone as a transformer has it, at the real shapes: V from a linear, reshaped to
+    heads, the product with P, and the heads back into a linear; per head or as exported."""
+    batch, keys, heads, depth = v_shape
+    width, rows = heads * depth, p_shape[2]
+    rng = np.random.default_rng(0)
+    weight = lambda name: gs.Constant(name, (rng.standard_normal((width, width)) / width ** 0.5).astype(np.float32))  # noqa: E731
+    var = lambda name, shape: gs.Variable(name, np.float32, shape)  # noqa: E731
+    p, x, y = var("p", p_shape), var("x", [batch, keys, width]), var("y", [batch, rows, width])
+    v, v4, vt, o, ot, o3 = (var(n, s) for n, s in (("v", [batch, keys, width]), ("v4", v_shape),
+                                                    ("v_t", [batch, heads, keys, depth]), ("o", [batch, heads, rows, depth]),
+                                                    ("o_t", [batch, rows, heads, depth]), ("o3", [batch, rows, width])))
+    before = gs.Node("Transpose", "before", {"perm": [0, 2, 1, 3]}, [v4], [vt])
+    product = gs.Node("MatMul", "product", {}, [p, vt], [o])
+    after = gs.Node("Transpose", "after", {"perm": [0, 2, 1, 3]}, [o], [ot])
+    graph = gs.Graph(nodes=[gs.Node("MatMul", "v_proj", {}, [x, weight("w_v")], [v]),
+                            gs.Node("Reshape", "heads", {}, [v, gs.Constant("shape4", np.array(v_shape, np.int64))], [v4]),
+                            before, product, after,
+                            gs.Node("Reshape", "join", {}, [ot, gs.Constant("shape3", np.array([batch, rows, width], np.int64))], [o3]),
+                            gs.Node("MatMul", "out_proj", {}, [o3, weight("w_o")], [y])],
+                     inputs=[p, x], outputs=[y], opset=17)
+    if per_head:
+        split_heads(graph, product, before, after)
+    model = gs.export_onnx(graph.cleanup().toposort())
+    model.ir_version = 8
+    return model
+
+
+def rewrite_value_products(graph: gs.Graph, legality) -> list[dict]:
+    """Attention's value product, head by head, where in context the whole one puts a layer on the
+    CPU and the heads put fewer. RK2118 at 512 tokens and more: the compiler's exMatMul wants V with
+    the keys as channels and transposes [12, 64, 1, N] to [12, N, 1, 64] on the CPU; each head's
+    [1, 64, 1, N] it transposes on the NPU (SigLIP-512: 12 CPU ops; the value path alone at 1024
+    tokens: 1 CPU op, 0 per head, the same estimated cycles). Built in context, not alone: the
+    product alone has layout Transposes at its edges that the graph does not."""
+    changes, seen = [], {}
+    for node in [n for n in graph.nodes if n.op == "MatMul"]:
+        pair = value_product(node)
+        if pair is None or dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
+            continue
+        shapes = ([int(d) for d in node.inputs[0].shape], [int(d) for d in pair[0].inputs[0].shape])
+        key = repr(shapes)
+        if key not in seen:
+            whole = legality.cpu_layers(value_context(*shapes, per_head=False))
+            heads = legality.cpu_layers(value_context(*shapes, per_head=True)) if whole else None
+            seen[key] = (whole, heads)
+        whole, heads = seen[key]
+        if not whole or heads is None or heads >= whole:
+            continue
+        split_heads(graph, node, *pair)
+        changes.append({"node": node.name or node.outputs[0].name, "op": "MatMul", "shape": shapes[0],
+                        "reason": f"the value path built in context puts {whole} layer(s) on the CPU, head by head {heads}",
+                        "action": f"{shapes[1][2]} value products, one per head, on the NPU"})
+    return changes
+
+
 @register("npu_forms")
 def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     evidence = softmax_never_on_npu(ctx.profile)
@@ -572,6 +671,7 @@ def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if ctx.legality is not None:
         more, others = rewrite_forms(graph, ctx.legality)
         changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
+        changes += rewrite_value_products(graph, ctx.legality)
         heads, unfit = rewrite_output_linears(graph, ctx.legality, ctx.host_candidates)   # after: a flatten's is a Conv
         changes, left = changes + heads, left + others + unfit
     report = {"changes": changes, "not_fixed": left}
