@@ -141,6 +141,34 @@ class CpuPieces:
         return Verdict(True, "cpu-fallback", "piece on the CPU")
 
 
+def test_quantized_one_op_samples_stay_in_the_ops_domain(tmp_path):
+    """A one-op build in int8 is calibrated on seeded samples; Sqrt's normal samples gave NaN ranges
+    and the toolkit's quantizer crashed (`cannot convert float NaN to integer`)."""
+    from shard.toolkit.ops import write_samples
+
+    for op, negative in (("Sqrt", False), ("Relu", True)):
+        model = small_model([helper.make_node(op, ["in0"], ["out0"])], [("in0", [1, 4, 8])], [("out0", [1, 4, 8])])
+        for sample in write_samples(model, tmp_path / op):
+            x = np.load(sample[0])
+            assert (x < 0).any() == negative
+            assert not np.isnan(run_ort(model, {"in0": x})[0]).any()
+
+
+@pytest.mark.toolkit
+def test_a_quantized_one_op_build_of_sqrt_does_not_crash():
+    from shard.targets import get_target
+
+    tgt = get_target("rk3588")
+    ops = tgt.pass_toolkit(load_profile("rk3588"), CompileOptions())
+    try:
+        model = small_model([helper.make_node("Sqrt", ["in0"], ["out0"])], [("in0", [1, 8, 16, 16])],
+                            [("out0", [1, 8, 16, 16])])
+        point = ops.build(model, build=tgt.build_for(tgt.build_options(CompileOptions()), "int8"))
+    finally:
+        ops.close()
+    assert point.failure != "crash", point.evidence
+
+
 def test_split_whose_pieces_land_on_the_cpu_is_not_made():
     model = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")], [("x", [1, 8, 64])],
                        [("y", [1, 8, 64])])

@@ -29,6 +29,7 @@ from shard.toolkit.worker import WorkerFailed, WorkerPool
 
 MODELS = "by-model"
 MODELS_VERSION = 2  # points carry each layer's DDR cycles and bytes
+SAMPLES_VERSION = 2  # a quantized build's samples: in the model's domain (in_domain)
 
 
 class ToolkitOps:
@@ -49,6 +50,8 @@ class ToolkitOps:
         """What the compiler says of this model (cycles in figures), built with `build` (else the
         options given at the start); from the cache when seen before."""
         key = model.SerializeToString() + repr(macs).encode() + (repr(build).encode() if build else b"")
+        if (build or self.prober.build)["build"].get("do_quantization"):
+            key += f"samples {SAMPLES_VERSION}".encode()
         digest = hashlib.sha256(key).hexdigest()[:24]
         point = self.cache.get(MODELS, MODELS_VERSION, digest)
         if point is None:
@@ -81,11 +84,22 @@ def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[li
              for i in model.graph.input]
     paths = []
     for k, sample in enumerate(random_samples(specs, count)):
+        sample = in_domain(model, sample)
         paths.append([])
         for i, spec in enumerate(specs):
             paths[-1].append(str(stem.parent / f"{stem.name}-s{k}-{i}.npy"))
             np.save(paths[-1][-1], sample[spec.name])
     return paths
+
+
+def in_domain(model: onnx.ModelProto, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The sample, its float inputs made non-negative where the model's output is NaN on it (Sqrt,
+    Log, Pow of a negative base): the toolkit's quantizer takes its ranges from the sample, and a NaN
+    range crashes it (`cannot convert float NaN to integer`)."""
+    outputs = reference_outputs(model, sample)
+    if not any(o.dtype.kind == "f" and np.isnan(o).any() for o in outputs):
+        return sample
+    return {name: np.abs(x) if x.dtype.kind == "f" else x for name, x in sample.items()}
 
 
 def reference_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
