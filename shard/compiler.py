@@ -773,10 +773,11 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
                until: str | None = None, snapshot: tuple[str, ...] = ()) -> tuple[gs.Graph, PassContext]:
     """The pass pipeline (up to `until`); where the target has a toolkit, the passes ask it about
     single ops and small regions (cached builds), and its workers stop when the passes end."""
-    ops = tgt.pass_toolkit(profile, options)
-    ctx = PassContext(profile=profile, options=options, ops=ops,
-                      legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
+    ops = None
     try:
+        ops = tgt.pass_toolkit(profile, options)
+        ctx = PassContext(profile=profile, options=options, ops=ops,
+                          legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)
     except BaseException:

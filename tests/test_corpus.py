@@ -40,9 +40,10 @@ def test_shard_is_clean_wherever_the_vendor_alone_is(rows):
 
 
 def test_the_detection_head_keeps_the_vendors_whole_graph(rows):
-    # Split by one-op verdicts it had CPU joins; decided by real builds it has none.
+    # Split by one-op verdicts (`E` lines alone) it had CPU joins; now those nominate no split, and
+    # what is left (its last linear as a transposed product) the real build keeps or undoes.
     head = next(r for r in rows if r.name == "head40")
-    assert head.shard.cpu_ops == 0 and head.shard.figures["verdict"] == "equal"
+    assert head.shard.cpu_ops == 0 and head.shard.figures["verdict"] in ("equal", "better")
 
 
 def test_ops_the_vendor_puts_on_the_cpu_run_on_the_npu(rows):

@@ -120,3 +120,24 @@ def test_a_worker_interrupted_while_it_starts_or_dropped_unheld_leaves_nothing(t
     del dropped
     gc.collect()
     assert not folder.exists() and not alive(pid)
+
+
+def test_the_passes_toolkit_folder_goes_when_its_start_is_interrupted(tmp_path, monkeypatch):
+    """SIGTERM landing while the passes start their toolkit (after its scratch folder is made, before
+    the object exists for run_passes to close) left a shard-ops-* folder behind (seen once in a full run)."""
+    import gc
+    import tempfile
+
+    from shard.profile import load_profile
+    from shard.toolkit import ops
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops, "WorkerPool", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ops.ToolkitOps("rk3588", load_profile("rk3588"), {})
+    gc.collect()
+    assert not list(tmp_path.glob("shard-ops-*"))

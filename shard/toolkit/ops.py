@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+import weakref
 from functools import partial
 from pathlib import Path
 
@@ -42,6 +43,8 @@ class ToolkitOps:
         self.toolkit = installed_label(target)
         self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
         self.scratch = Path(tempfile.mkdtemp(prefix="shard-ops-"))
+        # The folder also goes with this object: a compile stopped while this starts leaves none.
+        self._remove = weakref.finalize(self, shutil.rmtree, str(self.scratch), True)
         self.pool = WorkerPool(find_python(target), self.scratch, jobs)
         slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
         self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)
@@ -64,7 +67,7 @@ class ToolkitOps:
         if kill:
             self.pool.kill_all()
         self.pool.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        self._remove()
 
 
 def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[str, np.ndarray]:
