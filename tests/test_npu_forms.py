@@ -25,6 +25,16 @@ NO_SOFTMAX = Profile("rk3568", 1, "test", {
     "softmax-rows@w64": Limit(0, "cpu-fallback", "N=1 fails (cpu-fallback)", "test", failing=1)})
 
 
+def compiled_and_verified(path, target: str) -> dict:
+    """`shard compile` for `target`, then `shard verify` on the simulator at 0.9999: the report."""
+    bundle = path.with_suffix(".shard")
+    res = shard_cli("compile", path, "--target", target, "-o", bundle)
+    assert res.returncode == 0, res.stderr
+    res = shard_cli("verify", bundle, "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads((bundle / "report.json").read_text())
+
+
 def rewritten(model, profile=NO_SOFTMAX, on_cpu=()):
     graph = infer_shapes(gs.import_onnx(model))
     legality = Legality(profile, OnCpu(*on_cpu)) if on_cpu else None
@@ -179,14 +189,10 @@ def test_a_softmax_runs_on_the_rk3568_npu_and_verifies(tmp_path):
                        [scale("a", 0.5), scale("b", 2.0)])
     path = tmp_path / "softmax.onnx"
     path.write_bytes(model.SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk3568", "-o", tmp_path / "a.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "a.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk3568")
     assert report["passes"]["npu_forms"]["changes"][0]["op"] == "Softmax"
     assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0
     assert [op.split()[0] for op in report["vendor_alone"]["diagnostics"]["cpu_ops"]] == ["exSoftmax13"]
-    res = shard_cli("verify", tmp_path / "a.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.toolkit
@@ -206,15 +212,11 @@ def test_selu_min_exp_tile_lrn_and_a_padded_pool_run_on_the_rk3588_npu_and_verif
     model = make_model(nodes, [("x", shape)], [("y", [1, 16, 16, 48])], inits)
     path = tmp_path / "forms.onnx"
     path.write_bytes(model.SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "f.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "f.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk3588")
     forms = ["AveragePool", "Exp", "LRN", "Min", "Selu", "Tile"]
     assert sorted(c["op"] for c in report["passes"]["npu_forms"]["changes"]) == forms
     assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0
     assert sorted(op.split()[0] for op in report["vendor_alone"]["diagnostics"]["cpu_ops"]) == forms
-    res = shard_cli("verify", tmp_path / "f.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("kind", ["reshape-gemm", "flatten-gemm-transposed-scaled", "flatten-matmul"])
@@ -282,12 +284,8 @@ def test_t5s_rms_norm_runs_on_the_rk3588_npu(tmp_path):
     model = make_model(nodes, [("x", shape)], [("y", shape)], inits)
     path = tmp_path / "rms.onnx"
     path.write_bytes(model.SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "r.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "r.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk3588")
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
-    res = shard_cli("verify", tmp_path / "r.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def output_linear_model(lead: list[int], m: int, k: int, n: int, seed: int, then: str | None = None):
@@ -349,13 +347,9 @@ def test_a_layernorm_runs_on_the_rk2118_npu_and_verifies(tmp_path):
                         numpy_helper.from_array((rng.standard_normal(768) * 0.1).astype(np.float32), "beta")])
     path = tmp_path / "ln.onnx"
     path.write_bytes(model.SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk2118", "-o", tmp_path / "ln.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "ln.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk2118")
     assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]] == ["LayerNormalization"]
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
-    res = shard_cli("verify", tmp_path / "ln.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.toolkit
@@ -365,14 +359,10 @@ def test_an_lm_head_runs_on_the_rk3588_npu_and_its_transpose_on_the_host(tmp_pat
     no CPU op, a host transpose after the shards, and verifies."""
     path = tmp_path / "head.onnx"
     path.write_bytes(output_linear_model([1], 16, 64, 50257, 0).SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk3588", "-o", tmp_path / "h.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "h.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk3588")
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
     assert [step["op"] for step in report["host_post"]] == ["transpose"] and report["host_post_ms"] is not None
     assert report["versus_vendor"]["verdict"] == "better"
-    res = shard_cli("verify", tmp_path / "h.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @settings(max_examples=30, deadline=None)
@@ -475,10 +465,6 @@ def test_attention_values_run_on_the_rk2118_npu_and_verify(tmp_path):
 
     path = tmp_path / "values.onnx"
     path.write_bytes(value_context([1, 12, 512, 512], [1, 512, 12, 64], per_head=False).SerializeToString())
-    res = shard_cli("compile", path, "--target", "rk2118", "-o", tmp_path / "v.shard")
-    assert res.returncode == 0, res.stderr
-    report = json.loads((tmp_path / "v.shard" / "report.json").read_text())
+    report = compiled_and_verified(path, "rk2118")
     assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]] == ["MatMul"]
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
-    res = shard_cli("verify", tmp_path / "v.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
-    assert res.returncode == 0, res.stdout + res.stderr
