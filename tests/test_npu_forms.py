@@ -67,14 +67,49 @@ def test_left_alone_where_the_npu_runs_softmax_or_the_axis_is_not_the_last():
     assert [n.op_type for n in out.graph.node] == ["Softmax"] and "only the last axis" in report["not_fixed"][0]["reason"]
 
 
-def test_attention_softmax_is_left_to_the_compiler():
-    shape = [1, 2, 16, 16]
-    model = make_model([helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
-                        helper.make_node("MatMul", ["p", "v"], ["y"])],
-                       [("q", shape), ("k", shape), ("v", shape)], [("y", shape)])
+def attention_scores_model(shape: list[int], scale: float):
+    return make_model([helper.make_node("MatMul", ["q", "k"], ["s"]),
+                       helper.make_node("Mul", ["s", "scale"], ["t"]),
+                       helper.make_node("Softmax", ["t"], ["p"], axis=-1),
+                       helper.make_node("MatMul", ["p", "v"], ["y"])],
+                      [("q", shape[:-1] + [8]), ("k", shape[:-2] + [8, shape[-1]]), ("v", shape[:-2] + [shape[-1], 4])],
+                      [("y", shape[:-1] + [4])], [numpy_helper.from_array(np.array(scale, np.float32), "scale")])
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.sampled_from([[1, 2, 16, 16], [1, 12, 8, 64], [1, 3, 5, 1024]]), scale=st.sampled_from([0.05, 0.3, 0.6]),
+       seed=st.integers(0, 1000))
+def test_attention_softmax_with_row_sums_as_matmuls_equals_softmax_in_fp32(shape, scale, seed):
+    """Attention's Softmax on a chip whose NPU runs none (rk3568): MaxPool's form makes the exMatMuls
+    around it transpose on the CPU, so its reductions are MatMuls by a constant column instead."""
+    model = attention_scores_model(shape, scale)
     out, report = rewritten(model)
+    ops = [n.op_type for n in out.graph.node]
+    assert "Softmax" not in ops and "MaxPool" not in ops and ops.count("MatMul") == 5
+    assert [c["op"] for c in report["changes"]] == ["Softmax"]
+    rng = np.random.default_rng(seed)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in model.graph.input}
+    np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(model, feeds)[0], rtol=2e-5, atol=1e-6)
+
+
+def test_attention_softmax_whose_input_spans_too_far_for_fp16_is_left_to_the_compiler():
+    out, report = rewritten(attention_scores_model([1, 2, 16, 16], 20.0))   # scores span far past 22
     assert "Softmax" in [n.op_type for n in out.graph.node] and report["changes"] == []
-    assert "attention's Softmax" in report["not_fixed"][0]["reason"]
+    assert "attention's Softmax: its input spans" in report["not_fixed"][0]["reason"]
+
+
+@pytest.mark.toolkit
+def test_a_siglip_layer_runs_on_the_rk3568_npu_attention_softmax_included(tmp_path):
+    """One SigLIP-512 layer: the vendor alone runs its attention's Softmax as exSoftmax13 on rk3568's
+    CPU; with its sums as MatMuls every op runs on the NPU (all 12 layers: 0 CPU ops against 13)."""
+    from shard.zoo import export_model
+
+    path = export_model("siglip-base-512", tmp_path / "s1.onnx", layers=1)
+    report = compiled_and_verified(path, "rk3568")
+    assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]].count("Softmax") == 1
+    assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0
+    assert "exSoftmax13" in [op.split()[0] for op in report["vendor_alone"]["diagnostics"]["cpu_ops"]]
 
 
 def test_the_shipped_rk3568_and_rk3566_profiles_find_no_softmax_on_the_npu():

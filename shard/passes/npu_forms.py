@@ -14,11 +14,13 @@ SigLIP's 12 attention Softmaxes run as exSoftmax13 on the CPU). Along the last a
 
 Equal to Softmax up to fp32 rounding (tests run both in onnxruntime). 2-D and 3-D inputs are
 reshaped to 4-D around it. Measured on rk3568: a Softmax alone (a classifier's, a gate's) runs on the
-NPU this way, 0 CPU ops against the vendor's 1. Attention's Softmax is left alone: alone, the form
-costs 4.07 M estimated cycles for [1,12,1024,1024] with every op on the NPU, but inside SigLIP the
-exMatMul on each side then needs its output transposed, on the CPU: 25 CPU ops against 13 and 8134 M
-costed cycles against 1332 M (the vendor's exSoftmax13 on the CPU takes the matmul layout as it is).
-A chip whose NPU runs some Softmax is left to the compiler.
+NPU this way, 0 CPU ops against the vendor's 1. Attention's Softmax takes another form: between two
+exMatMuls the keys are the channels of the compiler's layout, and MaxPool's form made the exMatMul on
+each side transpose its output on the CPU (SigLIP: 25 CPU ops against 13). With every reduction a
+MatMul by a constant column, no max, the row's mean taken out instead, and exp(d/2) squared after a
+normalisation that keeps the squares in fp16 (rewrite_softmax_rows), SigLIP-512 has 0 CPU ops
+against the vendor's 13 (simulator cosine 0.9999993); taken where the scores span at most
+ROWS_SPAN on the calibration samples. A chip whose NPU runs some Softmax is left to the compiler.
 
 Other ops (FORMS), where the one-op build of the op at its real shapes lands on the CPU (RK3588,
 toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do; RK2118: LayerNorm at every
@@ -369,16 +371,82 @@ FORMS = {
 }
 
 
-def rewrite_softmaxes(graph: gs.Graph, evidence: str) -> tuple[list[dict], list[dict]]:
+ROWS_SPAN = 22.0   # the row form's input span it holds in fp16: exp(span / 2) < 65504
+
+
+def rewrite_softmax_rows(graph: gs.Graph, node: gs.Node) -> None:
+    """Attention's Softmax along the last axis W with every reduction a MatMul by a constant column,
+    which the compiler runs in the exMatMul's own layout (the keys as channels) where MaxPool needs
+    them as columns and costs two CPU Transposes:
+
+        d = x - x @ 1/W                    the row's mean out: d <= span of the row
+        r = Sigmoid(d/2) / Sigmoid(-d/2)   = exp(d/2), in fp16 for d < 22
+        a = r / (r @ 1/sqrt(W))            so that sum(a^2) lies in [1, W]: a flat row's a^2 is 1/W
+        y = a^2 / (a^2 @ 1)                = exp(d) / sum(exp(d))
+
+    Equal to Softmax up to fp32 rounding where the row's max minus its mean stays under ROWS_SPAN."""
+    e = Emit(graph, node)
+    x, y = node.inputs[0], node.outputs[0]
+    shape = [int(d) for d in x.shape]
+    width, row = shape[-1], [*shape[:-1], 1]
+    mean, norm, total = (e.var(n, row) for n in ("mean", "norm", "sum"))
+    d, half, neg, sp, sn, r, a, a2 = (e.var(n, shape) for n in ("d", "half", "neg", "sig", "sig_neg", "exp_half",
+                                                                 "scaled", "square"))
+    column = lambda name, value: e.const(name, np.full((width, 1), value))  # noqa: E731
+    node.outputs.clear()
+    e.op("MatMul", "Mean", [x, column("mean_column", 1.0 / width)], [mean])
+    e.op("Sub", "Sub", [x, mean], [d])
+    e.op("Mul", "Half", [d, e.const("c_half", 0.5)], [half])
+    e.op("Mul", "NegHalf", [d, e.const("c_neg_half", -0.5)], [neg])
+    e.op("Sigmoid", "Sigmoid", [half], [sp])
+    e.op("Sigmoid", "SigmoidNeg", [neg], [sn])
+    e.op("Div", "ExpHalf", [sp, sn], [r])
+    e.op("MatMul", "Norm", [r, column("norm_column", 1.0 / np.sqrt(width))], [norm])
+    e.op("Div", "Scaled", [r, norm], [a])
+    e.op("Mul", "Square", [a, a], [a2])
+    e.op("MatMul", "Sum", [a2, column("ones", 1.0)], [total])
+    e.op("Div", "Div", [a2, total], [y])
+
+
+def input_spans(graph: gs.Graph, ctx: PassContext, nodes: list[gs.Node]) -> dict[str, float]:
+    """max - min of each node's first input over the calibration samples (seeded random without
+    --calib); empty where onnxruntime cannot run the model."""
+    from shard.calibration import calibration_samples, collect_stats, lifted, stats_cache
+    from shard.graph import float_ranks, tensor_spec
+
+    samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
+    model, weights = lifted(graph)
+    try:
+        stats = collect_stats(model, samples, [n.inputs[0].name for n in nodes], ranks=float_ranks(graph),
+                              cache=stats_cache(ctx), weights=weights)
+    except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
+        return {}
+    return {name: s.max - s.min for name, s in stats.items()}
+
+
+def rewrite_softmaxes(graph: gs.Graph, evidence: str, ctx: PassContext) -> tuple[list[dict], list[dict]]:
     from shard.passes.tile_attention import find_attention
 
-    attention = {id(att.softmax) for att in find_attention(graph)}
+    attention = {id(att.softmax): att.softmax for att in find_attention(graph)}
+    spans = input_spans(graph, ctx, list(attention.values())) if attention else {}
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op == "Softmax"]:
         if id(node) in attention:
-            left.append({"node": node.name or node.outputs[0].name, "op": "Softmax",
-                         "reason": "attention's Softmax: between two exMatMuls this form costs two CPU Transposes "
-                                   "(measured on rk3568)", "action": "left to the compiler"})
+            label, shape = node.name or node.outputs[0].name, node.inputs[0].shape
+            span = spans.get(node.inputs[0].name)
+            axis = node.attrs.get("axis", -1)
+            if span is not None and span <= ROWS_SPAN and is_static(shape) and axis % len(shape) == len(shape) - 1:
+                rewrite_softmax_rows(graph, node)
+                changes.append({"node": label, "op": "Softmax", "shape": list(shape),
+                                "reason": f"attention's Softmax runs on the CPU on this chip ({evidence})",
+                                "action": "its sums as MatMuls by a constant column, exp from Sigmoid and Div, on the NPU "
+                                          f"(its input spans {span:.3g} on the calibration samples)"})
+                continue
+            why = f"its input spans {span:.3g} on the calibration samples, past {ROWS_SPAN:g}" if span is not None \
+                else "no calibration range of its input" if is_static(shape) else "a dynamic shape"
+            left.append({"node": label, "op": "Softmax",
+                         "reason": f"attention's Softmax: {why}; MaxPool's form costs two CPU Transposes between "
+                                   "the exMatMuls (measured on rk3568)", "action": "left to the compiler"})
             continue
         shape = node.inputs[0].shape
         rank = len(shape) if shape is not None else 0
@@ -667,7 +735,7 @@ def rewrite_value_products(graph: gs.Graph, legality) -> list[dict]:
 @register("npu_forms")
 def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     evidence = softmax_never_on_npu(ctx.profile)
-    changes, left = rewrite_softmaxes(graph, evidence) if evidence else ([], [])
+    changes, left = rewrite_softmaxes(graph, evidence, ctx) if evidence else ([], [])
     if ctx.legality is not None:
         more, others = rewrite_forms(graph, ctx.legality)
         changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
