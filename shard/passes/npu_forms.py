@@ -434,16 +434,18 @@ def rewrite_softmaxes(graph: gs.Graph, evidence: str, ctx: PassContext) -> tuple
         if id(node) in attention:
             label, shape = node.name or node.outputs[0].name, node.inputs[0].shape
             span = spans.get(node.inputs[0].name)
-            axis = node.attrs.get("axis", -1)
-            if span is not None and span <= ROWS_SPAN and is_static(shape) and axis % len(shape) == len(shape) - 1:
+            why = ("a dynamic shape" if not is_static(shape) else
+                   "not along its last axis" if node.attrs.get("axis", -1) % len(shape) != len(shape) - 1 else
+                   "no calibration range of its input" if span is None else
+                   f"its input spans {span:.3g} on the calibration samples, past {ROWS_SPAN:g}" if span > ROWS_SPAN
+                   else None)
+            if why is None:
                 rewrite_softmax_rows(graph, node)
                 changes.append({"node": label, "op": "Softmax", "shape": list(shape),
                                 "reason": f"attention's Softmax runs on the CPU on this chip ({evidence})",
                                 "action": "its sums as MatMuls by a constant column, exp from Sigmoid and Div, on the NPU "
                                           f"(its input spans {span:.3g} on the calibration samples)"})
                 continue
-            why = f"its input spans {span:.3g} on the calibration samples, past {ROWS_SPAN:g}" if span is not None \
-                else "no calibration range of its input" if is_static(shape) else "a dynamic shape"
             left.append({"node": label, "op": "Softmax",
                          "reason": f"attention's Softmax: {why}; MaxPool's form costs two CPU Transposes between "
                                    "the exMatMuls (measured on rk3568)", "action": "left to the compiler"})
