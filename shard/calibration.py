@@ -203,6 +203,16 @@ def lifted(graph) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     return gs.export_onnx(copy, do_type_check=False), weights
 
 
+def graph_stats(graph, samples: list[dict[str, np.ndarray]], names: list[str] | None = None,
+                cache: Path | None = None) -> dict[str, TensorStats]:
+    """collect_stats over a graphsurgeon graph: its large constants lifted (fed, not copied), the
+    ranks from the shapes on the graph."""
+    from shard.graph import float_ranks
+
+    model, weights = lifted(graph)
+    return collect_stats(model, samples, names, ranks=float_ranks(graph), cache=cache, weights=weights)
+
+
 def collect_stats(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]],
                   names: list[str] | None = None, ranks: dict[str, int] | None = None,
                   cache: Path | None = None, weights: dict[str, np.ndarray] | None = None) -> dict[str, TensorStats]:

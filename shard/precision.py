@@ -189,18 +189,15 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: i
     own int8 error is a poor guide: on all-mpnet-base-v2 the output projections' inputs lose the most,
     yet moving them and the FFN outputs (half of the linears' MACs) to fp16 took the simulator only
     from 0.9953 to 0.9977; ranked by the replica, a quarter of the MACs took it to 0.9984."""
-    from shard.calibration import collect_stats, lifted, ort_session
+    from shard.calibration import graph_stats, ort_session
     from shard.passes.partition import estimate_macs
     from shard.verifier import compare
 
     linears = [n for n in graph.nodes if is_int8_candidate(n)]
     if not linears:
         return [], 1.0
-    model, weights = lifted(graph)
-    stats = collect_stats(model, feeds, sorted({t.name for n in linears for t in quantized_tensors(n)}),
-                          weights=weights)
+    stats = graph_stats(graph, feeds, sorted({t.name for n in linears for t in quantized_tensors(n)}))
     replica = gs.export_onnx(int8_replica(graph, stats, linears), do_type_check=False)
-    del model, weights
     session = ort_session(replica)
     outputs = [o.name for o in session.get_outputs()]
     inputs = {i.name for i in session.get_inputs()}

@@ -411,14 +411,12 @@ def rewrite_softmax_rows(graph: gs.Graph, node: gs.Node) -> None:
 def input_spans(graph: gs.Graph, ctx: PassContext, nodes: list[gs.Node]) -> dict[str, float]:
     """max - min of each node's first input over the calibration samples (seeded random without
     --calib); empty where onnxruntime cannot run the model."""
-    from shard.calibration import calibration_samples, collect_stats, lifted, stats_cache
-    from shard.graph import float_ranks, tensor_spec
+    from shard.calibration import calibration_samples, graph_stats, stats_cache
+    from shard.graph import tensor_spec
 
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
-    model, weights = lifted(graph)
     try:
-        stats = collect_stats(model, samples, [n.inputs[0].name for n in nodes], ranks=float_ranks(graph),
-                              cache=stats_cache(ctx), weights=weights)
+        stats = graph_stats(graph, samples, [n.inputs[0].name for n in nodes], cache=stats_cache(ctx))
     except Exception:  # noqa: BLE001 - onnxruntime raises its own exception types
         return {}
     return {name: s.max - s.min for name, s in stats.items()}

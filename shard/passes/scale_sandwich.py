@@ -72,7 +72,7 @@ TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 @register("scale_sandwich")
 def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    from shard.calibration import calibration_samples, collect_stats, lifted, stats_cache
+    from shard.calibration import calibration_samples, collect_stats, graph_stats, lifted, stats_cache
 
     safe = fp16_safe_absmax(ctx.profile)
     if safe is None:
@@ -90,9 +90,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         graph.cleanup().toposort()
-        clamped, clamped_weights = lifted(graph)
-        stats = collect_stats(clamped, samples, ranks=float_ranks(graph), cache=stats_cache(ctx),
-                              weights=clamped_weights)
+        stats = graph_stats(graph, samples, cache=stats_cache(ctx))
     splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
         graph.toposort()

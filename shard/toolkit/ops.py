@@ -86,8 +86,7 @@ def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[li
                         onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name)
              for i in model.graph.input]
     paths = []
-    for k, sample in enumerate(random_samples(specs, count)):
-        sample = in_domain(model, sample)
+    for k, sample in enumerate(in_domain(model, random_samples(specs, count))):
         paths.append([])
         for i, spec in enumerate(specs):
             paths[-1].append(str(stem.parent / f"{stem.name}-s{k}-{i}.npy"))
@@ -95,14 +94,16 @@ def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[li
     return paths
 
 
-def in_domain(model: onnx.ModelProto, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The sample, its float inputs made non-negative where the model's output is NaN on it (Sqrt,
-    Log, Pow of a negative base): the toolkit's quantizer takes its ranges from the sample, and a NaN
-    range crashes it (`cannot convert float NaN to integer`)."""
-    outputs = reference_outputs(model, sample)
-    if not any(o.dtype.kind == "f" and np.isnan(o).any() for o in outputs):
-        return sample
-    return {name: np.abs(x) if x.dtype.kind == "f" else x for name, x in sample.items()}
+def in_domain(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """The samples, the float inputs of each made non-negative where the model's output is NaN on it
+    (Sqrt, Log, Pow of a negative base): the toolkit's quantizer takes its ranges from the samples,
+    and a NaN range crashes it (`cannot convert float NaN to integer`)."""
+    from shard.calibration import run_each
+
+    outputs = run_each(model, samples, [o.name for o in model.graph.output])
+    return [{name: np.abs(x) if x.dtype.kind == "f" else x for name, x in sample.items()}
+            if any(o.dtype.kind == "f" and np.isnan(o).any() for o in got.values()) else sample
+            for sample, got in zip(samples, outputs)]
 
 
 def reference_outputs(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
