@@ -6,7 +6,8 @@ One vendor build is the toolkit as a user runs it (RKNN() with its defaults: con
 build, export_rknn), in the toolkit's environment. shard compile runs four times: cold (an empty
 build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
 unrewritten twin), warm (the same model again: its bundle comes from the cache, shard.bundle_cache),
-the model with one linear's weights changed (the cache warm: only what changed builds again), and
+the model with one linear's weights changed (the cache warm: only the shard holding it builds again;
+the vendor alone's figures are those of the cold run's build of the same graph), and
 cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
 whole process tree (shard plus its toolkit workers) every 50 ms.
 Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=... shards=...

@@ -270,6 +270,9 @@ def print_compile_report(report: dict) -> None:
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])
+        if (report.get("vendor_alone") or {}).get("figures_only"):
+            console.print("vendor alone: the figures of its earlier build of this graph with other weights (build "
+                          "cache); built again only where its artifact is needed")
         if "fidelity" in versus:
             f = versus["fidelity"]
             console.print(f"simulator cosine, shard / vendor alone: {f['shard']:.7f} / {f['vendor']:.7f}")

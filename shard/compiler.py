@@ -35,7 +35,7 @@ from shard.passes.partition import ShardPlan, estimate_macs
 from shard.profile import load_profile
 from shard.runtime.host import step_files
 from shard.targets import ShardBuild, ShardJob, get_target
-from shard.targets.build_cache import default_cache_dir, link_or_copy
+from shard.targets.build_cache import default_cache_dir, link_or_copy, structure_key
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
@@ -140,14 +140,21 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         done: list[ShardBuild] = []
         cache = default_cache_dir() if options.build_cache else None
         with tgt.builds(options.jobs, options.timeout, cache, logs) as builder:
-            vendor_inputs, vendor_job, early = None, None, []   # the vendor alone's build: its file's inputs
-            if against_vendor:   # written now, so its weights are not held twice through the passes
+            vendor_inputs, vendor_job, early, stand_in = None, None, [], None   # the vendor alone's build
+            if against_vendor:
                 fix_input_shapes(proto, options.input_shapes)
                 vendor_inputs = data_inputs(proto.graph)
+            if against_vendor and not quantized:
+                vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs)
+                vendor_job.figures_key = structure_key(proto)
+                # Built before with other weights: those figures stand in, and the build is made only
+                # if its artifact is needed (the fidelity check, or a bundle falling back to it).
+                if not (options.vendor_only or options.check_fidelity):
+                    stand_in = builder.figures(vendor_job, build)
+            if against_vendor and not stand_in:   # written now, so its weights are not held twice through the passes
                 if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
                     onnx.load_external_data_for_model(proto, str(staging / "shards"))
-            if against_vendor and not quantized:   # the longest build runs through the passes
-                vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs)
+            if vendor_job and not stand_in:   # the longest build runs through the passes
                 early = builder.submit([vendor_job], build, done.append)
             proto, prepared = prepare_model(proto, tgt.min_opset)
             opset = default_opset(proto)
@@ -176,7 +183,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                                 set(options.promote or ())) if quantized else None
             if against_vendor and quantized:
                 vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs, datasets)
-            jobs = [vendor_job] if vendor_job else []
+            jobs = [vendor_job] if vendor_job and not stand_in else []
             jobs += write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets)
             if ctx.build_config and "config" in build:   # the shards' only: the vendor alone builds as it is
                 build = {**build, "config": {**build["config"], **ctx.build_config}}
@@ -190,6 +197,8 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 return {b.name: b for b in builder.results([*under_way, *builder.submit(batch, build, on_done)])}
 
             builds = compile_jobs(jobs[len(early):], "compile shards", early)
+            if stand_in:
+                builds[VENDOR_ALONE] = stand_in
             t_build = time.monotonic() - t0 - t_passes
 
             # 3. Keep the better build of each shard (rewritten or not; each with its edges as they were or
@@ -207,15 +216,23 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 jobs += [job for job, _ in relaid]
                 builds.update(compile_jobs([job for job, _ in relaid], "compile shards (edges in the vendor's layout)"))
                 best, edge_choices = keep_better_edges(relaid, builds, axes)
-        chosen, choices = choose_versions(plans, originals, builds, axes, in_range, best)
-        kept_names = {name for name, _ in chosen}
-        choices += [c for c in edge_choices if c["build"] in kept_names or c["relaid"] in kept_names]
-        # Range rescales exist because the model as it came leaves fp16's range: the simulator judges
-        # that (fidelity, on by default then), not the cycles they cost.
-        chosen, versus = against_vendor_alone(chosen, builds, HARD_AXES if in_range else axes, options.vendor_only,
-                                              canonical or graph)
+            own, choices = choose_versions(plans, originals, builds, axes, in_range, best)
+            kept_names = {name for name, _ in own}
+            choices += [c for c in edge_choices if c["build"] in kept_names or c["relaid"] in kept_names]
+            # Range rescales exist because the model as it came leaves fp16's range: the simulator judges
+            # that (fidelity, on by default then), not the cycles they cost.
+            judged = HARD_AXES if in_range else axes
+            chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
+            measure = quantized or bool(in_range) if options.check_fidelity is None else options.check_fidelity
+            if stand_in and (measure or versus["bundle"] == "vendor alone"):   # its artifact is needed now
+                as_it_came = load_model(model)
+                fix_input_shapes(as_it_came, options.input_shapes)
+                save_onnx(as_it_came, staging / "shards" / f"{VENDOR_ALONE}.onnx")
+                del as_it_came
+                jobs.insert(0, vendor_job)
+                builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)"))
+                chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        measure = quantized or bool(in_range) if options.check_fidelity is None else options.check_fidelity
         check = measure and versus is not None and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
         vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
         if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
@@ -497,7 +514,8 @@ class BundleWriter:
                       host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder,
                                                    before=False),
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
-                                               "diagnostics": vendor.diagnostics})
+                                               "diagnostics": vendor.diagnostics,
+                                               "figures_only": vendor.figures_only})
         (folder / MANIFEST).write_text(manifest.to_json())
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return manifest, report

@@ -15,16 +15,29 @@ DATA = Path(__file__).parent / "data"
 
 def pytest_configure(config):
     # Vendor builds are cached by content; each test run starts with an empty cache of its own, so a
-    # build a test means to make (a timeout, a crash) is made, and the run leaves nothing behind.
+    # build a test means to make (a timeout, a crash) is made. What the code under test puts in the
+    # temporary folder (the logs a failed compile keeps, by design) goes to one folder of the run's
+    # own, removed at its end; pytest's tmp_path stays where it was.
     import tempfile
 
-    os.environ["SHARD_BUILD_CACHE"] = tempfile.mkdtemp(prefix="shard-test-builds-")
+    config.shard_saved_env = {k: os.environ.get(k) for k in ("TMPDIR", "SHARD_BUILD_CACHE", "PYTEST_DEBUG_TEMPROOT")}
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix="shard-test-")
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+    os.environ["SHARD_BUILD_CACHE"] = os.path.join(root, "builds")
 
 
 def pytest_unconfigure(config):
     import shutil
+    import tempfile
 
-    shutil.rmtree(os.environ.pop("SHARD_BUILD_CACHE", ""), ignore_errors=True)
+    root, tempfile.tempdir = tempfile.tempdir, None
+    for key, value in config.shard_saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def toolkit_ready() -> bool:

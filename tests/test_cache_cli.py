@@ -1,6 +1,9 @@
-"""`shard cache info` and `shard cache clear` on caches made for the test."""
+"""The caches without the toolkit: `shard cache info` and `shard cache clear` on caches made for the
+test, eviction, and the build cache's structure keys."""
 
-from conftest import shard_cli
+import numpy as np
+from conftest import mlp_chain, shard_cli
+from onnx import numpy_helper
 
 
 def test_cache_info_and_clear(tmp_path):
@@ -50,3 +53,30 @@ def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, mo
     monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "lots")
     with pytest.raises(CompileError, match="SHARD_BUILD_CACHE_SIZE='LOTS': expected bytes"):
         BuildCache(tmp_path / "cache", "rk3588", "toolkit")
+
+
+def test_a_models_structure_is_its_graph_with_weights_by_shape_and_kind():
+    from shard.targets.build_cache import structure_key
+
+    def variant(edit=None, blocks=2):
+        model = mlp_chain(blocks, width=32)
+        if edit:
+            edit({t.name: t for t in model.graph.initializer})
+        return structure_key(model)
+
+    def scaled(name, factor):
+        def edit(weights):
+            w = weights[name]
+            w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * np.float32(factor), name))
+        return edit
+
+    base = variant()
+    assert variant(scaled("w2_1", 1.01)) == base            # other values: the same structure
+    assert variant(scaled("w2_1", 0.0)) != base             # all zeros, which a compiler may fold away
+    assert variant(scaled("w2_1", 1e6)) != base             # past fp16's range
+    assert variant(blocks=3) != base
+    small = mlp_chain(2, width=2)                            # 2 x 4 weights are constants, by value
+    before = structure_key(small)
+    w = small.graph.initializer[0]
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * np.float32(1.01), w.name))
+    assert structure_key(small) != before

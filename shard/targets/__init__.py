@@ -21,6 +21,7 @@ class ShardJob:
     precision: str = "fp16"
     dataset: list[list[Path]] | None = None   # quantization samples: per sample, one .npy per input
     float16: list[str] | None = None          # mixed precision: the ops (node and tensor names) kept in fp16
+    figures_key: str | None = None            # its model's build_cache.structure_key: figures kept by it too
 
 
 @dataclass
@@ -32,6 +33,7 @@ class ShardBuild:
     diagnostics: dict = field(default_factory=dict)
     error: str | None = None      # why the build is unusable (failed, crashed, REGTASK), with its log
     cached: bool = False          # taken from the build cache (shard.targets.build_cache), not built now
+    figures_only: bool = False    # the figures of a build of the same structure, other weights: no artifact
 
 
 class Target(Protocol):
@@ -88,6 +90,11 @@ class Builds(Protocol):
 
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]: ...
 
+    def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
+        """The figures of an earlier build of the same structure as the job's (its figures_key), with
+        its log and no artifact; None if there is none."""
+        ...
+
     def results(self, futures: list[Future]) -> list[ShardBuild]: ...
 
     def __enter__(self) -> Builds: ...
@@ -110,6 +117,9 @@ class LogsOnly:
             futures[-1].set_result(ShardBuild(name=job.name, seconds=0.0))
             on_done(futures[-1].result())
         return futures
+
+    def figures(self, job: ShardJob, build: dict) -> None:
+        return None
 
     def results(self, futures: list[Future]) -> list[ShardBuild]:
         return [f.result() for f in futures]

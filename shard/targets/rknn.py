@@ -142,9 +142,12 @@ class ToolkitBuilds:
             with self.pool.worker() as worker:
                 result = build_shard(worker, job, options, self.timeout)
             if self.store:
-                self.store.put(job, key, result)
+                self.store.put(job, key, result, self.store.figures_key(job, options))
         on_done(result)
         return result
+
+    def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
+        return self.store.figures(job, self.target.build_for(build, job.precision, job.float16)) if self.store else None
 
     def results(self, futures: list[Future]) -> list[ShardBuild]:
         wait(futures, return_when=FIRST_EXCEPTION)
