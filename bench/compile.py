@@ -7,10 +7,13 @@ build, export_rknn), in the toolkit's environment. shard compile runs four times
 build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
 unrewritten twin), warm (the same model again: its bundle comes from the cache, shard.bundle_cache),
 the model with one linear's weights changed (the cache warm: only the shard holding it builds again;
-the vendor alone's figures are those of the cold run's build of the same graph), and
-cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled over the
-whole process tree (shard plus its toolkit workers) every 50 ms.
-Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=... shards=...
+the vendor alone's figures are those of the cold run's build of the same graph), cold with the
+vendor alone shard by shard (--vendor-alone shards: each shard's build without its rewrites, what a
+compile does where the whole build does not fit the machine), and cold without the vendor-alone
+comparison (--no-vendor-baseline). Peak RSS is sampled over the whole process tree (shard plus its
+toolkit workers) every 50 ms.
+Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=...
+wall_ratio_shards=... rss_ratio_shards=... shards=...
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ def main() -> None:
     runs = {}
     for label, cache, source, extra in (("cold", "cold", model, []), ("warm", "cold", model, []),
                                         ("one layer's weights changed", "cold", edited, []),
+                                        ("cold, --vendor-alone shards", "by-shard", model, ["--vendor-alone", "shards"]),
                                         ("cold, --no-vendor-baseline", "plain", model, ["--no-vendor-baseline"])):
         env = {**os.environ, "SHARD_BUILD_CACHE": str(work / f"cache-{cache}")}
         runs[label] = measure([sys.executable, "-m", "shard", "compile", str(source), "--target", "rk3588",
@@ -123,8 +127,10 @@ def main() -> None:
         print(f"{f'shard compile, {label} (-j{args.jobs})':54}{wall:>10.1f}{rss / 1e9:>14.2f}")
     cold_wall, cold_rss, _ = runs["cold"]
     one_layer = runs["one layer's weights changed"][0]
+    by_shard = runs["cold, --vendor-alone shards"]
     print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
           f"warm_s={runs['warm'][0]:.1f} one_layer_s={one_layer:.1f} one_layer_ratio={one_layer / cold_wall:.2f} "
+          f"wall_ratio_shards={by_shard[0] / vendor_wall:.2f} rss_ratio_shards={by_shard[1] / vendor_rss:.2f} "
           f"shards={shards}")
 
 

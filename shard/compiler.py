@@ -24,8 +24,8 @@ from shard.edges import relayout
 from shard.errors import CompileError, ShardError
 from shard.graph import (default_opset, fits_protobuf, graph_tensors, load_model, quiet_graphsurgeon, sha256_file,
                          tensor_spec, to_toolkit_model)
-from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, fix_input_shapes,
-                               original_plans, per_axis, prune_host_steps, verdict)
+from shard.never_worse import (AXES, BASELINES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse,
+                               fix_input_shapes, original_plans, per_axis, prune_host_steps, verdict, whole_build_fits)
 from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
@@ -135,6 +135,10 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         if options.vendor_only and not tgt.vendor:
             raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
         against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
+        whole, why = (whole_build_fits(proto, "whole" if options.vendor_only else options.vendor_alone)
+                      if against_vendor else (False, ""))
+        per_shard = against_vendor and not whole   # the vendor alone from the shards' unrewritten builds
+        against_vendor = against_vendor and whole
         quantized = options.precision in QUANTIZED
         build = tgt.build_options(options)
         done: list[ShardBuild] = []
@@ -222,7 +226,12 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
             # Range rescales exist because the model as it came leaves fp16's range: the simulator judges
             # that (fidelity, on by default then), not the cycles they cost.
             judged = HARD_AXES if in_range else axes
-            chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
+            if per_shard:
+                chosen, versus = against_unrewritten(own, plans, originals, builds, judged)
+            else:
+                chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
+            if versus:
+                versus["why"] = why
             measure = quantized or bool(in_range) if options.check_fidelity is None else options.check_fidelity
             if stand_in and (measure or versus["bundle"] == "vendor alone"):   # its artifact is needed now
                 as_it_came = load_model(model)
@@ -233,7 +242,10 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)"))
                 chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        check = measure and versus is not None and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
+        check = measure and against_vendor and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
+        if measure and per_shard:
+            ctx.warnings.append("fidelity not compared with the vendor alone: its build of the whole model is not "
+                                f"made here ({why}; --vendor-alone whole makes it)")
         vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
         if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
             (vendor_dir / "shards").mkdir(parents=True)
@@ -390,6 +402,7 @@ def compile_buckets(model: Path, target: str, output: Path, options: CompileOpti
 
 
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
+SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made
 UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
 FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
 LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
@@ -685,13 +698,33 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
         raise CompileError(vendor.error)
     ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
-    bundled = theirs if fall_back else ours
-    versus = {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
-              "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs) + (
-                  "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
-                                          "choice: forced tiles, fp16 ops of mixed precision, range rescales)"),
-              "bundle": "vendor alone" if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
+    versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
     return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
+
+
+def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict[str, ShardBuild],
+                        axes: tuple[str, ...]) -> tuple[list, dict]:
+    """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
+    made: each shard built without its rewrites (its twin where the passes changed it, else its own
+    build), which is also the bundle where shard is worse."""
+    unrewritten = [(f"{plan.name}{UNREWRITTEN}", original) if original is not None else (plan.name, plan)
+                   for plan, original in zip(plans, originals)]
+    ours, theirs = (Figures.of([builds[name] for name, _ in kept]) for kept in (chosen, unrewritten))
+    fall_back = verdict(ours, theirs, axes) == "worse"
+    versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD)
+    return (unrewritten if fall_back else chosen), versus
+
+
+def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back: bool, vendor: str) -> dict:
+    """versus_vendor of the report: shard's figures (the vendor's where the bundle fell back to its
+    builds) beside the vendor alone's (`vendor`: how it was built), the verdict and the printed line."""
+    bundled = theirs if fall_back else ours
+    line = comparison_line(ours, theirs).replace("vendor alone", vendor, 1) + (
+        "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
+                                "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
+    return {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
+            "verdict": verdict(bundled, theirs), "line": line, "vendor_alone": vendor,
+            "bundle": vendor if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
 
 
 def vendor_plan(graph: gs.Graph) -> ShardPlan:
@@ -831,6 +864,8 @@ def check_options(options: CompileOptions) -> None:
             raise ShardError(f"{flag} {value!r}: expected one of {', '.join(modes)}")
     if options.fusion_barrier == "rules" and not options.disable_rules:
         raise ShardError("--fusion-barrier rules needs the rule names: --disable-rule NAME (repeatable)")
+    if options.vendor_alone not in BASELINES:
+        raise ShardError(f"--vendor-alone {options.vendor_alone!r}: expected one of {', '.join(BASELINES)}")
     if options.precision not in PRECISIONS:
         raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
     if not 0.0 < options.min_cosine <= 1.0:

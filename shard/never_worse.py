@@ -6,12 +6,15 @@ clean inside the model). So where the passes changed a shard, compile builds it 
 rewritten, and as the vendor would take the same region (the canonical graph's own nodes between
 the same boundary tensors), and keeps the better build by AXES, in order of weight. Then the whole
 result stands beside the vendor toolkit alone on the whole model as it came; if shard is worse
-there, the bundle holds the vendor's own build.
+there, the bundle holds the vendor's own build. Where that build would not fit the machine
+(whole_build_fits), the vendor alone is each shard built without its rewrites.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -89,6 +92,44 @@ def comparison_line(ours: Figures, theirs: Figures) -> str:
     axes = per_axis(ours, theirs)
     why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal"]
     return f"shard / vendor alone: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
+
+
+BASELINES = ("auto", "whole", "shards")   # --vendor-alone: how the vendor alone is built (whole_build_fits)
+# A vendor build's peak memory, over the model's weight bytes (rknn-toolkit2 2.5.0, fp16, this machine):
+# a one-MatMul model 0.34 GB, SigLIP-512's 346 MB of weights 2.44 GB, all-mpnet-base-v2's 436 MB 2.74 GB.
+TOOLKIT_BYTES = 0.34e9
+BUILD_BYTES_PER_WEIGHT_BYTE = 6.1   # the steeper of the two: the guess errs towards not fitting
+
+
+def predicted_build_bytes(model: onnx.ModelProto) -> int:
+    """The peak memory one vendor build of the whole model is predicted to take."""
+    weights = sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                  for t in model.graph.initializer)
+    return int(TOOLKIT_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weights)
+
+
+def available_bytes() -> int | None:
+    """The memory this machine has available now (Linux' MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = None) -> tuple[bool, str]:
+    """Is the vendor alone built as the whole model (True) or shard by shard, from the builds of each
+    shard without its rewrites (False)? `how`: whole, shards, or auto (whole where its predicted peak
+    memory is at most half of what is available: the compile's own builds run beside it). With why."""
+    if how != "auto":
+        return how == "whole", f"--vendor-alone {how}"
+    need, have = predicted_build_bytes(model), available_bytes() if available is None else available
+    gb = f"the whole model's build predicted at {need / 1e9:.1f} GB"
+    if have is None or need <= have / 2:
+        return True, gb + ("" if have is None else f", {have / 1e9:.1f} GB available")
+    return False, f"{gb}, more than half of the {have / 1e9:.1f} GB available"
 
 
 def fix_input_shapes(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> None:

@@ -22,6 +22,8 @@ class CompileOptions:
     disable_rules: tuple[str, ...] = ()   # toolkit fusion rules to switch off (--fusion-barrier rules)
     dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
     vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
+    vendor_alone: str = "auto"      # how: whole (the model as it came), shards (each shard without its
+                                    # rewrites), auto (whole where its predicted memory fits: never_worse)
     vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
     build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
     check_fidelity: bool | None = None   # also run shard's bundle and the vendor alone's on the simulator

@@ -74,3 +74,16 @@ def test_verdicts_go_by_the_axes_in_order():
     assert not fidelity_worse(0.99995, 1.0) and not fidelity_worse(1.0, 0.5)
     assert not fidelity_worse(float("nan"), float("nan")) and fidelity_worse(float("nan"), 0.2)
     assert not fidelity_worse(0.2, float("nan"))
+
+
+def test_the_vendor_alone_is_built_whole_where_its_predicted_memory_fits():
+    from shard.never_worse import predicted_build_bytes, whole_build_fits
+
+    model = mlp_chain(2, width=64)   # 2 x 2 x 64 x 128 float weights: 131 kB
+    need = predicted_build_bytes(model)
+    assert need == int(0.34e9 + 6.1 * 4 * 2 * 2 * 64 * 128)
+    assert whole_build_fits(model, "auto", available=2 * need)[0]
+    fits, why = whole_build_fits(model, "auto", available=2 * need - 1)
+    assert not fits and "more than half of the 0.7 GB available" in why
+    assert whole_build_fits(model, "whole", available=0) == (True, "--vendor-alone whole")
+    assert whole_build_fits(model, "shards", available=10**12) == (False, "--vendor-alone shards")

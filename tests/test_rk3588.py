@@ -45,6 +45,18 @@ def test_oversize_add_is_legalized_and_verifies_on_sim(save, tmp_path):
     assert sorted(c["name"] for comps in verdict["shards"].values() for c in comps) == ["add0/part0_out", "add0/part1_out"]
 
 
+def test_the_vendor_alone_shard_by_shard_is_each_shards_build_without_its_rewrites(save, tmp_path):
+    model = save(add_model([1, 1, 1, 131072]))
+    res = shard_cli("compile", model, "--target", "rk3588", "-o", tmp_path / "a.shard", "--vendor-alone", "shards")
+    assert res.returncode == 0, res.stderr
+    assert "vendor alone shard by shard: its whole build is not made (--vendor-alone shards)" in res.stdout
+    report = json.loads((tmp_path / "a.shard" / "report.json").read_text())
+    versus, (choice,) = report["versus_vendor"], report["choices"]
+    assert report["vendor_alone"] is None and report["builds"]["total"] == 2   # the shard and its twin, no more
+    assert versus["vendor"] == choice["unrewritten"] and versus["vendor"]["regtask_lines"] > 0
+    assert versus["bundle"] == "shard" and versus["verdict"] == "better"
+
+
 def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):
     model = save(add_model([1, 1, 1, 65536]))
     res = shard_cli("compile", model.name, "--target", "rk3588", cwd=tmp_path)  # relative paths too
