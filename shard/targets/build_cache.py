@@ -7,7 +7,7 @@ timeout or a dead worker is not. Entries are written whole or not at all. `~/.ca
 or `$SHARD_BUILD_CACHE`.
 
 A job with a `figures_key` (the vendor alone, in fp16) is also kept by its model's structure
-(`structure_key`: its weights by name, dtype and shape only): a model that differs only in weights
+(`structure_key`: its weights by name, dtype, shape and kind only): a model that differs only in weights
 gets the figures of that build (REGTASK, CPU ops, fallbacks, cycles), not its artifact
 (`figures`). On SigLIP-512 with one linear's weights changed, every figure of the two vendor
 builds is the same.
@@ -160,6 +160,7 @@ def structure_key(model: onnx.ModelProto) -> str:
 
 
 def weight_kind(tensor: onnx.TensorProto) -> str:
+    """What of a weight's values a compiler may treat apart: all zeros, all ones, past fp16, or values."""
     values = numpy_helper.to_array(tensor)
     if not values.any():
         return "zeros"
