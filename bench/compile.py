@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-compile-"))
+    try:
+        run(args, work)
+    finally:   # its bundles, caches and the exported model: gigabytes
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
     model = args.model
     if model is None:
         model = work / "siglip-base-512.onnx"
