@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from shard.graph import dtype_name, is_static, small_model
+from shard.graph import dtype_name, is_static, small_model, to_toolkit_model
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec, Verdict
 
@@ -699,9 +699,7 @@ def value_context(p_shape: list[int], v_shape: list[int], per_head: bool) -> onn
                      inputs=[p, x], outputs=[y], opset=17)
     if per_head:
         split_heads(graph, product, before, after)
-    model = gs.export_onnx(graph.cleanup().toposort())
-    model.ir_version = 8
-    return model
+    return to_toolkit_model(graph.cleanup().toposort(), 17)
 
 
 def rewrite_value_products(graph: gs.Graph, legality) -> list[dict]:
