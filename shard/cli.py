@@ -40,6 +40,7 @@ def progress_bar() -> Iterator:
         tasks: dict[str, int] = {}
 
         def update(step: str, done: int, total: int, note: str = "") -> None:
+            stop_point()
             for name, task in tasks.items():  # a new step means the earlier ones are finished
                 if name != step:
                     bar.update(task, completed=bar.tasks[task].total)
@@ -787,10 +788,24 @@ def zoo_export(
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 
+STOPPED: list[int] = []   # the signals terminate() took
+
+
 def terminate(signum, frame) -> None:
     """SIGTERM, raised where the process is as Ctrl-C would be: every command cleans up as it does then
-    (a compile removes its staging folder and kills its toolkit workers)."""
+    (a compile removes its staging folder and kills its toolkit workers). Raised while the process runs
+    a finalizer (a `__del__` the garbage collector calls), Python prints it and goes on: stop_point()
+    raises it again at the next progress step."""
+    STOPPED.append(signum)
     raise KeyboardInterrupt()
+
+
+def stop_point() -> None:
+    """Raise the interrupt a signal asked for, on the main thread, if a finalizer swallowed it."""
+    import threading
+
+    if STOPPED and threading.current_thread() is threading.main_thread():
+        raise KeyboardInterrupt()
 
 
 def main() -> None:
