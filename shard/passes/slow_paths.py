@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from shard.graph import to_toolkit_model
 from shard.passes import PassContext, register
 from shard.passes.fit import OpSpec
 from shard.toolkit.log import Layer, unestimated_cost
@@ -144,9 +145,7 @@ def region_model(node: gs.Node, k: int):
     out = node.outputs[0]
     alone = gs.Variable("out", dtype=out.dtype, shape=list(out.shape))
     nodes, patches = npu_part(node, k, alone)
-    model = gs.export_onnx(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17))
-    model.ir_version = 8
-    return model
+    return to_toolkit_model(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17), 17)
 
 
 def cost(point, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from shard.graph import to_toolkit_model
 from shard.passes import PassContext, register
 from shard.passes.fit import HARD_FAILURES, lone_error_lines
 from shard.passes.legalize import bounds
@@ -223,9 +224,7 @@ def region_model(att: Attention, rows: int | None = None, cols: int | None = Non
         prev = node.outputs[0]
     p = add("Softmax", [s], shape, axis=-1)
     g.outputs = [add("MatMul", [p, tensors["v"]], shape[:-1] + [int(att.out.shape[-1])])]
-    model = gs.export_onnx(g)
-    model.ir_version = 8
-    return model
+    return to_toolkit_model(g, g.opset)
 
 
 def forced_rows(ctx: PassContext, s_len: int, t_len: int) -> int:
