@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -802,8 +803,6 @@ def terminate(signum, frame) -> None:
 
 def stop_point() -> None:
     """Raise the interrupt a signal asked for, on the main thread, if a finalizer swallowed it."""
-    import threading
-
     if STOPPED and threading.current_thread() is threading.main_thread():
         raise KeyboardInterrupt()
 

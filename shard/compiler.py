@@ -681,8 +681,7 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
                         "what": f"kept the {'rewritten' if keep else 'unrewritten'} build",
                         "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
                         "dropped_nodes": [] if keep else sorted(set(original.source_nodes)),
-                        "line": comparison_line(rewritten, unrewritten).replace("shard / vendor alone",
-                                                                                "rewritten / unrewritten")})
+                        "line": comparison_line(rewritten, unrewritten, "rewritten / unrewritten")})
     return chosen, choices
 
 
@@ -719,7 +718,7 @@ def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back:
     """versus_vendor of the report: shard's figures (the vendor's where the bundle fell back to its
     builds) beside the vendor alone's (`vendor`: how it was built), the verdict and the printed line."""
     bundled = theirs if fall_back else ours
-    line = comparison_line(ours, theirs).replace("vendor alone", vendor, 1) + (
+    line = comparison_line(ours, theirs, f"shard / {vendor}") + (
         "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
                                 "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
     return {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
@@ -762,7 +761,7 @@ def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[s
                         "kept": "relaid edges" if keep else "edges as they were",
                         "what": "kept the build with its edges in the vendor's 4-D layout" if keep
                         else "kept its edges as they were", "dropped_nodes": [],
-                        "line": comparison_line(ours, theirs).replace("shard / vendor alone", "edges relaid / as they were")})
+                        "line": comparison_line(ours, theirs, "edges relaid / as they were")})
     return better, choices
 
 
@@ -859,13 +858,12 @@ def check_options(options: CompileOptions) -> None:
     from shard.passes import fusion_barrier, tile_attention
 
     for flag, value, modes in (("--tile-attention", options.tile_attention, tile_attention.MODES),
-                               ("--fusion-barrier", options.fusion_barrier, fusion_barrier.MODES)):
+                               ("--fusion-barrier", options.fusion_barrier, fusion_barrier.MODES),
+                               ("--vendor-alone", options.vendor_alone, BASELINES)):
         if value not in modes:
             raise ShardError(f"{flag} {value!r}: expected one of {', '.join(modes)}")
     if options.fusion_barrier == "rules" and not options.disable_rules:
         raise ShardError("--fusion-barrier rules needs the rule names: --disable-rule NAME (repeatable)")
-    if options.vendor_alone not in BASELINES:
-        raise ShardError(f"--vendor-alone {options.vendor_alone!r}: expected one of {', '.join(BASELINES)}")
     if options.precision not in PRECISIONS:
         raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
     if not 0.0 < options.min_cosine <= 1.0:

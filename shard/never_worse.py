@@ -86,12 +86,12 @@ def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
     return {axis: verdict(Figures(**{**asdict(theirs), axis: getattr(ours, axis)}), theirs) for axis in AXES}
 
 
-def comparison_line(ours: Figures, theirs: Figures) -> str:
-    """One line: each axis as shard / vendor alone, and the verdict."""
+def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor alone") -> str:
+    """One line: each axis as ours / theirs (`sides` names them), and the verdict."""
     cells = ", ".join(f"{LABELS[a]} {ours.show(a)} / {theirs.show(a)}" for a in AXES)
     axes = per_axis(ours, theirs)
     why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal"]
-    return f"shard / vendor alone: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
+    return f"{sides}: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
 
 
 BASELINES = ("auto", "whole", "shards")   # --vendor-alone: how the vendor alone is built (whole_build_fits)
