@@ -1,11 +1,11 @@
 """Accuracy per precision on a trained transformer, the vendor's options and shard's side by side.
 
 all-mpnet-base-v2 (weights shipped in packages of the index, see bench/trained.py), its sentence
-embedding at sequence length 128: 8 calibration sentences, 4 held-back test sentences, every
+embedding at sequence length 128: 32 calibration sentences, 4 held-back test sentences, every
 variant on rknn-toolkit2's simulator against onnxruntime fp32 on the test sentences.
 
     vendor fp16          the model as it came, do_quantization=False
-    vendor int8          w8a8, quantized_algorithm normal, from the 8 calibration samples
+    vendor int8          w8a8, quantized_algorithm normal, from the 32 calibration samples
     vendor mmse          w8a8, mmse
     vendor auto_hybrid   w8a8, normal, build(auto_hybrid=True): the vendor moves what it finds
                          sensitive to fp16

@@ -324,6 +324,21 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
         assert sum(n.op == "Sub" and n.inputs[0].name == "ln" for n in graph.nodes) == 1
 
 
+def test_a_side_is_split_only_past_the_trigger_and_then_loses_every_channel_past_the_ratio():
+    from shard.passes.scale_sandwich import MAX_OUTLIERS, OUTLIER_RATIO, OUTLIER_TRIGGER, outliers
+
+    absmax = np.ones(256, np.float32)
+    absmax[[3, 9]] = 0.99 * OUTLIER_TRIGGER    # past the ratio, short of the trigger: kept whole
+    assert outliers(absmax) == []
+    absmax[200] = 1.01 * OUTLIER_TRIGGER       # a real outlier: it and the channels past the ratio go
+    absmax[50] = 0.99 * OUTLIER_RATIO
+    assert outliers(absmax) == [3, 9, 200]
+    absmax[:] = 1.0
+    absmax[100:202] = 1.5 * OUTLIER_RATIO      # more past the ratio than a side may take: the largest
+    absmax[255] = 2 * OUTLIER_TRIGGER
+    assert outliers(absmax) == [*range(100, 100 + MAX_OUTLIERS - 1), 255]
+
+
 def test_a_linears_bias_add_stays_int8_with_it_and_other_adds_stay_fp16():
     # fc1 + bias (folded into the vendor's Conv: int8 with it), a residual Add (fp16), fc2 whose
     # output a second op also reads (its bias Add cannot fold: fp16)
