@@ -10,7 +10,7 @@ from conftest import make_model
 from conftest import run_ort as conftest_run_ort
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from shard.calibration import collect_stats
 from shard.compiler import CompileOptions
@@ -251,9 +251,10 @@ def test_nothing_changes_in_range():
 
 
 def linears_with_outliers(seed: int, seq: int, dim: int, hidden: int, in_outliers: list[int], out_outliers: list[int],
-                          shared: bool):
-    """LayerNorm -> MatMul + bias (and a second MatMul on the same input when `shared`) -> MatMul, as
-    in a transformer layer: LayerNorm weights make `in_outliers` large, the first weights make
+                          shared: bool, act: str = "none"):
+    """LayerNorm -> MatMul + bias (and a second MatMul on the same input when `shared`) -> `act`
+    (none, relu, or gelu as exporters write it: x * 0.5 * (1 + erf(x / sqrt 2))) -> MatMul, as in a
+    transformer layer: LayerNorm weights make `in_outliers` large, the first weights make
     `out_outliers` of its output large."""
     rng = np.random.default_rng(seed)
     gamma = np.ones(dim, np.float32)
@@ -266,8 +267,18 @@ def linears_with_outliers(seed: int, seq: int, dim: int, hidden: int, in_outlier
              numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "b1")]
     nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["ln"], axis=-1, name="ln"),
              helper.make_node("MatMul", ["ln", "w1"], ["h"], name="fc1"),
-             helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1"),
-             helper.make_node("MatMul", ["hb", "w2"], ["y"], name="fc2")]
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="bias1")]
+    if act == "relu":
+        nodes.append(helper.make_node("Relu", ["hb"], ["a"], name="relu"))
+    elif act == "gelu":
+        inits += [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in
+                  (("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+        nodes += [helper.make_node("Div", ["hb", "sqrt2"], ["g0"], name="gelu/div"),
+                  helper.make_node("Erf", ["g0"], ["g1"], name="gelu/erf"),
+                  helper.make_node("Add", ["g1", "one"], ["g2"], name="gelu/add"),
+                  helper.make_node("Mul", ["hb", "g2"], ["g3"], name="gelu/mul"),
+                  helper.make_node("Mul", ["g3", "half"], ["a"], name="gelu/half")]
+    nodes.append(helper.make_node("MatMul", ["a" if act != "none" else "hb", "w2"], ["y"], name="fc2"))
     outputs = [("y", [1, seq, dim])]
     if shared:
         inits.append(numpy_helper.from_array(w1[:, ::-1].copy(), "w3"))
@@ -278,14 +289,16 @@ def linears_with_outliers(seed: int, seq: int, dim: int, hidden: int, in_outlier
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 1000), seq=st.sampled_from([8, 16]), dim=st.sampled_from([16, 32, 48]),
-       hidden=st.sampled_from([24, 64]), n_in=st.integers(0, 3), n_out=st.integers(0, 3), shared=st.booleans())
-def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed, seq, dim, hidden, n_in, n_out, shared):
+       hidden=st.sampled_from([24, 64]), n_in=st.integers(0, 3), n_out=st.integers(0, 3), shared=st.booleans(),
+       act=st.sampled_from(["none", "relu", "gelu"]))
+def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed, seq, dim, hidden, n_in, n_out, shared,
+                                                                           act):
     from shard.precision import SIDE, float16_names, is_int8_candidate
 
     rng = np.random.default_rng(seed)
     ins = sorted(rng.choice(dim, n_in, replace=False).tolist())
     outs = sorted(rng.choice(hidden, n_out, replace=False).tolist())
-    model = linears_with_outliers(seed, seq, dim, hidden, ins, outs, shared)
+    model = linears_with_outliers(seed, seq, dim, hidden, ins, outs, shared, act)
     samples = [{"x": rng.standard_normal((1, seq, dim)).astype(np.float32)} for _ in range(3)]
     graph, ctx, report = sandwiched(model, samples, safe=1e6, precision="mixed")
     for sample in samples:
@@ -294,9 +307,15 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
         for name, value in zip(("y", "z"), expected):
             np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6 * float(np.max(np.abs(value))))
     splits = {c["node"]: c for c in report["changes"] if c["form"] == "outlier split"}
-    assert ("fc1" in splits) == bool(ins or outs) and ("fc3" in splits) == bool(shared and (ins or outs))
+    hidden = {c["node"]: c for c in report["changes"] if c["form"] == "hidden split"}
+    # fc1's outputs reach fc2 through its bias and per-channel ops alone: their outliers move to a
+    # side copy of fc1 -> fc2, the ops between included
+    assert ("fc1" in hidden) >= bool(outs) and set(outs) <= set(hidden.get("fc1", {}).get("hidden_channels", []))
+    assert all(c["between"] == {"none": [], "relu": ["Relu"], "gelu": ["Div", "Erf", "Add", "Mul", "Mul"]}[act]
+               for c in hidden.values())
+    assert ("fc1" in splits) == bool(ins) and ("fc3" in splits) == bool(shared and (ins or outs))
     if "fc1" in splits:
-        assert splits["fc1"]["input_channels"] == ins and set(outs) <= set(splits["fc1"]["output_channels"])
+        assert splits["fc1"]["input_channels"] == ins and splits["fc1"]["output_channels"] == []
     # The int8 linears see and make only the ordinary channels: the outliers are on fp16 side linears.
     after = collect_stats(gs.export_onnx(graph.copy()), samples)
     nodes = {n.name: n for n in graph.nodes}
@@ -305,13 +324,18 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
         x, y = node.inputs[0].name, node.outputs[0].name
         assert is_int8_candidate(node)
         assert x.endswith(f"{SIDE}rest") == bool(change["input_channels"])
-        assert after[x].absmax <= change["input_range_after"] * (1 + 1e-6) < change["range_before"][0] \
-            or not change["input_channels"]
+        assert not change["input_channels"] \
+            or after[x].absmax <= change["input_range_after"] * (1 + 1e-6) < change["range_before"][0]
         # (an input-only split can leave the output a little wider: the outlier channels' share may have
         # cancelled part of the rest)
         assert after[y].absmax < change["range_before"][1] or not change["output_channels"]
+    for change in hidden.values():
+        first, second = nodes[change["node"]], nodes[change["second"]]
+        assert is_int8_candidate(first) and is_int8_candidate(second)
+        assert after[first.outputs[0].name].absmax < change["range_before"][0]
+        assert after[second.inputs[0].name].absmax < change["range_before"][1]
     sides = [n for n in graph.nodes if SIDE in n.name and n.op == "MatMul"]
-    assert bool(sides) == bool(splits)
+    assert bool(sides) == bool(splits or hidden)
     kept = float16_names(graph.nodes)
     assert all(n.name in kept for n in sides) and not any(name in kept for name in splits)
     # The Adds that join the side linears stay fp16 (in int8, the linear's output would be quantized
@@ -337,6 +361,53 @@ def test_a_side_is_split_only_past_the_trigger_and_then_loses_every_channel_past
     absmax[100:202] = 1.5 * OUTLIER_RATIO      # more past the ratio than a side may take: the largest
     absmax[255] = 2 * OUTLIER_TRIGGER
     assert outliers(absmax) == [*range(100, 100 + MAX_OUTLIERS - 1), 255]
+
+
+@pytest.mark.parametrize("change", ["softmax", "read_twice"])
+def test_a_hidden_split_needs_per_channel_ops_between_that_nothing_else_reads(change):
+    """fc1 -> bias -> Relu -> fc2 with outliers in fc1's output: no side FFN where the op between
+    mixes channels (Softmax) or the Relu's output is also a model output; the linears are split one
+    by one instead, exactly as well."""
+    model = linears_with_outliers(3, 8, 32, 64, [], [5, 9], shared=False, act="relu")
+    relu = next(n for n in model.graph.node if n.name == "relu")
+    if change == "softmax":
+        relu.op_type = "Softmax"
+        relu.attribute.append(helper.make_attribute("axis", -1))
+    else:
+        model.graph.output.append(helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, 8, 64]))
+    rng = np.random.default_rng(3)
+    samples = [{"x": rng.standard_normal((1, 8, 32)).astype(np.float32)} for _ in range(3)]
+    graph, ctx, report = sandwiched(model, samples, safe=1e6, precision="mixed")
+    forms = {(c["form"], c["node"]) for c in report["changes"]}
+    assert not any(form == "hidden split" for form, _ in forms) and ("outlier split", "fc1") in forms
+    for sample in samples:
+        got = run_rewritten(graph, ctx, sample)
+        for output, expected in zip(model.graph.output, run_ort(model, sample)):
+            np.testing.assert_allclose(got[output.name], expected, rtol=0, atol=2e-6 * float(np.max(np.abs(expected))))
+
+
+def test_a_chain_of_hidden_splits_takes_every_other_pair_and_stays_exact():
+    """x -> fc1 -> Relu -> fc2 -> Relu -> fc3, outliers in both hidden tensors: fc2 cannot be the
+    second linear of one side FFN and the first of the next (the second side would miss what the
+    first adds to fc2's output), so fc1 -> fc2 is split as an FFN and fc2's output one linear at a time."""
+    rng = np.random.default_rng(5)
+    w = [(rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32) for shape in ((32, 64), (64, 64), (64, 32))]
+    w[0][:, [3, 40]] *= 60.0
+    w[1][:, [7, 50]] *= 60.0
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h1"], name="fc1"), helper.make_node("Relu", ["h1"], ["a1"]),
+             helper.make_node("MatMul", ["a1", "w2"], ["h2"], name="fc2"), helper.make_node("Relu", ["h2"], ["a2"]),
+             helper.make_node("MatMul", ["a2", "w3"], ["y"], name="fc3")]
+    model = make_model(nodes, [("x", [1, 8, 32])], [("y", [1, 8, 32])],
+                       [numpy_helper.from_array(v, f"w{k + 1}") for k, v in enumerate(w)])
+    samples = [{"x": rng.standard_normal((1, 8, 32)).astype(np.float32)} for _ in range(3)]
+    graph, ctx, report = sandwiched(model, samples, safe=1e6, precision="mixed")
+    forms = {(c["form"], c["node"]) for c in report["changes"]}
+    assert {f for f in forms if f[0] == "hidden split"} == {("hidden split", "fc1")}
+    assert ("outlier split", "fc2") in forms
+    for sample in samples:
+        expected = run_ort(model, sample)[0]
+        np.testing.assert_allclose(run_rewritten(graph, ctx, sample)["y"], expected, rtol=0,
+                                   atol=2e-6 * float(np.max(np.abs(expected))))
 
 
 def test_a_linears_bias_add_stays_int8_with_it_and_other_adds_stay_fp16():

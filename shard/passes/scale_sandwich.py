@@ -48,11 +48,12 @@ output moves by more than fp32 rounding the pass undoes everything and says so.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.graph import float_ranks, tensor_spec
+from shard.graph import float_ranks, tensor_spec, toposort
 from shard.passes import PassContext, register
 
 MASK_FLOOR = -1e4     # a value below this in a mask is the exporter's minus infinity, not a logit
@@ -89,11 +90,11 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     quantized = ctx.options.precision != "fp16"
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
-        graph.cleanup().toposort()
+        toposort(graph.cleanup())
         stats = graph_stats(graph, samples, cache=stats_cache(ctx))
     splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
-        graph.toposort()
+        toposort(graph)
     rescaled, over = rescale_ranges(graph, stats, safe, ctx)
     changes = clamps + splits + rescaled
     report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
@@ -102,7 +103,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                             "pass --calib with real samples to size them for real data")
     if not changes:
         return graph, report
-    graph.cleanup().toposort()
+    toposort(graph.cleanup())
     moved = largest_change((model, weights), lifted(graph), samples, [t.name for t in graph.outputs])
     report["max_relative_change"] = moved
     if moved > CHECK_RTOL:
@@ -260,18 +261,16 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     xi and xm are made once per input tensor, and xi always feeds a side linear as well: toolkit
     2.5.0 fuses a lone x @ S_I @ S_I^T into the Sub wrongly (the int8 linear then reads zeros;
     cosine 0.62 on that FFN in). The side linears are named with precision.SIDE, which keeps them
-    fp16."""
-    from shard.precision import SIDE, is_linear
+    fp16. Two linears joined by per-channel ops alone (an FFN) take the outliers of W1's output and
+    of W2's input together first, in a hidden split (split_hidden): the channels I and O above are
+    then what is left, the FFN's input and output."""
+    from shard.precision import SIDE
 
-    changes = []
+    changes, handled, hidden = split_hidden(graph, stats)
     picked: dict[str, tuple[gs.Variable, gs.Variable]] = {}   # input tensor: (xi, xm)
 
-    def matmul(name: str, x: gs.Tensor, w: np.ndarray, out: gs.Variable) -> gs.Node:
-        return gs.Node("MatMul", name=name, inputs=[x, gs.Constant(f"{name}/w", np.ascontiguousarray(w))],
-                       outputs=[out])
-
     for node in list(graph.nodes):
-        if node.op != "MatMul" or not is_linear(node) or SIDE in node.name or node.inputs[1].values.ndim != 2:
+        if not is_split_candidate(node):
             continue
         x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
         w = weight.values
@@ -279,7 +278,8 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
         sx, sy = stats.get(x.name), stats.get(y.name)
         if sx is None or sy is None or sx.channel_absmax.size != n_in or sy.channel_absmax.size != n_out:
             continue
-        ins, outs = outliers(sx.channel_absmax), outliers(sy.channel_absmax)
+        ins = [] if (node.name, "in") in handled else outliers(sx.channel_absmax)
+        outs = [] if (node.name, "out") in handled else outliers(sy.channel_absmax)
         if not ins and not outs:
             continue
         var = lambda name, shape=None: gs.Variable(name, dtype=y.dtype, shape=shape)  # noqa: E731
@@ -315,15 +315,174 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
             added = y if k == len(parts) - 1 else var(f"{name}/sum", y.shape)
             graph.nodes.append(gs.Node("Add", name=f"{name}/add", inputs=[total, value], outputs=[added]))
             total = added
-        rest_in = float(np.delete(sx.channel_absmax, ins).max())
+        rest_in = float(np.delete(sx.channel_absmax, ins).max()) if ins else None
+        named = [f"{side} channels {channels} (up to {s.channel_absmax.max():.3g})"
+                 for side, channels, s in (("input", ins, sx), ("output", outs, sy)) if channels]
         changes.append({"node": node.name, "op": node.op, "form": "outlier split", "input_channels": ins,
                         "output_channels": outs,
-                        "reason": f"input channels {ins} (up to {sx.channel_absmax.max():.3g}) and output channels "
-                                  f"{outs} (up to {sy.channel_absmax.max():.3g}) pass {OUTLIER_RATIO:g} times their "
-                                  f"tensor's median channel: they would set the per-tensor int8 ranges",
-                        "action": f"they run in fp16 side linears; the int8 linear's input reaches {rest_in:.3g}",
+                        "reason": f"{' and '.join(named)} pass {OUTLIER_RATIO:g} times their tensor's median channel: "
+                                  f"they would set the per-tensor int8 ranges",
+                        "action": "they run in fp16 side linears" + (
+                            f"; the int8 linear's input reaches {rest_in:.3g}" if ins else ""),
                         "range_before": [sx.absmax, sy.absmax], "input_range_after": rest_in})
+    for side in hidden:   # after the per-linear splits: their side linears read the hidden sides' inputs
+        side()
     return changes
+
+
+def is_split_candidate(node: gs.Node) -> bool:
+    from shard.precision import SIDE, is_linear
+
+    return node.op == "MatMul" and is_linear(node) and SIDE not in node.name and node.inputs[1].values.ndim == 2
+
+
+def matmul(name: str, x: gs.Tensor, w: np.ndarray, out: gs.Variable) -> gs.Node:
+    return gs.Node("MatMul", name=name, inputs=[x, gs.Constant(f"{name}/w", np.ascontiguousarray(w))], outputs=[out])
+
+
+# Ops that act on each channel alone: between two linears (an FFN's activation), a channel of the
+# first's output reaches only the same channel of the second's input.
+PER_CHANNEL = ("Add", "Sub", "Mul", "Div", "Erf", "Tanh", "Relu", "Sigmoid", "Gelu", "Pow", "Sqrt", "Exp", "Neg",
+               "Abs", "LeakyRelu", "HardSigmoid", "HardSwish", "Softplus", "Identity")
+MAX_BETWEEN = 16   # ops of the activation between the linears of a hidden split (an exported GELU: 5)
+
+
+def between(graph: gs.Graph, first: gs.Node, width: int) -> tuple[gs.Node | None, list[gs.Node], gs.Node] | None:
+    """What joins `first` (a linear with `width` output channels) to the next linear where nothing
+    but per-channel ops lie between: (its bias, a constant Add, or None; the ops between, in graph
+    order; the second linear). None where anything else reads a tensor on the way, or the second
+    linear reads anything but the last of them."""
+    def per_channel(t: gs.Tensor) -> bool:
+        return isinstance(t, gs.Constant) and (t.values.size == 1 or t.values.size == width == t.values.shape[-1])
+
+    y, bias = first.outputs[0], None
+    users = list(y.outputs)
+    if len(users) == 1 and users[0].op == "Add" and sum(per_channel(t) for t in users[0].inputs) == 1 \
+            and users[0].inputs[0] is not users[0].inputs[1]:
+        bias = users[0]
+        y = bias.outputs[0]
+    outputs = {t.name for t in graph.outputs}
+    if first.outputs[0].name in outputs:
+        return None
+    region, seen, inside, frontier, second = [], set(), {y.name}, [y], None
+    while frontier:
+        t = frontier.pop()
+        if t.name in outputs:
+            return None
+        for user in t.outputs:
+            if id(user) in seen:
+                continue
+            if is_split_candidate(user) and user.inputs[0] is t and user.inputs[1].values.shape[0] == width:
+                if second is not None and second is not user:
+                    return None
+                second = user
+                continue
+            if user.op not in PER_CHANNEL or len(region) == MAX_BETWEEN or len(user.outputs) != 1:
+                return None
+            seen.add(id(user))
+            region.append(user)
+            inside.add(user.outputs[0].name)
+            frontier.append(user.outputs[0])
+    if second is None or not all(i.name in inside or per_channel(i) for n in region for i in n.inputs if i.name):
+        return None
+    order = {id(n): k for k, n in enumerate(graph.nodes)}
+    region.sort(key=lambda n: order[id(n)])
+    # one way out: every op's output read (by the ops between, or by the second linear as the last)
+    if second.inputs[0] is not (region[-1].outputs[0] if region else y) or any(
+            not n.outputs[0].outputs or any(u is not second and id(u) not in seen for u in n.outputs[0].outputs)
+            for n in region):
+        return None
+    return bias, region, second
+
+
+def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], set[tuple[str, str]], list]:
+    """Two linears joined only by per-channel ops (an FFN: x @ W1 + b1, GELU, @ W2) whose hidden
+    channels hold outliers, in W1's output or W2's input: those channels J move to an fp16 side FFN,
+    exactly in fp32,
+      FFN(x) = sum over channels j of f(x @ W1[:, j] + b1[j]) W2[j, :]
+             = main(x) (W1, b1 without J; W2 without rows J: int8, narrow ranges) + side(x) (J, fp16).
+    The per-linear split of the same channels would add a MatMul that picks them out of the hidden
+    tensor, one that puts them back and one that places W1's outlier outputs; the side FFN holds
+    |J| x 2 x d MACs a token (all-mpnet-base-v2: side linears 12.0 % of the model's MACs split one by
+    one, 7.2 % with the FFNs split this way). Returns the changes; the sides of linears they took ((node, "in" | "out")), which
+    the per-linear splits leave; and for each change the step that adds its side FFN, run after the
+    per-linear splits (whose side linears then read the main path)."""
+    from shard.precision import SIDE
+
+    changes, handled, steps, taken = [], set(), [], set()
+    for first in [n for n in graph.nodes if is_split_candidate(n)]:
+        width = first.inputs[1].values.shape[1]
+        found = between(graph, first, width)
+        if found is None or id(first) in taken or id(found[2]) in taken:   # one split a linear (a chain
+            continue                                                       # of MLPs: every other pair)
+        bias, region, second = found
+        sy, sx = stats.get(first.outputs[0].name), stats.get(second.inputs[0].name)
+        if sy is None or sx is None or sy.channel_absmax.size != width or sx.channel_absmax.size != width:
+            continue
+        hidden = sorted(set(outliers(sy.channel_absmax)) | set(outliers(sx.channel_absmax)))
+        if not hidden:
+            continue
+        w1, w2 = first.inputs[1].values, second.inputs[1].values
+        b = None
+        if bias is not None:
+            k = next(i for i, t in enumerate(bias.inputs) if isinstance(t, gs.Constant))
+            given = bias.inputs[k].values
+            b = np.broadcast_to(given, (width,)).astype(given.dtype)
+            main_b = b.copy()
+            main_b[hidden] = 0
+            bias.inputs[k] = gs.Constant(f"{bias.name}{SIDE}main/b", main_b.reshape(given.shape if given.size == width
+                                                                                     else (width,)))
+        main_w1, main_w2 = w1.copy(), w2.copy()
+        main_w1[:, hidden] = 0
+        main_w2[hidden, :] = 0
+        first.inputs[1] = gs.Constant(f"{first.inputs[1].name}{SIDE}main", main_w1)
+        second.inputs[1] = gs.Constant(f"{second.inputs[1].name}{SIDE}main", main_w2)
+        start = (first if bias is None else bias).outputs[0]
+        steps.append(partial(side_ffn, graph, first, second, first.inputs[0], start, region, hidden, w1[:, hidden],
+                             None if b is None else b[hidden], w2[hidden, :], second.outputs[0]))
+        handled |= {(first.name, "out"), (second.name, "in")}
+        taken |= {id(first), id(second)}
+        changes.append({"node": first.name, "op": first.op, "form": "hidden split", "hidden_channels": hidden,
+                        "second": second.name, "between": [n.op for n in region],
+                        "reason": f"hidden channels {hidden} (up to {max(sy.channel_absmax.max(), sx.channel_absmax.max()):.3g}) "
+                                  f"pass {OUTLIER_RATIO:g} times their tensor's median channel: they would set the "
+                                  f"per-tensor int8 ranges of both linears",
+                        "action": f"they run in an fp16 side copy of {first.name} -> {second.name}",
+                        "range_before": [sy.absmax, sx.absmax]})
+    return changes, handled, steps
+
+
+def side_ffn(graph: gs.Graph, first: gs.Node, second: gs.Node, x: gs.Tensor, start: gs.Tensor, region: list[gs.Node],
+             hidden: list[int], w1: np.ndarray, b: np.ndarray | None, w2: np.ndarray, y: gs.Variable) -> None:
+    """x @ w1 (+ b), the ops between (from `start`) on the hidden channels, @ w2, added into y (the
+    second linear's whole output). The side's ops go in one block right before the second linear:
+    the vendor fuses an activation by walking the nodes in order, and with the two GELUs' ops
+    interleaved it fused neither (all-mpnet-base-v2: every Erf on the CPU)."""
+    from shard.precision import SIDE
+
+    name = f"{first.name}{SIDE}hidden"
+    var = lambda suffix: gs.Variable(f"{name}/{suffix}", dtype=start.dtype)  # noqa: E731
+    value = var("in")
+    block = [matmul(f"{name}/in", x, w1, value)]
+    if b is not None:
+        biased = var("b")
+        block.append(gs.Node("Add", name=f"{name}/b", inputs=[value, gs.Constant(f"{name}/b/c", b)], outputs=[biased]))
+        value = biased
+    copies = {start.name: value}
+    for k, node in enumerate(region):
+        inputs = [copies[t.name] if t.name in copies else t if t.values.size == 1
+                  else gs.Constant(f"{name}/between/{k}/c", np.ascontiguousarray(t.values[..., hidden])) for t in node.inputs]
+        out = var(f"between/{k}")
+        block.append(gs.Node(node.op, name=f"{name}/between/{k}", attrs=dict(node.attrs), inputs=inputs, outputs=[out]))
+        copies[node.outputs[0].name] = out
+    side = var("out")
+    block.append(matmul(f"{second.name}{SIDE}hidden/out", copies[region[-1].outputs[0].name if region else start.name],
+                        w2, side))
+    at = next(k for k, n in enumerate(graph.nodes) if n is second)
+    graph.nodes[at:at] = block
+    total = gs.Variable(f"{y.name}{SIDE}before_hidden", dtype=y.dtype, shape=y.shape)
+    y.inputs[0].outputs[0] = total
+    graph.nodes.append(gs.Node("Add", name=f"{second.name}{SIDE}hidden/add", inputs=[total, side], outputs=[y]))
 
 
 # --- range rescales ----------------------------------------------------------------------------
