@@ -266,7 +266,8 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     then what is left, the FFN's input and output."""
     from shard.precision import SIDE
 
-    changes, handled, hidden = split_hidden(graph, stats)
+    changes, hidden = split_hidden(graph, stats)
+    handled = {(c["node"], "out") for c in changes} | {(c["second"], "in") for c in changes}
     picked: dict[str, tuple[gs.Variable, gs.Variable]] = {}   # input tensor: (xi, xm)
 
     for node in list(graph.nodes):
@@ -331,9 +332,9 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
 
 
 def is_split_candidate(node: gs.Node) -> bool:
-    from shard.precision import SIDE, is_linear
+    from shard.precision import is_int8_candidate
 
-    return node.op == "MatMul" and is_linear(node) and SIDE not in node.name and node.inputs[1].values.ndim == 2
+    return node.op == "MatMul" and is_int8_candidate(node) and node.inputs[1].values.ndim == 2
 
 
 def matmul(name: str, x: gs.Tensor, w: np.ndarray, out: gs.Variable) -> gs.Node:
@@ -347,18 +348,18 @@ PER_CHANNEL = ("Add", "Sub", "Mul", "Div", "Erf", "Tanh", "Relu", "Sigmoid", "Ge
 MAX_BETWEEN = 16   # ops of the activation between the linears of a hidden split (an exported GELU: 5)
 
 
-def between(graph: gs.Graph, first: gs.Node, width: int) -> tuple[gs.Node | None, list[gs.Node], gs.Node] | None:
+def between(graph: gs.Graph, first: gs.Node, width: int,
+            order: dict[int, int]) -> tuple[gs.Node | None, list[gs.Node], gs.Node] | None:
     """What joins `first` (a linear with `width` output channels) to the next linear where nothing
     but per-channel ops lie between: (its bias, a constant Add, or None; the ops between, in graph
-    order; the second linear). None where anything else reads a tensor on the way, or the second
-    linear reads anything but the last of them."""
+    order, which `order` gives by node id; the second linear). None where anything else reads a
+    tensor on the way, or the second linear reads anything but the last of them."""
     def per_channel(t: gs.Tensor) -> bool:
         return isinstance(t, gs.Constant) and (t.values.size == 1 or t.values.size == width == t.values.shape[-1])
 
     y, bias = first.outputs[0], None
     users = list(y.outputs)
-    if len(users) == 1 and users[0].op == "Add" and sum(per_channel(t) for t in users[0].inputs) == 1 \
-            and users[0].inputs[0] is not users[0].inputs[1]:
+    if len(users) == 1 and users[0].op == "Add" and sum(per_channel(t) for t in users[0].inputs) == 1:
         bias = users[0]
         y = bias.outputs[0]
     outputs = {t.name for t in graph.outputs}
@@ -385,7 +386,6 @@ def between(graph: gs.Graph, first: gs.Node, width: int) -> tuple[gs.Node | None
             frontier.append(user.outputs[0])
     if second is None or not all(i.name in inside or per_channel(i) for n in region for i in n.inputs if i.name):
         return None
-    order = {id(n): k for k, n in enumerate(graph.nodes)}
     region.sort(key=lambda n: order[id(n)])
     # one way out: every op's output read (by the ops between, or by the second linear as the last)
     if second.inputs[0] is not (region[-1].outputs[0] if region else y) or any(
@@ -395,7 +395,7 @@ def between(graph: gs.Graph, first: gs.Node, width: int) -> tuple[gs.Node | None
     return bias, region, second
 
 
-def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], set[tuple[str, str]], list]:
+def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], list]:
     """Two linears joined only by per-channel ops (an FFN: x @ W1 + b1, GELU, @ W2) whose hidden
     channels hold outliers, in W1's output or W2's input: those channels J move to an fp16 side FFN,
     exactly in fp32,
@@ -404,17 +404,18 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], set[tuple[st
     The per-linear split of the same channels would add a MatMul that picks them out of the hidden
     tensor, one that puts them back and one that places W1's outlier outputs; the side FFN holds
     |J| x 2 x d MACs a token (all-mpnet-base-v2: side linears 12.0 % of the model's MACs split one by
-    one, 7.2 % with the FFNs split this way). Returns the changes; the sides of linears they took ((node, "in" | "out")), which
-    the per-linear splits leave; and for each change the step that adds its side FFN, run after the
+    one, 7.2 % with the FFNs split this way). Returns the changes (W1's output and W2's input, which
+    the per-linear splits then leave) and for each the step that adds its side FFN, run after the
     per-linear splits (whose side linears then read the main path)."""
     from shard.precision import SIDE
 
-    changes, handled, steps, taken = [], set(), [], set()
+    changes, steps, taken = [], [], set()   # taken: one split a linear (a chain of MLPs: every other pair)
+    order = {id(n): k for k, n in enumerate(graph.nodes)}
     for first in [n for n in graph.nodes if is_split_candidate(n)]:
         width = first.inputs[1].values.shape[1]
-        found = between(graph, first, width)
-        if found is None or id(first) in taken or id(found[2]) in taken:   # one split a linear (a chain
-            continue                                                       # of MLPs: every other pair)
+        found = None if first.name in taken else between(graph, first, width, order)
+        if found is None or found[2].name in taken:
+            continue
         bias, region, second = found
         sy, sx = stats.get(first.outputs[0].name), stats.get(second.inputs[0].name)
         if sy is None or sx is None or sy.channel_absmax.size != width or sx.channel_absmax.size != width:
@@ -440,8 +441,7 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], set[tuple[st
         start = (first if bias is None else bias).outputs[0]
         steps.append(partial(side_ffn, graph, first, second, first.inputs[0], start, region, hidden, w1[:, hidden],
                              None if b is None else b[hidden], w2[hidden, :], second.outputs[0]))
-        handled |= {(first.name, "out"), (second.name, "in")}
-        taken |= {id(first), id(second)}
+        taken |= {first.name, second.name}
         changes.append({"node": first.name, "op": first.op, "form": "hidden split", "hidden_channels": hidden,
                         "second": second.name, "between": [n.op for n in region],
                         "reason": f"hidden channels {hidden} (up to {max(sy.channel_absmax.max(), sx.channel_absmax.max()):.3g}) "
@@ -449,7 +449,7 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], set[tuple[st
                                   f"per-tensor int8 ranges of both linears",
                         "action": f"they run in an fp16 side copy of {first.name} -> {second.name}",
                         "range_before": [sy.absmax, sx.absmax]})
-    return changes, handled, steps
+    return changes, steps
 
 
 def side_ffn(graph: gs.Graph, first: gs.Node, second: gs.Node, x: gs.Tensor, start: gs.Tensor, region: list[gs.Node],
