@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -22,8 +22,8 @@ from shard.bundle import MANIFEST, Manifest, ShardSpec, read_manifest
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
-from shard.graph import (default_opset, fits_protobuf, graph_tensors, load_model, quiet_graphsurgeon, sha256_file,
-                         tensor_spec, to_toolkit_model)
+from shard.graph import (default_opset, fits_protobuf, graph_tensors, load_model, own_values, quiet_graphsurgeon,
+                         release_weights, sha256_file, tensor_spec, to_toolkit_model)
 from shard.never_worse import (AXES, BASELINES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse,
                                fix_input_shapes, original_plans, per_axis, prune_host_steps, verdict, whole_build_fits)
 from shard.options import CompileOptions
@@ -162,7 +162,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 early = builder.submit([vendor_job], build, done.append)
             proto, prepared = prepare_model(proto, tgt.min_opset)
             opset = default_opset(proto)
-            graph = gs.import_onnx(proto)
+            graph = own_values(gs.import_onnx(proto))
             del proto
 
             # 1. Rewrite and partition (the pass order lives in shard.passes.PIPELINE); the canonical graph
@@ -187,20 +187,31 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                                 set(options.promote or ())) if quantized else None
             if against_vendor and quantized:
                 vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs, datasets)
-            jobs = [vendor_job] if vendor_job and not stand_in else []
-            jobs += write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets)
-            if ctx.build_config and "config" in build:   # the shards' only: the vendor alone builds as it is
+            vendor_build = build   # the vendor alone builds as it is; ctx.build_config is the shards' only
+            if ctx.build_config and "config" in build:
                 build = {**build, "config": {**build["config"], **ctx.build_config}}
+            jobs = [vendor_job] if vendor_job and not stand_in else []
 
-            def compile_jobs(batch: list[ShardJob], step: str, under_way: list = ()) -> dict[str, ShardBuild]:
-                def on_done(result: ShardBuild) -> None:
+            def compile_jobs(batch: list[ShardJob], step: str, under_way: list = (), config: dict | None = None
+                             ) -> dict[str, ShardBuild]:
+                progress(step, len(done), len(jobs))
+                return {b.name: b for b in builder.results([*under_way, *builder.submit(batch, config or build,
+                                                                                        on_done(step))])}
+
+            def on_done(step: str) -> Callable[[ShardBuild], None]:
+                def done_one(result: ShardBuild) -> None:
                     done.append(result)
                     progress(step, len(done), len(jobs))
+                return done_one
 
-                progress(step, len(done), len(jobs))
-                return {b.name: b for b in builder.results([*under_way, *builder.submit(batch, build, on_done)])}
-
-            builds = compile_jobs(jobs[len(early):], "compile shards", early)
+            under_way = [*early, *builder.submit(jobs[len(early):], vendor_build, on_done("compile shards"))]
+            for job in write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets):
+                jobs.append(job)   # each shard builds as soon as it is written
+                under_way += builder.submit([job], build, on_done("compile shards"))
+            if options.precision != "mixed":   # the shards are on disk; mixed ranks its linears on the graph after
+                release_weights(graph, *(version.nodes for version in (*plans, *originals) if version is not None),
+                                *([canonical] if canonical is not None else []))
+            builds = compile_jobs([], "compile shards", under_way)
             if stand_in:
                 builds[VENDOR_ALONE] = stand_in
             t_build = time.monotonic() - t0 - t_passes
@@ -239,7 +250,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 save_onnx(as_it_came, staging / "shards" / f"{VENDOR_ALONE}.onnx")
                 del as_it_came
                 jobs.insert(0, vendor_job)
-                builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)"))
+                builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)", config=vendor_build))
                 chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
         check = measure and against_vendor and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
@@ -574,18 +585,16 @@ def vendor_alone_job(staging: Path, logs: Path, tgt, inputs: list, datasets: Dat
 
 
 def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, opset: int, progress: Progress,
-               datasets: Datasets | None = None) -> list[ShardJob]:
-    """The shard builds to make: each shard and, where the passes changed it, its unrewritten twin;
-    quantized builds get their inputs' samples."""
-    jobs = []
+               datasets: Datasets | None = None) -> Iterator[ShardJob]:
+    """The shard builds to make, each as soon as its file is written: each shard and, where the
+    passes changed it, its unrewritten twin; quantized builds get their inputs' samples."""
     for k, (plan, original) in enumerate(zip(plans, originals)):
         progress("write shards", k, len(plans))
         for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
             if version is not None:
                 sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
                                name=plan.name)
-                jobs.append(write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset), datasets, version.nodes))
-    return jobs
+                yield write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset), datasets, version.nodes)
 
 
 def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], versus: dict | None

@@ -216,3 +216,65 @@ def quiet_graphsurgeon() -> None:
     from onnx_graphsurgeon.logger import G_LOGGER
 
     G_LOGGER.severity = G_LOGGER.ERROR
+
+
+
+def constants(*graphs):
+    """Each constant of the graphs (gs.Graph, or node lists) once: node inputs and attributes."""
+    seen: set[int] = set()
+    for graph in graphs:
+        for node in graph.nodes if isinstance(graph, gs.Graph) else graph:
+            for tensor in (*node.inputs, *node.attrs.values()):
+                if isinstance(tensor, gs.Constant) and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    yield tensor
+
+
+def own_values(graph: gs.Graph) -> gs.Graph:
+    """Read every constant of a graph just imported into an array, and copy its opset list: the
+    ModelProto it came from can then go. A constant read lazily keeps the model's whole message
+    alive (SigLIP-512: 337 MB beside its arrays through the passes)."""
+    for tensor in constants(graph):
+        tensor.values
+    if graph.import_domains is not None:
+        graph.import_domains = [onnx.helper.make_opsetid(d.domain, d.version) for d in graph.import_domains]
+    return graph
+
+
+RELEASED_BYTES = 1 << 16   # constants this large are dropped by release_weights
+
+
+class Released(gs.ir.tensor.LazyValues):
+    """Where a large constant's values were before release_weights: its shape, dtype and size stay,
+    so shapes, MAC counts and reports still read them; its values are gone."""
+
+    def __init__(self, name: str, shape, dtype, nbytes: int):   # no TensorProto behind it
+        self.name, self.shape, self.dtype, self.nbytes = name, tuple(shape), dtype, nbytes
+
+    def load(self):
+        raise RuntimeError(f"constant {self.name}: its values were released once the shards were written")
+
+    @property
+    def tensor(self):   # what graphsurgeon's exporter reads of a lazily loaded constant
+        return self.load()
+
+
+def release_weights(*graphs) -> int:
+    """Drop the values of every constant of RELEASED_BYTES or more in the graphs (gs.Graph, or node
+    lists) and hand the freed memory back to the system; returns the bytes dropped. A compile calls
+    this once the shards are on disk: the vendor builds then need the memory."""
+    import ctypes
+    import gc
+
+    dropped = 0
+    for tensor in constants(*graphs):
+        values = tensor._values
+        if values.nbytes >= RELEASED_BYTES and not isinstance(values, Released):
+            tensor._values = Released(tensor.name, values.shape, values.dtype, values.nbytes)
+            dropped += values.nbytes
+    gc.collect()
+    try:   # glibc keeps freed heap pages in the process until asked
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return dropped

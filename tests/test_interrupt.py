@@ -141,3 +141,20 @@ def test_the_passes_toolkit_folder_goes_when_its_start_is_interrupted(tmp_path, 
         ops.ToolkitOps("rk3588", load_profile("rk3588"), {})
     gc.collect()
     assert not list(tmp_path.glob("shard-ops-*"))
+
+
+def test_a_pool_started_ahead_serves_its_requests_from_those_workers_and_kills_them(tmp_path):
+    """A compile starts its build workers before the passes (they load the toolkit meanwhile): the
+    builds reuse exactly those, and a compile stopped before any build still ends them."""
+    from shard.toolkit.worker import WorkerPool
+
+    pool = WorkerPool(Path(sys.executable), tmp_path / "logs", 2)
+    pool.start()
+    started = list(pool.started)
+    assert len(started) == 2 and all(w.alive() for w in started)
+    with pool.worker() as first, pool.worker() as second:
+        assert {id(first), id(second)} == {id(w) for w in started}
+    pool.start()   # already running: nothing more
+    assert pool.started == started
+    pool.kill_all()
+    assert not any(alive(w.proc.pid) for w in started) and not any(w.tmp.exists() for w in started)

@@ -128,6 +128,7 @@ class ToolkitBuilds:
     def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):
         self.target, self.timeout = target, timeout
         self.pool = WorkerPool(find_python(target.name), log_dir, workers)
+        self.pool.start()   # the toolkit loads in the workers while the passes run
         self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
         self.store = BuildCache(cache, target.name, target.toolchain()) if cache else None
 

@@ -116,7 +116,8 @@ def end_worker(procs: list[subprocess.Popen], tmp: Path) -> None:
 
 
 class WorkerPool:
-    """At most `size` toolkit workers shared by threads; each started on first use, reused after.
+    """At most `size` toolkit workers shared by threads; each started on first use (or all by
+    start()), reused after.
 
         with pool.worker() as worker:
             worker.request(op="build", ...)
@@ -151,6 +152,20 @@ class WorkerPool:
             self._slots.put(None)
             raise
         self._slots.put(worker if worker.alive() else None)
+
+    def start(self) -> None:
+        """Start every worker now rather than on first use: each loads the toolkit (seconds) while
+        the caller prepares what it will ask."""
+        with self._lock:
+            for _ in range(self._slots.qsize()):   # the slots free now; one in use keeps its worker
+                try:
+                    worker = self._slots.get_nowait()
+                except queue.Empty:
+                    break
+                if worker is None and not self.stopped:
+                    worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
+                    self.started.append(worker)
+                self._slots.put(worker)
 
     def kill_all(self) -> None:
         with self._lock:
