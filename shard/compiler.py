@@ -156,8 +156,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 if not (options.vendor_only or options.check_fidelity):
                     stand_in = builder.figures(vendor_job, build)
             if against_vendor and not stand_in:   # written now, so its weights are not held twice through the passes
-                if save_onnx(proto, staging / "shards" / f"{VENDOR_ALONE}.onnx"):   # its weights moved to the file
-                    onnx.load_external_data_for_model(proto, str(staging / "shards"))
+                write_vendor_alone(proto, staging)
             if vendor_job and not stand_in:   # the longest build runs through the passes
                 early = builder.submit([vendor_job], build, done.append)
             proto, prepared = prepare_model(proto, tgt.min_opset)
@@ -247,7 +246,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
             if stand_in and (measure or versus["bundle"] == "vendor alone"):   # its artifact is needed now
                 as_it_came = load_model(model)
                 fix_input_shapes(as_it_came, options.input_shapes)
-                save_onnx(as_it_came, staging / "shards" / f"{VENDOR_ALONE}.onnx")
+                write_vendor_alone(as_it_came, staging, keep=False)
                 del as_it_came
                 jobs.insert(0, vendor_job)
                 builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)", config=vendor_build))
@@ -573,6 +572,13 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
     report = json.loads((staging / "report.json").read_text())
     report["versus_vendor"] = versus
     return read_manifest(staging), report
+
+
+def write_vendor_alone(model: onnx.ModelProto, staging: Path, keep: bool = True) -> None:
+    """The model as it came (its input shapes fixed) as the vendor alone's file. keep: a model whose
+    weights the file took into external data (past 2 GiB) reads them back, for the passes."""
+    if save_onnx(model, staging / "shards" / f"{VENDOR_ALONE}.onnx") and keep:
+        onnx.load_external_data_for_model(model, str(staging / "shards"))
 
 
 def vendor_alone_job(staging: Path, logs: Path, tgt, inputs: list, datasets: Datasets | None = None) -> ShardJob:
