@@ -218,7 +218,6 @@ def quiet_graphsurgeon() -> None:
     G_LOGGER.severity = G_LOGGER.ERROR
 
 
-
 def constants(*graphs):
     """Each constant of the graphs (gs.Graph, or node lists) once: node inputs and attributes."""
     seen: set[int] = set()

@@ -121,8 +121,8 @@ class RknnTarget:
 
 
 class ToolkitBuilds:
-    """Vendor builds on at most `workers` toolkit worker processes, each started on first use and
-    reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
+    """Vendor builds on at most `workers` toolkit worker processes, all started at once (they load the
+    toolkit while the caller prepares its jobs) and reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
     first. Builds seen before come from the cache, which is pruned to its cap when all went well."""
 
     def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):

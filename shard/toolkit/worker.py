@@ -143,8 +143,7 @@ class WorkerPool:
                 if self.stopped:   # killed: a job that starts now must not start a worker
                     self._slots.put(None)
                     raise WorkerFailed("stopped (the compile is ending)", self.log_dir)
-                worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
-                self.started.append(worker)
+                worker = self._new_worker()
         try:
             yield worker
         except BaseException:
@@ -163,9 +162,13 @@ class WorkerPool:
                 except queue.Empty:
                     break
                 if worker is None and not self.stopped:
-                    worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
-                    self.started.append(worker)
+                    worker = self._new_worker()
                 self._slots.put(worker)
+
+    def _new_worker(self) -> ToolkitWorker:   # under self._lock
+        worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
+        self.started.append(worker)
+        return worker
 
     def kill_all(self) -> None:
         with self._lock:
