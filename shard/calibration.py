@@ -130,7 +130,8 @@ def run_each(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]], names
     """For each sample, the named tensors (outputs or intermediate) of the model in onnxruntime."""
     session = ort_session(model, names, optimize)
     feeds = {i.name for i in session.get_inputs()}
-    wanted = [n for n in dict.fromkeys(names) if n in {o.name for o in session.get_outputs()}]
+    made = {o.name for o in session.get_outputs()}
+    wanted = [n for n in dict.fromkeys(names) if n in made]
     for sample in samples:   # nothing wanted (a model of sequences and strings): nothing to run
         yield dict(zip(wanted, session.run(wanted, {k: v for k, v in sample.items() if k in feeds}))) if wanted else {}
 
