@@ -182,6 +182,9 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
             t_passes = time.monotonic() - t0
 
             # 2. Write the shards and compile them (the vendor alone, quantized, from the samples the passes took).
+            #    The workers load the toolkit while the first shard is written: not earlier, where they would
+            #    hold memory beside the passes' peak (the range statistics) and share its cores.
+            builder.start()
             datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
                                 set(options.promote or ())) if quantized else None
             if against_vendor and quantized:

@@ -88,6 +88,10 @@ class Builds(Protocol):
             results = builds.results(first + builds.submit(shards, build, on_done))
     """
 
+    def start(self) -> None:
+        """Get the build workers going now (they load the toolkit while the caller writes its jobs)."""
+        ...
+
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]: ...
 
     def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
@@ -108,6 +112,9 @@ class LogsOnly:
 
     def __init__(self, note: str):
         self.note = note
+
+    def start(self) -> None:
+        pass
 
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]:
         futures = []

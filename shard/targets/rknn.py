@@ -121,16 +121,18 @@ class RknnTarget:
 
 
 class ToolkitBuilds:
-    """Vendor builds on at most `workers` toolkit worker processes, all started at once (they load the
-    toolkit while the caller prepares its jobs) and reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
+    """Vendor builds on at most `workers` toolkit worker processes, each started on first use or by
+    start(), and reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
     first. Builds seen before come from the cache, which is pruned to its cap when all went well."""
 
     def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):
         self.target, self.timeout = target, timeout
         self.pool = WorkerPool(find_python(target.name), log_dir, workers)
-        self.pool.start()   # the toolkit loads in the workers while the passes run
         self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
         self.store = BuildCache(cache, target.name, target.toolchain()) if cache else None
+
+    def start(self) -> None:
+        self.pool.start()
 
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]:
         return [self.executor.submit(self._build, job, build, on_done) for job in jobs]
