@@ -3,17 +3,17 @@
     python bench/compile.py [--model siglip.onnx] [--jobs 2]
 
 One vendor build is the toolkit as a user runs it (RKNN() with its defaults: config, load_onnx,
-build, export_rknn), in the toolkit's environment. shard compile runs four times: cold (an empty
+build, export_rknn), in the toolkit's environment. shard compile runs six times: cold (an empty
 build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
 unrewritten twin), warm (the same model again: its bundle comes from the cache, shard.bundle_cache),
 the model with one linear's weights changed (the cache warm: only the shard holding it builds again;
 the vendor alone's figures are those of the cold run's build of the same graph), cold with the
 vendor alone shard by shard (--vendor-alone shards: each shard's build without its rewrites, what a
-compile does where the whole build does not fit the machine), and cold without the vendor-alone
-comparison (--no-vendor-baseline). Peak RSS is sampled over the whole process tree (shard plus its
-toolkit workers) every 50 ms.
+compile does where the whole build does not fit the machine), the same with 12 shards (smaller
+builds), and cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled
+over the whole process tree (shard plus its toolkit workers) every 50 ms.
 Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=...
-wall_ratio_shards=... rss_ratio_shards=... shards=...
+wall_ratio_shards=... rss_ratio_shards=... wall_ratio_12=... rss_ratio_12=... shards=...
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
     return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+SMALL = 12   # shards of about one SigLIP layer: what smaller builds do to the compile's time and memory
+
 VENDOR_BUILD = """
 import sys
 from rknn.api import RKNN
@@ -121,6 +123,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
     for label, cache, source, extra in (("cold", "cold", model, []), ("warm", "cold", model, []),
                                         ("one layer's weights changed", "cold", edited, []),
                                         ("cold, --vendor-alone shards", "by-shard", model, ["--vendor-alone", "shards"]),
+                                        (f"cold, --vendor-alone shards --shards {SMALL}", "small", model,
+                                         ["--vendor-alone", "shards", "--shards", str(SMALL)]),
                                         ("cold, --no-vendor-baseline", "plain", model, ["--no-vendor-baseline"])):
         env = {**os.environ, "SHARD_BUILD_CACHE": str(work / f"cache-{cache}")}
         runs[label] = measure([sys.executable, "-m", "shard", "compile", str(source), "--target", "rk3588",
@@ -129,16 +133,18 @@ def run(args: argparse.Namespace, work: Path) -> None:
             sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
     shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
 
-    print(f"{'':54}{'wall s':>10}{'peak RSS GB':>14}")
-    print(f"{'one vendor build (whole)':54}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
+    print(f"{'':66}{'wall s':>10}{'peak RSS GB':>14}")
+    print(f"{'one vendor build (whole)':66}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
     for label, (wall, rss, _) in runs.items():
-        print(f"{f'shard compile, {label} (-j{args.jobs})':54}{wall:>10.1f}{rss / 1e9:>14.2f}")
+        print(f"{f'shard compile, {label} (-j{args.jobs})':66}{wall:>10.1f}{rss / 1e9:>14.2f}")
     cold_wall, cold_rss, _ = runs["cold"]
     one_layer = runs["one layer's weights changed"][0]
     by_shard = runs["cold, --vendor-alone shards"]
+    small = runs[f"cold, --vendor-alone shards --shards {SMALL}"]
     print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
           f"warm_s={runs['warm'][0]:.1f} one_layer_s={one_layer:.1f} one_layer_ratio={one_layer / cold_wall:.2f} "
           f"wall_ratio_shards={by_shard[0] / vendor_wall:.2f} rss_ratio_shards={by_shard[1] / vendor_rss:.2f} "
+          f"wall_ratio_{SMALL}={small[0] / vendor_wall:.2f} rss_ratio_{SMALL}={small[1] / vendor_rss:.2f} "
           f"shards={shards}")
 
 
