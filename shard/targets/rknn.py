@@ -122,8 +122,9 @@ class RknnTarget:
 
 class ToolkitBuilds:
     """Vendor builds on at most `workers` toolkit worker processes, each started on first use or by
-    start(), and reused for many builds (shard.targets.Builds). Jobs start in the order submitted: put the longest
-    first. Builds seen before come from the cache, which is pruned to its cap when all went well."""
+    start(), and reused for many builds (shard.targets.Builds). Jobs start in the order submitted:
+    put the longest first. Builds seen before come from the cache, which is pruned to its cap when
+    all went well."""
 
     def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):
         self.target, self.timeout = target, timeout
