@@ -211,8 +211,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 jobs.append(job)   # each shard builds as soon as it is written
                 under_way += builder.submit([job], build, on_done("compile shards"))
             if options.precision != "mixed":   # the shards are on disk; mixed ranks its linears on the graph after
-                release_weights(graph, *(version.nodes for version in (*plans, *originals) if version is not None),
-                                *([canonical] if canonical is not None else []))
+                release_weights(*(g for g in (graph, canonical) if g is not None))   # the plans' nodes are theirs
             builds = compile_jobs([], "compile shards", under_way)
             if stand_in:
                 builds[VENDOR_ALONE] = stand_in

@@ -276,8 +276,8 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
         x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
         w = weight.values
         n_in, n_out = w.shape
-        sx, sy = stats.get(x.name), stats.get(y.name)
-        if sx is None or sy is None or sx.channel_absmax.size != n_in or sy.channel_absmax.size != n_out:
+        sx, sy = channel_stats(stats, x, n_in), channel_stats(stats, y, n_out)
+        if sx is None or sy is None:
             continue
         ins = [] if (node.name, "in") in handled else outliers(sx.channel_absmax)
         outs = [] if (node.name, "out") in handled else outliers(sy.channel_absmax)
@@ -329,6 +329,12 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     for side in hidden:   # after the per-linear splits: their side linears read the hidden sides' inputs
         side()
     return changes
+
+
+def channel_stats(stats: dict, tensor: gs.Tensor, width: int):
+    """The tensor's statistics where they hold one absolute maximum for each of its `width` channels."""
+    found = stats.get(tensor.name)
+    return found if found is not None and found.channel_absmax.size == width else None
 
 
 def is_split_candidate(node: gs.Node) -> bool:
@@ -417,8 +423,8 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], list]:
         if found is None or found[2].name in taken:
             continue
         bias, region, second = found
-        sy, sx = stats.get(first.outputs[0].name), stats.get(second.inputs[0].name)
-        if sy is None or sx is None or sy.channel_absmax.size != width or sx.channel_absmax.size != width:
+        sy, sx = channel_stats(stats, first.outputs[0], width), channel_stats(stats, second.inputs[0], width)
+        if sy is None or sx is None:
             continue
         hidden = sorted(set(outliers(sy.channel_absmax)) | set(outliers(sx.channel_absmax)))
         if not hidden:
