@@ -68,6 +68,11 @@ def test_stats_are_ranges_and_channel_maxima_over_all_samples():
     stats = collect_stats(model, samples)
     assert (stats["sq"].min, stats["sq"].max) == (0.0, 16.0) and stats["y"].min == -16.0
     assert stats["x"].channel_absmax.tolist() == [1.0, 2.0, 4.0] and stats["y"].absmax == 16.0
+    assert stats["sq"].channel_absmax.tolist() == [1.0, 4.0, 16.0]
+    # Without the per-channel reductions: the same ranges, and the tensor's absolute maximum alone.
+    ranges = collect_stats(model, samples, channels=False)
+    assert {n: (s.min, s.max) for n, s in ranges.items()} == {n: (s.min, s.max) for n, s in stats.items()}
+    assert [ranges[n].channel_absmax.tolist() for n in ("x", "sq", "y")] == [[4.0], [16.0], [16.0]]
 
 
 def test_stats_are_kept_by_the_hash_of_model_and_samples(tmp_path, monkeypatch):

@@ -81,8 +81,10 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                                   f"fp32, or a profile probed before that family)"}
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model, weights = lifted(graph)
+    channels = ctx.options.precision == "mixed"   # split_outliers and split_hidden read them; nothing else does
     try:
-        stats = collect_stats(model, samples, ranks=float_ranks(graph), cache=stats_cache(ctx), weights=weights)
+        stats = collect_stats(model, samples, ranks=float_ranks(graph), cache=stats_cache(ctx), weights=weights,
+                              channels=channels)
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
         return graph, {"skipped": f"onnxruntime cannot run the model to measure its ranges: "
                                   f"{str(exc).splitlines()[0][:200]}"}
@@ -91,7 +93,7 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     clamps = clamp_masks(graph, stats) if quantized else []   # fp16 holds the masks' -inf as it is
     if clamps:  # the ranges with the masks clamped (masked scores were -3.4e38 before)
         toposort(graph.cleanup())
-        stats = graph_stats(graph, samples, cache=stats_cache(ctx))
+        stats = graph_stats(graph, samples, cache=stats_cache(ctx), channels=channels)
     splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
         toposort(graph)
