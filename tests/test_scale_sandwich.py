@@ -332,8 +332,11 @@ def test_outlier_split_is_exact_and_leaves_the_int8_linears_a_narrow_range(seed,
     for change in hidden.values():
         first, second = nodes[change["node"]], nodes[change["second"]]
         assert is_int8_candidate(first) and is_int8_candidate(second)
-        assert after[first.outputs[0].name].absmax < change["range_before"][0]
-        assert after[second.inputs[0].name].absmax < change["range_before"][1]
+        # Neither range widens, and the one whose outliers chose the channels narrows (the other may
+        # keep its own largest channel: an output's largest value negative, which a Relu drops).
+        ranges = after[first.outputs[0].name].absmax, after[second.inputs[0].name].absmax
+        assert all(now <= before for now, before in zip(ranges, change["range_before"]))
+        assert any(now < before for now, before in zip(ranges, change["range_before"]))
     sides = [n for n in graph.nodes if SIDE in n.name and n.op == "MatMul"]
     assert bool(sides) == bool(splits or hidden)
     kept = float16_names(graph.nodes)
