@@ -10,9 +10,9 @@ built offline by `transformers` from their configs (bench/architectures.py), and
 shipped as ONNX inside packages of the index (PACKAGED below: PP-OCR's detector, recogniser and
 classifier from rapidocr-onnxruntime, fetched with `pip download`).
 For each model:
-  shard:  `shard compile --check-fidelity` (which builds the model as it came with the vendor alone
-          beside it, and keeps the vendor's build where shard's would be worse) and `shard verify`
-          on the simulator;
+  shard:  `shard compile --check-fidelity --vendor-alone whole` (which builds the model as it came
+          with the vendor alone beside it, on any machine, and keeps the vendor's build where shard's
+          would be worse) and `shard verify` on the simulator;
   vendor: the same compile's build of the model as it came (what `--vendor-only` bundles) and its
           simulator run beside shard's, the same seeded inputs; where the compile stopped before
           that build, `--vendor-only` on its own.
@@ -212,7 +212,8 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "
         work = Path(work)
         (work / "shard").mkdir()
         (work / "vendor").mkdir()
-        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, input_shapes=shapes), target)
+        ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, vendor_alone="whole",
+                                                                   input_shapes=shapes), target)
         # Where shard's compile ended before building the vendor alone, the vendor alone on its own.
         theirs = vendor_side(ours) if ours.figures.get("vendor") else \
             side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes), target)

@@ -72,8 +72,10 @@ def compile_command(
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
                                                                     "each; inputs run on the smallest that fits)."),
-    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; thor and cuda: "
-                                                    "pipeline stages, 2]."),
+    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; for a model "
+                                                    "of over about 200 MB of weights, as many as keep its vendor "
+                                                    "builds within half of the memory of the whole model's; thor "
+                                                    "and cuda: pipeline stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
@@ -94,7 +96,8 @@ def compile_command(
                                                   "model as it came, one build), shards (each shard built without "
                                                   "its rewrites: no build beyond shard's own, for machines the "
                                                   "whole build does not fit), or auto (whole where its predicted "
-                                                  "memory is at most half of what is available)."),
+                                                  "memory is at most half of what is available, and, for a large "
+                                                  "model in fp16, a core is free for it beside the --jobs builds)."),
     vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
                                                  "build, no rewrites): a baseline to run and verify beside shard's."),
     precision: str = typer.Option("fp16", help="fp16; int8 (every shard quantized by the vendor from the "

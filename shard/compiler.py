@@ -135,7 +135,8 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         if options.vendor_only and not tgt.vendor:
             raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
         against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
-        whole, why = (whole_build_fits(proto, "whole" if options.vendor_only else options.vendor_alone)
+        whole, why = (whole_build_fits(proto, "whole" if options.vendor_only else options.vendor_alone,
+                                       jobs=options.jobs, quantized=options.precision in QUANTIZED)
                       if against_vendor else (False, ""))
         per_shard = against_vendor and not whole   # the vendor alone from the shards' unrewritten builds
         against_vendor = against_vendor and whole
@@ -843,7 +844,7 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     ops = None
     try:
         ops = tgt.pass_toolkit(profile, options)
-        ctx = PassContext(profile=profile, options=options, ops=ops,
+        ctx = PassContext(profile=profile, options=options, ops=ops, build_memory=tgt.build_memory,
                           legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)

@@ -13,6 +13,7 @@ there, the bundle holds the vendor's own build. Where that build would not fit t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import onnx_graphsurgeon as gs
 
 from shard.passes.partition import ShardPlan, estimate_macs
 from shard.runtime.host import step_inputs, step_outputs
+from shard.toolkit.memory import build_bytes, shards_for_memory
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a
 # build that returned 0 ("Unkown op target: 0") come last: the vendor's own DPT build logs 4 and runs.
@@ -95,17 +97,17 @@ def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor
 
 
 BASELINES = ("auto", "whole", "shards")   # --vendor-alone: how the vendor alone is built (whole_build_fits)
-# A vendor build's peak memory, over the model's weight bytes (rknn-toolkit2 2.5.0, fp16, this machine):
-# a one-MatMul model 0.34 GB, SigLIP-512's 346 MB of weights 2.44 GB, all-mpnet-base-v2's 436 MB 2.74 GB.
-TOOLKIT_BYTES = 0.34e9
-BUILD_BYTES_PER_WEIGHT_BYTE = 6.1   # the steeper of the two: the guess errs towards not fitting
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of a model's initializers."""
+    return sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+               for t in model.graph.initializer)
 
 
 def predicted_build_bytes(model: onnx.ModelProto) -> int:
     """The peak memory one vendor build of the whole model is predicted to take."""
-    weights = sum(math.prod(t.dims) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                  for t in model.graph.initializer)
-    return int(TOOLKIT_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weights)
+    return build_bytes(weight_bytes(model))
 
 
 def available_bytes() -> int | None:
@@ -119,17 +121,28 @@ def available_bytes() -> int | None:
     return None
 
 
-def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = None) -> tuple[bool, str]:
+def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = None, jobs: int = 2,
+                     cores: int | None = None, quantized: bool = False) -> tuple[bool, str]:
     """Is the vendor alone built as the whole model (True) or shard by shard, from the builds of each
-    shard without its rewrites (False)? `how`: whole, shards, or auto (whole where its predicted peak
-    memory is at most half of what is available: the compile's own builds run beside it). With why."""
+    shard without its rewrites (False)? `how`: whole, shards, or auto: whole where its predicted peak
+    memory is at most half of what is available (the compile's own builds run beside it), and where
+    it does not add one whole vendor build to the compile's time for build figures alone: a core is
+    free for it beside the compile's `jobs` builds, or the model is not large (no shards take less
+    memory than its whole build: shards_for_memory; it builds in seconds to a few tens of them), or
+    the compile quantizes (its fidelity against the vendor's own quantized build is the comparison
+    that matters, and needs the whole). With why."""
     if how != "auto":
         return how == "whole", f"--vendor-alone {how}"
-    need, have = predicted_build_bytes(model), available_bytes() if available is None else available
+    weights = weight_bytes(model)
+    need, have = build_bytes(weights), available_bytes() if available is None else available
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
     gb = f"the whole model's build predicted at {need / 1e9:.1f} GB"
-    if have is None or need <= have / 2:
-        return True, gb + ("" if have is None else f", {have / 1e9:.1f} GB available")
-    return False, f"{gb}, more than half of the {have / 1e9:.1f} GB available"
+    if have is not None and need > have / 2:
+        return False, f"{gb}, more than half of the {have / 1e9:.1f} GB available"
+    if cores <= jobs and shards_for_memory(weights, jobs) and not quantized:
+        return False, (f"{cores} cores, all taken by the shards' {jobs} parallel builds: the whole build of "
+                       f"{weights / 1e6:.0f} MB of weights would add its own time to the compile's")
+    return True, gb + ("" if have is None else f", {have / 1e9:.1f} GB available") + f", {cores} cores"
 
 
 def fix_input_shapes(model: onnx.ModelProto, input_shapes: dict[str, tuple[int, ...]]) -> None:

@@ -11,7 +11,8 @@ class CompileOptions:
     as PassContext.options."""
 
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    shards: int | None = None       # default: one per NPU core
+    shards: int | None = None       # default: one per NPU core, more for a large model's build memory
+                                    # (shard.toolkit.memory.shards_for_memory)
     max_ops: int | None = None      # more shards if any would hold more ops than this
     jobs: int = 2                   # vendor builds in parallel
     timeout: float = 1800.0         # seconds one vendor build may take
@@ -23,7 +24,8 @@ class CompileOptions:
     dump_after: dict[str, str] = field(default_factory=dict)   # {pass: directory} for the graph after it
     vendor_baseline: bool = True    # also build the model as it came, compare, and never be worse
     vendor_alone: str = "auto"      # how: whole (the model as it came), shards (each shard without its
-                                    # rewrites), auto (whole where its predicted memory fits: never_worse)
+                                    # rewrites), auto (whole where its memory fits and, for a large fp16
+                                    # model, a core is free for it: never_worse.whole_build_fits)
     vendor_only: bool = False       # a bundle of the vendor alone: the model as it came, no rewrites
     build_cache: bool = True        # reuse vendor builds of the same shard bytes (shard.targets.build_cache)
     check_fidelity: bool | None = None   # also run shard's bundle and the vendor alone's on the simulator

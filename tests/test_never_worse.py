@@ -2,7 +2,8 @@
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from conftest import mlp_chain, run_ort
+from conftest import make_model, mlp_chain, run_ort
+from onnx import helper, numpy_helper
 
 from shard.compiler import CompileOptions
 from shard.graph import infer_shapes
@@ -76,14 +77,23 @@ def test_verdicts_go_by_the_axes_in_order():
     assert not fidelity_worse(0.2, float("nan"))
 
 
-def test_the_vendor_alone_is_built_whole_where_its_predicted_memory_fits():
+def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_compile():
     from shard.never_worse import predicted_build_bytes, whole_build_fits
 
     model = mlp_chain(2, width=64)   # 2 x 2 x 64 x 128 float weights: 131 kB
     need = predicted_build_bytes(model)
     assert need == int(0.34e9 + 6.1 * 4 * 2 * 2 * 64 * 128)
-    assert whole_build_fits(model, "auto", available=2 * need)[0]
-    fits, why = whole_build_fits(model, "auto", available=2 * need - 1)
+    assert whole_build_fits(model, "auto", available=2 * need, jobs=2, cores=3)[0]
+    fits, why = whole_build_fits(model, "auto", available=2 * need - 1, jobs=2, cores=3)
     assert not fits and "more than half of the 0.7 GB available" in why
-    assert whole_build_fits(model, "whole", available=0) == (True, "--vendor-alone whole")
-    assert whole_build_fits(model, "shards", available=10**12) == (False, "--vendor-alone shards")
+    assert whole_build_fits(model, "auto", available=2 * need, jobs=2, cores=2)[0]   # small: seconds to build
+    # 268 MB of weights, every core building shards: the whole build would add its time to the compile's.
+    weight = numpy_helper.from_array(np.zeros((8192, 8192), np.float32), "w")
+    large = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 8192])], [("y", [1, 8192])], [weight])
+    room = 2 * predicted_build_bytes(large)
+    fits, why = whole_build_fits(large, "auto", available=room, jobs=2, cores=2)
+    assert not fits and why.startswith("2 cores, all taken by the shards' 2 parallel builds: the whole build of 268 MB")
+    assert whole_build_fits(large, "auto", available=room, jobs=1, cores=2)[0]
+    assert whole_build_fits(large, "auto", available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
+    assert whole_build_fits(model, "whole", available=0, cores=1) == (True, "--vendor-alone whole")
+    assert whole_build_fits(model, "shards", available=10**12, cores=64) == (False, "--vendor-alone shards")

@@ -2,14 +2,16 @@
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from conftest import add_model, mlp_chain, run_ort
+from conftest import add_model, make_model, mlp_chain, run_ort
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx import helper, numpy_helper
 
 import shard
 from shard.compiler import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.partition import choose_cuts
+from shard.graph import infer_shapes
 from shard.profile import load_profile
 
 
@@ -85,3 +87,32 @@ def test_shards_predicted_over_the_job_limit_are_split():
     assert len(ctx.plan) == 3 and report["requested"] == 3
     assert max(report["predicted_s"]) <= report["job_limit_s"] * (1 + 1e-9)
     assert not ctx.warnings
+
+
+def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models():
+    """A vendor build's memory grows with the weights it holds (shard.toolkit.memory): by default a
+    large model is cut into the fewest shards whose builds, two at once beside the compile, are
+    predicted at half of one build of the whole model; a small one is not (the toolkit's own memory
+    is most of every build)."""
+    from shard.passes import PASSES
+    from shard.toolkit.memory import COMPILE_BYTES, build_bytes, shards_for_memory
+
+    def compile_bytes(weights, shards, jobs=2):
+        return COMPILE_BYTES + jobs * build_bytes(weights / shards)
+
+    assert shards_for_memory(345_733_832, 2) == 11   # SigLIP-512
+    assert shards_for_memory(100e6, 2) == 0 and shards_for_memory(100e6, 1) == 0 and shards_for_memory(150e6, 1) > 0
+    for weights in (250e6, 345e6, 1e9, 4e9):
+        k = shards_for_memory(weights, 2)
+        assert compile_bytes(weights, k) <= build_bytes(weights) / 2 < compile_bytes(weights, k - 1)
+
+    # Eight [8, 2048] x [2048, 4096] products: 268 MB of weights, 537 M MACs, so 5 shards at most (MIN_SHARD_MACS).
+    weights = [numpy_helper.from_array(np.zeros((2048, 4096) if k % 2 == 0 else (4096, 2048), np.float32), f"w{k}")
+               for k in range(8)]
+    nodes = [helper.make_node("MatMul", ["x" if k == 0 else f"h{k - 1}", f"w{k}"], ["y" if k == 7 else f"h{k}"])
+             for k in range(8)]
+    model = make_model(nodes, [("x", [1, 8, 2048])], [("y", [1, 8, 2048])], weights)
+    for build_memory, expected in ((True, 5), (False, 3)):
+        ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), build_memory=build_memory)
+        _, report = PASSES["partition"](infer_shapes(gs.import_onnx(model)), ctx)
+        assert len(ctx.plan) == expected and report["weight_bytes"] == 8 * 2048 * 4096 * 4

@@ -46,6 +46,7 @@ class PassContext:
     scales: dict[str, tuple[str, int]] = field(default_factory=dict)   # tensor: (the reference's, k), held / 2^k
     warnings: list[str] = field(default_factory=list)         # for the user, in the report and the summary
     plan: object = None  # set by partition
+    build_memory: bool = False   # the target's builds' memory grows with their weights: partition sizes them
 
 
 # The order of the RK3588 pipeline; every name is a module in this package.

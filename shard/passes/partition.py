@@ -10,8 +10,9 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
-from shard.graph import is_static, nbytes
+from shard.graph import constants, is_static, nbytes
 from shard.passes import PassContext, register
+from shard.toolkit.memory import shards_for_memory
 
 
 MIN_SHARD_MACS = 100_000_000  # about 0.2 ms of one core at its fp16 peak (512 MACs a cycle, 1 GHz)
@@ -144,8 +145,13 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError("the model has no operators left after constant folding")
     costs = [estimate_macs(node) for node in graph.nodes]
     # By default one shard per core, but none under MIN_SHARD_MACS: every cut adds a dispatch and
-    # edges the vendor may reshape on the CPU, which a small model never wins back.
-    shards = max(1, getattr(opts, "shards", None) or min(ctx.profile.cores, sum(costs) // MIN_SHARD_MACS))
+    # edges the vendor may reshape on the CPU, which a small model never wins back. More where the
+    # target's builds grow with their weights and that many keep the compile within half of the
+    # whole model's build (shard.toolkit.memory: a large model only).
+    weights = sum(nbytes(t) for t in constants(graph))
+    for_memory = shards_for_memory(weights, opts.jobs) if ctx.build_memory else 0
+    shards = max(1, getattr(opts, "shards", None)
+                 or min(max(ctx.profile.cores, for_memory), sum(costs) // MIN_SHARD_MACS))
     max_ops = getattr(opts, "max_ops", None)
     if max_ops:
         shards = max(shards, math.ceil(n / max_ops))
@@ -163,7 +169,7 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     live = live_bytes_after(graph, dag, set(canonical.tensors()) if canonical is not None else None)
     cuts = choose_cuts(costs, live, min(shards, n))
     ctx.plan = shard_boundaries(graph, cuts)
-    report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts],
+    report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
               "macs": [p.macs for p in ctx.plan]}
     if per_mac and limit:
         predicted = [p.macs * per_mac for p in ctx.plan]

@@ -45,6 +45,7 @@ class Target(Protocol):
     pipeline: tuple[str, ...]        # its passes, in order (shard.passes)
     min_opset: int                   # the opset its shard files are lifted to, at least
     stage_streams: bool              # shard k runs on stream ("core") k: a pipeline of stages (GPU)
+    build_memory: bool               # its shard builds' memory grows with their weights: partition sizes them
 
     def build_options(self, options) -> dict: ...
 

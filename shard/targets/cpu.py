@@ -16,6 +16,7 @@ class CpuTarget:
     pipeline = tuple(PIPELINE)
     min_opset = MIN_OPSET
     stage_streams = False
+    build_memory = False   # nothing to build: onnxruntime runs the shard files
 
     def build_options(self, options) -> dict:
         return {}

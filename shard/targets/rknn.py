@@ -73,6 +73,7 @@ class RknnTarget:
     pipeline = tuple(PIPELINE)
     min_opset = MIN_OPSET
     stage_streams = False
+    build_memory = True    # the toolkit's build memory grows with a shard's weights (shard.toolkit.memory)
 
     def __init__(self, chip: str):
         self.name = chip

@@ -26,6 +26,7 @@ class GpuTarget:
     pipeline = PIPELINE
     min_opset = MIN_OPSET
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
+    build_memory = False       # engines are built on the device, one at a time
 
     def __init__(self, name: str):
         self.name = name
