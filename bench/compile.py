@@ -3,17 +3,20 @@
     python bench/compile.py [--model siglip.onnx] [--jobs 2]
 
 One vendor build is the toolkit as a user runs it (RKNN() with its defaults: config, load_onnx,
-build, export_rknn), in the toolkit's environment. shard compile runs six times: cold (an empty
-build cache; it also builds the model as it came with the vendor alone, and each rewritten shard's
-unrewritten twin), warm (the same model again: its bundle comes from the cache, shard.bundle_cache),
-the model with one linear's weights changed (the cache warm: only the shard holding it builds again;
-the vendor alone's figures are those of the cold run's build of the same graph), cold with the
-vendor alone shard by shard (--vendor-alone shards: each shard's build without its rewrites, what a
-compile does where the whole build does not fit the machine), the same with 12 shards (smaller
-builds), and cold without the vendor-alone comparison (--no-vendor-baseline). Peak RSS is sampled
-over the whole process tree (shard plus its toolkit workers) every 50 ms.
+build, export_rknn), in the toolkit's environment, once before the compiles and once after; the
+ratios are to the mean of the two. shard compile runs six times: cold (an empty build cache, the
+defaults: each rewritten shard is also built without its rewrites, and the vendor alone is built
+whole only where the machine has a core for it beside the compile's builds, else it is each shard's
+build without its rewrites: never_worse.whole_build_fits), warm (the same model again: its bundle
+comes from the cache, shard.bundle_cache), the model with one linear's weights changed (the cache
+warm: only the shard holding it builds again), cold with the whole model built by the vendor alone
+beside (--vendor-alone whole), cold with one shard per NPU core (--shards 3: larger builds than the
+default's, which sizes a large model's shards for half of the whole model's build memory,
+shard.toolkit.memory.shards_for_memory), and cold without the vendor-alone comparison
+(--no-vendor-baseline). Peak RSS is sampled over the whole process tree (shard plus its toolkit
+workers) every 50 ms.
 Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=...
-wall_ratio_shards=... rss_ratio_shards=... wall_ratio_12=... rss_ratio_12=... shards=...
+wall_ratio_whole=... rss_ratio_whole=... wall_ratio_3=... rss_ratio_3=... shards=...
 """
 
 from __future__ import annotations
@@ -77,8 +80,6 @@ def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
     return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-SMALL = 12   # shards of about one SigLIP layer: what smaller builds do to the compile's time and memory
-
 VENDOR_BUILD = """
 import sys
 from rknn.api import RKNN
@@ -113,38 +114,47 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     from shard.toolkit.env import find_python
 
-    vendor_wall, vendor_rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
-                                            str(work / "whole.rknn")], cwd=work)
-    if res.returncode:
-        sys.exit(f"vendor build failed:\n{res.stderr}")
+    def vendor_build() -> tuple[float, int]:
+        wall, rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
+                                  str(work / "whole.rknn")], cwd=work)
+        if res.returncode:
+            sys.exit(f"vendor build failed:\n{res.stderr}")
+        return wall, rss
+
+    vendor_before = vendor_build()
     bundle = work / "model.shard"
     edited = one_layer_changed(model, work / "one-layer.onnx")
     runs = {}
     for label, cache, source, extra in (("cold", "cold", model, []), ("warm", "cold", model, []),
                                         ("one layer's weights changed", "cold", edited, []),
-                                        ("cold, --vendor-alone shards", "by-shard", model, ["--vendor-alone", "shards"]),
-                                        (f"cold, --vendor-alone shards --shards {SMALL}", "small", model,
-                                         ["--vendor-alone", "shards", "--shards", str(SMALL)]),
+                                        ("cold, --vendor-alone whole", "whole", model, ["--vendor-alone", "whole"]),
+                                        ("cold, --shards 3 (one per core)", "per-core", model, ["--shards", "3"]),
                                         ("cold, --no-vendor-baseline", "plain", model, ["--no-vendor-baseline"])):
         env = {**os.environ, "SHARD_BUILD_CACHE": str(work / f"cache-{cache}")}
         runs[label] = measure([sys.executable, "-m", "shard", "compile", str(source), "--target", "rk3588",
                                "-o", str(bundle), "--jobs", str(args.jobs), *extra], env)
         if runs[label][2].returncode:
             sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
-    shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
+        if label == "cold":
+            shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
+            versus = json.loads((bundle / "report.json").read_text())["versus_vendor"]["line"]
 
+    vendor_after = vendor_build()   # before and after the compiles: the machine's drift shows, and averages out
+    vendor_wall, vendor_rss = ((a + b) / 2 for a, b in zip(vendor_before, vendor_after))
     print(f"{'':66}{'wall s':>10}{'peak RSS GB':>14}")
-    print(f"{'one vendor build (whole)':66}{vendor_wall:>10.1f}{vendor_rss / 1e9:>14.2f}")
+    for label, (wall, rss) in (("before", vendor_before), ("after", vendor_after)):
+        print(f"{f'one vendor build (whole), {label} the compiles':66}{wall:>10.1f}{rss / 1e9:>14.2f}")
     for label, (wall, rss, _) in runs.items():
         print(f"{f'shard compile, {label} (-j{args.jobs})':66}{wall:>10.1f}{rss / 1e9:>14.2f}")
     cold_wall, cold_rss, _ = runs["cold"]
     one_layer = runs["one layer's weights changed"][0]
-    by_shard = runs["cold, --vendor-alone shards"]
-    small = runs[f"cold, --vendor-alone shards --shards {SMALL}"]
+    whole = runs["cold, --vendor-alone whole"]
+    per_core = runs["cold, --shards 3 (one per core)"]
+    print(f"cold: {versus}")
     print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
           f"warm_s={runs['warm'][0]:.1f} one_layer_s={one_layer:.1f} one_layer_ratio={one_layer / cold_wall:.2f} "
-          f"wall_ratio_shards={by_shard[0] / vendor_wall:.2f} rss_ratio_shards={by_shard[1] / vendor_rss:.2f} "
-          f"wall_ratio_{SMALL}={small[0] / vendor_wall:.2f} rss_ratio_{SMALL}={small[1] / vendor_rss:.2f} "
+          f"wall_ratio_whole={whole[0] / vendor_wall:.2f} rss_ratio_whole={whole[1] / vendor_rss:.2f} "
+          f"wall_ratio_3={per_core[0] / vendor_wall:.2f} rss_ratio_3={per_core[1] / vendor_rss:.2f} "
           f"shards={shards}")
 
 
