@@ -208,11 +208,12 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 return done_one
 
             under_way = [*early, *builder.submit(jobs[len(early):], vendor_build, on_done("compile shards"))]
-            for job in write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets):
-                jobs.append(job)   # each shard builds as soon as it is written
+            # Each shard builds as soon as it is written, and its weights go once no shard still to be
+            # written reads them; mixed ranks its linears on the graph after the build and keeps them.
+            held = () if options.precision == "mixed" else tuple(g for g in (graph, canonical) if g is not None)
+            for job in write_jobs(staging, logs, tgt, plans, originals, opset, progress, datasets, held):
+                jobs.append(job)
                 under_way += builder.submit([job], build, on_done("compile shards"))
-            if options.precision != "mixed":   # the shards are on disk; mixed ranks its linears on the graph after
-                release_weights(*(g for g in (graph, canonical) if g is not None))   # the plans' nodes are theirs
             builds = compile_jobs([], "compile shards", under_way)
             if stand_in:
                 builds[VENDOR_ALONE] = stand_in
@@ -594,9 +595,12 @@ def vendor_alone_job(staging: Path, logs: Path, tgt, inputs: list, datasets: Dat
 
 
 def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, opset: int, progress: Progress,
-               datasets: Datasets | None = None) -> Iterator[ShardJob]:
+               datasets: Datasets | None = None, release: tuple[gs.Graph, ...] = ()) -> Iterator[ShardJob]:
     """The shard builds to make, each as soon as its file is written: each shard and, where the
-    passes changed it, its unrewritten twin; quantized builds get their inputs' samples."""
+    passes changed it, its unrewritten twin; quantized builds get their inputs' samples. release:
+    the graphs whose weights go as the shards are written (graph.release_weights), each once no
+    shard still to be written reads it."""
+    versions = [[v for v in pair if v is not None] for pair in zip(plans, originals)]
     for k, (plan, original) in enumerate(zip(plans, originals)):
         progress("write shards", k, len(plans))
         for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):
@@ -604,6 +608,8 @@ def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, ops
                 sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
                                name=plan.name)
                 yield write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset), datasets, version.nodes)
+        if release:
+            release_weights(*release, still_read=[v.nodes for later in versions[k + 1:] for v in later])
 
 
 def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], versus: dict | None

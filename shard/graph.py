@@ -258,22 +258,23 @@ class Released(gs.ir.tensor.LazyValues):
         return self.load()
 
 
-def release_weights(*graphs) -> int:
+def release_weights(*graphs, still_read=()) -> int:
     """Drop the values of every constant of RELEASED_BYTES or more in the graphs (gs.Graph, or node
-    lists) and hand the freed memory back to the system; returns the bytes dropped. A compile calls
-    this once the shards are on disk: the vendor builds then need the memory."""
+    lists), but not an array a constant of `still_read` holds (the same kind: shards still to be
+    written), and hand the freed memory back to the system; returns the bytes dropped. A compile
+    calls this as each shard is on disk: the vendor builds, which start as they come, need the memory."""
     import ctypes
     import gc
 
-    dropped = 0
+    kept, dropped = {id(t._values) for t in constants(*still_read)}, {}   # by array: copies share them
     for tensor in constants(*graphs):
         values = tensor._values
-        if values.nbytes >= RELEASED_BYTES and not isinstance(values, Released):
+        if values.nbytes >= RELEASED_BYTES and not isinstance(values, Released) and id(values) not in kept:
             tensor._values = Released(tensor.name, values.shape, values.dtype, values.nbytes)
-            dropped += values.nbytes
+            dropped[id(values)] = values.nbytes
     gc.collect()
     try:   # glibc keeps freed heap pages in the process until asked
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    return dropped
+    return sum(dropped.values())

@@ -68,3 +68,17 @@ def test_release_weights_counts_each_shared_constant_once():
     graph = own_values(gs.import_onnx(model_with_constants()))
     nbytes = next(t for t in constants(graph) if t.name == "w").values.nbytes
     assert release_weights(graph, graph.nodes, graph.nodes[1:2]) == nbytes
+
+
+def test_release_weights_keeps_what_shards_still_to_be_written_read_in_any_copy():
+    """A compile releases as each shard is written: an array a later shard reads stays, also where
+    the canonical graph (a copy, its arrays shared) holds it."""
+    graph = own_values(gs.import_onnx(model_with_constants()))
+    copy = graph.copy()   # as the canonical snapshot: other Constant objects, the same arrays
+    matmul = next(n for n in copy.nodes if n.op == "MatMul")
+    assert release_weights(graph, copy, still_read=[[matmul]]) == 0   # w is read by a shard still to write
+    w, w_copy = (next(t for t in constants(g) if t.name == "w") for g in (graph, copy))
+    assert w._values is w_copy._values and isinstance(w._values, np.ndarray)
+    nbytes = w.values.nbytes   # counted once: one array
+    assert release_weights(graph, copy, still_read=[[n for n in graph.nodes if n.op == "Add"]]) == nbytes
+    assert isinstance(w._values, Released) and isinstance(w_copy._values, Released)
