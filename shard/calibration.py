@@ -283,7 +283,8 @@ def measure_stats(reduced: onnx.ModelProto, outs: dict[str, tuple], samples: lis
     every = names is None
     stats: dict[str, TensorStats] = {}
 
-    def add(name: str, low: float, high: float, chan: np.ndarray) -> None:
+    def add(name: str, low: float, high: float, chan: np.ndarray | None) -> None:
+        chan = np.array([max(-low, high)]) if chan is None else chan   # no channels: the tensor's absmax
         if name in stats:
             s = stats[name]
             s.min, s.max = min(s.min, low), max(s.max, high)
@@ -295,12 +296,11 @@ def measure_stats(reduced: onnx.ModelProto, outs: dict[str, tuple], samples: lis
     for sample, values in zip(samples, run_each(reduced, [{**s, **weights} for s in samples], flat)):
         for name, value in sample.items():
             if (every or name in names) and value.dtype.kind == "f" and value.size:
-                lo, hi = float(value.min()), float(value.max())
-                add(name, lo, hi, channel_absmax(value) if channels else np.array([max(-lo, hi)]))
+                add(name, float(value.min()), float(value.max()), channel_absmax(value) if channels else None)
         for name, (low, high, *chan) in outs.items():
             if values[low].size:
-                lo, hi = float(values[low]), float(values[high])
-                add(name, lo, hi, np.atleast_1d(values[chan[0]] if chan else max(-lo, hi)).astype(np.float64))
+                add(name, float(values[low]), float(values[high]),
+                    np.atleast_1d(values[chan[0]]).astype(np.float64) if chan else None)
     return stats
 
 

@@ -272,6 +272,8 @@ def release_weights(*graphs, still_read=()) -> int:
         if values.nbytes >= RELEASED_BYTES and not isinstance(values, Released) and id(values) not in kept:
             tensor._values = Released(tensor.name, values.shape, values.dtype, values.nbytes)
             dropped[id(values)] = values.nbytes
+    if not dropped:   # called once a shard: nothing of this one's went, nothing to hand back
+        return 0
     gc.collect()
     try:   # glibc keeps freed heap pages in the process until asked
         ctypes.CDLL("libc.so.6").malloc_trim(0)
