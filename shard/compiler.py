@@ -287,6 +287,9 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                     f"check it with `shard verify --inputs`, or compile in fp16")
             report["seconds"]["total"] = round(time.monotonic() - t0, 2)
             (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        # The last step before the bundle takes the output's place: where the command stops on a signal
+        # that a finalizer swallowed on the way (shard.cli.stop_point), it stops here, leaving nothing.
+        progress("write the bundle", 1, 1)
         replace_dir(staging, output)
     except BaseException:
         if datasets:

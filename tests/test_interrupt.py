@@ -158,3 +158,28 @@ def test_a_pool_started_ahead_serves_its_requests_from_those_workers_and_kills_t
     assert pool.started == started
     pool.kill_all()
     assert not any(alive(w.proc.pid) for w in started) and not any(w.tmp.exists() for w in started)
+
+
+def test_a_stop_that_a_finalizer_swallowed_still_leaves_no_bundle(tmp_path):
+    """A signal that lands in a finalizer (a gc run, say) is only recorded (shard.cli.terminate), and the
+    command stops at its next progress step (stop_point): the compile's last one comes before the bundle
+    takes the output's place, so even a stop recorded after every build has finished leaves nothing."""
+    import onnx
+
+    import shard
+    from shard.options import CompileOptions
+    from conftest import mlp_chain
+
+    model = tmp_path / "m.onnx"
+    onnx.save(mlp_chain(2), model)
+    steps = []
+
+    def stop_at_the_end(step, done, total, note=""):
+        steps.append(step)
+        if step == "write the bundle":
+            raise KeyboardInterrupt()
+
+    with pytest.raises(KeyboardInterrupt):
+        shard.compile(model, "cpu", tmp_path / "m.shard", CompileOptions(build_cache=False), progress=stop_at_the_end)
+    assert steps[-1] == "write the bundle" and "write shards" in steps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
