@@ -216,13 +216,17 @@ def print_compile_report(report: dict) -> None:
     if "stages" in report["passes"]:
         return print_stage_report(report)
     table = Table(title="shards")
-    for col in ("shard", "core", "nodes", "GMACs", "build s", "REGTASK", "CPU ops", "1-core fallbacks", "est. Mcycles"):
+    for col in ("shard", "core", "nodes", "GMACs", "build s", "build GB", "REGTASK", "CPU ops", "1-core fallbacks",
+                "est. Mcycles"):
         table.add_column(col, justify="right" if col != "shard" else "left")
     for s in report["shards"]:
         d = s["diagnostics"]
-        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}", "cached" if s.get("cached") else f"{s['build_seconds']:.1f}",
-                      str(d.get("regtask_lines", 0)), str(len(d.get("cpu_ops", []))),
-                      str(len(d.get("single_core_fallbacks", []))), f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
+        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}",
+                      "cached" if s.get("cached") else f"{s['build_seconds']:.1f}",
+                      f"{s['build_peak_bytes'] / 1e9:.2f}" if s.get("build_peak_bytes") else "-",
+                      str(d.get("regtask_lines", 0)),
+                      str(len(d.get("cpu_ops", []))), str(len(d.get("single_core_fallbacks", []))),
+                      f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
     console.print(table)
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")

@@ -960,7 +960,8 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
         shards.append({"name": spec.name, "build": spec.build, "core": spec.core, "nodes": len(spec.source_nodes),
                        "macs": spec.macs,
                        "inputs": [t.name for t in spec.inputs], "outputs": [t.name for t in spec.outputs],
-                       "build_seconds": b.seconds, "cached": b.cached, "diagnostics": b.diagnostics})
+                       "build_seconds": b.seconds, "build_peak_bytes": b.peak_bytes, "cached": b.cached,
+                       "diagnostics": b.diagnostics})
     def total(key: str) -> int:  # counts are ints, findings are lists of names
         values = [s["diagnostics"].get(key, 0) for s in shards]
         return sum(len(v) if isinstance(v, list) else v for v in values)

@@ -17,8 +17,11 @@ def test_unchanged_shards_come_from_the_cache_and_changed_ones_build(save, tmp_p
     options = CompileOptions(shards=2)
     first = shard.compile(save(mlp_chain(4)), "rk3588", tmp_path / "a.shard", options)
     assert first.report["builds"]["from_cache"] == 0
+    # Each build's peak memory, measured in its worker: at least the toolkit's own imports (torch alone is 0.19 GB).
+    assert all(0.2e9 < s["build_peak_bytes"] < 2e9 for s in first.report["shards"])
     again = shard.compile(save(mlp_chain(4), "same.onnx"), "rk3588", tmp_path / "b.shard", options)
     assert again.report["builds"] == {"total": first.report["builds"]["total"], "from_cache": first.report["builds"]["total"]}
+    assert all(s["build_peak_bytes"] is None for s in again.report["shards"])   # nothing built
     for spec in first.manifest.shards:
         assert (tmp_path / "a.shard" / spec.artifact).read_bytes() == (tmp_path / "b.shard" / spec.artifact).read_bytes()
     # New weights in the last block: its shard builds again, the first shard does not, and the vendor

@@ -34,6 +34,7 @@ class ShardBuild:
     error: str | None = None      # why the build is unusable (failed, crashed, REGTASK), with its log
     cached: bool = False          # taken from the build cache (shard.targets.build_cache), not built now
     figures_only: bool = False    # the figures of a build of the same structure, other weights: no artifact
+    peak_bytes: int | None = None # the worker's peak resident memory during the build (None: not built now)
 
 
 class Target(Protocol):

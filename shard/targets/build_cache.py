@@ -112,7 +112,7 @@ class BuildCache:
             return None
         if data["error"]:  # the message names the shard and its log: this job's, not the first one's
             data["error"] = data["error"].replace(NAME, job.name).replace(LOG, str(job.log))
-        return ShardBuild(**{**data, "name": job.name, "seconds": 0.0, "cached": True})
+        return ShardBuild(**{**data, "name": job.name, "seconds": 0.0, "peak_bytes": None, "cached": True})
 
     def put(self, job: ShardJob, key: str, build: ShardBuild, figures: str | None = None) -> None:
         """Keep a build under its key, and its figures alone under `figures` (figures_key) if given."""

@@ -181,8 +181,10 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
     REGTASK errors (the caller decides whether that ends the compile)."""
     started = time.monotonic()
     job.log.write_text("")
+    answer = {}
     done = lambda diag, error=None: ShardBuild(  # noqa: E731
-        name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error)
+        name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error,
+        peak_bytes=answer.get("peak_bytes"))
     try:
         answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
                                 log=str(job.log), config=build["config"], build=build["build"], keep=None,

@@ -71,6 +71,7 @@ def do_build(req):
 
     rc = {}
     started = time.monotonic()
+    reset_peak()
     crash = {}
     home = os.getcwd()  # relative paths in a request mean the client's directory, where we started
     onnx, rknn_path = os.path.abspath(req["onnx"]), req.get("rknn") and os.path.abspath(req["rknn"])
@@ -105,13 +106,14 @@ def do_build(req):
         finally:
             os.chdir(home)
         ok = not crash and all(v == 0 for v in rc.values())
+        peak = peak_bytes()
         if ok and req.get("keep"):
             kept[req["keep"]] = rknn
         else:
             rknn.release()
             del rknn
             give_back_memory()
-    return {"rc": rc, "ok": ok, "seconds": round(time.monotonic() - started, 3), **crash}
+    return {"rc": rc, "ok": ok, "seconds": round(time.monotonic() - started, 3), "peak_bytes": peak, **crash}
 
 
 def hybrid_build(rknn, config, dataset, onnx, float16):
@@ -153,6 +155,24 @@ def hybrid_build(rknn, config, dataset, onnx, float16):
             print(f"hybrid: {refused.group(1)} cannot be kept in float16; left to the toolkit", flush=True)
             chosen.remove(refused.group(1))
     raise RuntimeError("hybrid quantization: no configuration the toolkit accepts")
+
+
+def reset_peak():
+    """Start this process's peak resident memory (VmHWM) again from what it holds now (Linux 4.0+)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_bytes():
+    """This process's peak resident memory since the last reset_peak(), in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def give_back_memory():
