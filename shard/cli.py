@@ -73,7 +73,7 @@ def compile_command(
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
                                                                     "each; inputs run on the smallest that fits)."),
     shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; for a model "
-                                                    "of over about 200 MB of weights, as many as keep its vendor "
+                                                    "of over about 320 MB of weights, as many as keep its vendor "
                                                     "builds within half of the memory of the whole model's; thor "
                                                     "and cuda: pipeline stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
@@ -247,6 +247,11 @@ def print_compile_report(report: dict) -> None:
         console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16: simulator cosine "
                       f"{r['cosine']:.5f}{replica}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
                       f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
+    cut = report["passes"].get("partition", {})
+    if cut.get("for_memory", 0) > report.get("profile", {}).get("cores", 0) and cut.get("requested") == cut["for_memory"]:
+        console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
+                      f"cut so that its builds, --jobs at once, stay within half of the vendor's build of the whole "
+                      f"model; each shard is one more hand-off a frame on the board (--shards sets the count)")
     predicted = report.get("predicted")
     if predicted:
         console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): one frame "

@@ -87,12 +87,12 @@ def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_c
     fits, why = whole_build_fits(model, "auto", available=2 * need - 1, jobs=2, cores=3)
     assert not fits and "more than half of the 0.7 GB available" in why
     assert whole_build_fits(model, "auto", available=2 * need, jobs=2, cores=2)[0]   # small: seconds to build
-    # 268 MB of weights, every core building shards: the whole build would add its time to the compile's.
-    weight = numpy_helper.from_array(np.zeros((8192, 8192), np.float32), "w")
-    large = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 8192])], [("y", [1, 8192])], [weight])
+    # 419 MB of weights, every core building shards: the whole build would add its time to the compile's.
+    weight = numpy_helper.from_array(np.zeros((10240, 10240), np.float32), "w")
+    large = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 10240])], [("y", [1, 10240])], [weight])
     room = 2 * predicted_build_bytes(large)
     fits, why = whole_build_fits(large, "auto", available=room, jobs=2, cores=2)
-    assert not fits and why.startswith("2 cores, all taken by the shards' 2 parallel builds: the whole build of 268 MB")
+    assert not fits and why.startswith("2 cores, all taken by the shards' 2 parallel builds: the whole build of 419 MB")
     assert whole_build_fits(large, "auto", available=room, jobs=1, cores=2)[0]
     assert whole_build_fits(large, "auto", available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
     assert whole_build_fits(model, "whole", available=0, cores=1) == (True, "--vendor-alone whole")

@@ -95,24 +95,30 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
     predicted at half of one build of the whole model; a small one is not (the toolkit's own memory
     is most of every build)."""
     from shard.passes import PASSES
-    from shard.toolkit.memory import COMPILE_BYTES, build_bytes, shards_for_memory
+    from shard.toolkit.memory import (BUILD_BYTES_PER_WEIGHT_BYTE, COMPILE_BYTES, MIN_SHARD_WEIGHT_BYTES,
+                                      WORKER_BYTES, build_bytes, shards_for_memory)
 
     def compile_bytes(weights, shards, jobs=2):
-        return COMPILE_BYTES + jobs * build_bytes(weights / shards)
+        return COMPILE_BYTES + jobs * (WORKER_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weights / shards)
 
-    assert shards_for_memory(345_733_832, 2) == 11   # SigLIP-512
-    assert shards_for_memory(100e6, 2) == 0 and shards_for_memory(100e6, 1) == 0 and shards_for_memory(150e6, 1) > 0
-    for weights in (250e6, 345e6, 1e9, 4e9):
+    assert shards_for_memory(345_733_832, 2) == 22   # SigLIP-512
+    assert shards_for_memory(100e6, 2) == 0 and shards_for_memory(100e6, 1) == 0 and shards_for_memory(300e6, 1) > 0
+    assert shards_for_memory(300e6, 2) == 0   # half would need shards of under MIN_SHARD_WEIGHT_BYTES
+    for weights in (345e6, 419e6, 1e9, 4e9):
         k = shards_for_memory(weights, 2)
         assert compile_bytes(weights, k) <= build_bytes(weights) / 2 < compile_bytes(weights, k - 1)
+        assert weights / k >= MIN_SHARD_WEIGHT_BYTES
 
-    # Eight [8, 2048] x [2048, 4096] products: 268 MB of weights, 537 M MACs, so 5 shards at most (MIN_SHARD_MACS).
-    weights = [numpy_helper.from_array(np.zeros((2048, 4096) if k % 2 == 0 else (4096, 2048), np.float32), f"w{k}")
+    # Eight [8, 2560] x [2560, 5120] products: 419 MB of weights, 839 M MACs, so 8 shards at most (MIN_SHARD_MACS).
+    weights = [numpy_helper.from_array(np.zeros((2560, 5120) if k % 2 == 0 else (5120, 2560), np.float32), f"w{k}")
                for k in range(8)]
     nodes = [helper.make_node("MatMul", ["x" if k == 0 else f"h{k - 1}", f"w{k}"], ["y" if k == 7 else f"h{k}"])
              for k in range(8)]
-    model = make_model(nodes, [("x", [1, 8, 2048])], [("y", [1, 8, 2048])], weights)
-    for build_memory, expected in ((True, 5), (False, 3)):
+    model = make_model(nodes, [("x", [1, 8, 2560])], [("y", [1, 8, 2560])], weights)
+    for build_memory, expected in ((True, 8), (False, 3)):
         ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), build_memory=build_memory)
         _, report = PASSES["partition"](infer_shapes(gs.import_onnx(model)), ctx)
-        assert len(ctx.plan) == expected and report["weight_bytes"] == 8 * 2048 * 4096 * 4
+        assert len(ctx.plan) == expected and report["weight_bytes"] == 8 * 2560 * 5120 * 4
+        assert sum(report["shard_weight_bytes"]) == report["weight_bytes"]
+        if build_memory:   # 13 for memory, one product (52 MB) a shard
+            assert report["for_memory"] == 13 and report["shard_weight_bytes"] == [2560 * 5120 * 4] * 8

@@ -170,7 +170,8 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     cuts = choose_cuts(costs, live, min(shards, n))
     ctx.plan = shard_boundaries(graph, cuts)
     report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
-              "macs": [p.macs for p in ctx.plan]}
+              "macs": [p.macs for p in ctx.plan], "for_memory": for_memory,
+              "shard_weight_bytes": [sum(nbytes(t) for t in constants(p.nodes)) for p in ctx.plan]}
     if per_mac and limit:
         predicted = [p.macs * per_mac for p in ctx.plan]
         report.update(predicted_s=predicted, job_limit_s=limit * JOB_MARGIN)
