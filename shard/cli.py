@@ -248,7 +248,7 @@ def print_compile_report(report: dict) -> None:
                       f"{r['cosine']:.5f}{replica}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
                       f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
     cut = report["passes"].get("partition", {})
-    if cut.get("for_memory", 0) > report.get("profile", {}).get("cores", 0) and cut.get("requested") == cut["for_memory"]:
+    if cut.get("by_memory"):
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
                       f"cut so that its builds, --jobs at once, stay within half of the vendor's build of the whole "
                       f"model; each shard is one more hand-off a frame on the board (--shards sets the count)")

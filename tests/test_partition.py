@@ -122,3 +122,4 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
         assert sum(report["shard_weight_bytes"]) == report["weight_bytes"]
         if build_memory:   # 13 for memory, one product (52 MB) a shard
             assert report["for_memory"] == 13 and report["shard_weight_bytes"] == [2560 * 5120 * 4] * 8
+        assert report["by_memory"] == build_memory

@@ -171,6 +171,7 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     ctx.plan = shard_boundaries(graph, cuts)
     report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
               "macs": [p.macs for p in ctx.plan], "for_memory": for_memory,
+              "by_memory": not getattr(opts, "shards", None) and for_memory > ctx.profile.cores,
               "shard_weight_bytes": [sum(nbytes(t) for t in constants(p.nodes)) for p in ctx.plan]}
     if per_mac and limit:
         predicted = [p.macs * per_mac for p in ctx.plan]

@@ -181,7 +181,7 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
     REGTASK errors (the caller decides whether that ends the compile)."""
     started = time.monotonic()
     job.log.write_text("")
-    answer = {}
+    answer = {}   # the worker's, once it came: every result below carries the build's peak memory
     done = lambda diag, error=None: ShardBuild(  # noqa: E731
         name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error,
         peak_bytes=answer.get("peak_bytes"))

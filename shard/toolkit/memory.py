@@ -9,9 +9,9 @@ process holds 0.14 GB while the toolkit builds (the weights are released once th
 A shard build in a compile's worker starts higher: the worker has built before (onnxruntime, which the
 toolkit imports in its first build, and what its allocator keeps), and each build has brief peaks (the
 toolkit runs the shard's operators in onnxruntime, attention's activations included) that the two
-workers now and then reach at once. SigLIP-512 compiled with 11, 16 and 20 shards, 2 jobs, peaked at
-1.37, 1.26-1.33 and 1.21 GB over all its processes: per worker 0.44 GB plus about 6 bytes per weight
-byte of its shard (each build's own peak is in the report: the shards' diagnostics' peak_bytes).
+workers now and then reach at once. SigLIP-512 compiled with 11, 16, 20 and 22 shards, 2 jobs, peaked
+at 1.37-1.39, 1.26-1.33, 1.21 and 1.20-1.25 GB over all its processes: per worker 0.44 GB plus about
+6 bytes per weight byte of its shard (each build's own peak is in the report: build_peak_bytes).
 """
 
 from __future__ import annotations
