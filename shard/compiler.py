@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import os
@@ -604,6 +605,8 @@ def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, ops
     the graphs whose weights go as the shards are written (graph.release_weights), each once no
     shard still to be written reads it."""
     versions = [[v for v in pair if v is not None] for pair in zip(plans, originals)]
+    if release:   # the passes' discarded graphs still hold weights: collected once, not once a shard
+        gc.collect()
     for k, (plan, original) in enumerate(zip(plans, originals)):
         progress("write shards", k, len(plans))
         for name, version in ((plan.name, plan), (f"{plan.name}{UNREWRITTEN}", original)):

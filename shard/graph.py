@@ -262,9 +262,10 @@ def release_weights(*graphs, still_read=()) -> int:
     """Drop the values of every constant of RELEASED_BYTES or more in the graphs (gs.Graph, or node
     lists), but not an array a constant of `still_read` holds (the same kind: shards still to be
     written), and hand the freed memory back to the system; returns the bytes dropped. A compile
-    calls this as each shard is on disk: the vendor builds, which start as they come, need the memory."""
+    calls this as each shard is on disk: the vendor builds, which start as they come, need the memory.
+    An array goes with its last reference: one that unreachable graphs (the passes' discarded ones)
+    still hold goes only once the caller has run the garbage collector."""
     import ctypes
-    import gc
 
     kept, dropped = {id(t._values) for t in constants(*still_read)}, {}   # by array: copies share them
     for tensor in constants(*graphs):
@@ -274,7 +275,6 @@ def release_weights(*graphs, still_read=()) -> int:
             dropped[id(values)] = values.nbytes
     if not dropped:   # called once a shard: nothing of this one's went, nothing to hand back
         return 0
-    gc.collect()
     try:   # glibc keeps freed heap pages in the process until asked
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

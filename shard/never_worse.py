@@ -105,11 +105,6 @@ def weight_bytes(model: onnx.ModelProto) -> int:
                for t in model.graph.initializer)
 
 
-def predicted_build_bytes(model: onnx.ModelProto) -> int:
-    """The peak memory one vendor build of the whole model is predicted to take."""
-    return build_bytes(weight_bytes(model))
-
-
 def available_bytes() -> int | None:
     """The memory this machine has available now (Linux' MemAvailable), None where unknown."""
     try:
