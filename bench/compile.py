@@ -13,10 +13,13 @@ warm: only the shard holding it builds again), cold with the whole model built b
 beside (--vendor-alone whole), cold with one shard per NPU core (--shards 3: larger builds than the
 default's, which sizes a large model's shards for half of the whole model's build memory,
 shard.toolkit.memory.shards_for_memory), and cold without the vendor-alone comparison
-(--no-vendor-baseline). Peak RSS is sampled over the whole process tree (shard plus its toolkit
-workers) every 50 ms.
-Ends with: RESULT wall_ratio=... rss_ratio=... warm_s=... one_layer_s=... one_layer_ratio=...
-wall_ratio_whole=... rss_ratio_whole=... wall_ratio_3=... rss_ratio_3=... shards=...
+(--no-vendor-baseline). Memory is sampled over the whole process tree (shard plus its toolkit
+workers) every 50 ms, two ways: the sum of each process's RSS, and the sum of each process's PSS.
+RSS counts a page once in every process that maps it, so the toolkit's libraries, mapped by both
+workers, count twice; PSS divides a shared page among the processes that map it, so its sum is the
+memory the tree holds. For one process (the vendor build) the two agree.
+Ends with: RESULT wall_ratio=... rss_ratio=... pss_ratio=... warm_s=... one_layer_s=...
+one_layer_ratio=... wall_ratio_whole=... rss_ratio_whole=... wall_ratio_3=... rss_ratio_3=... shards=...
 """
 
 from __future__ import annotations
@@ -31,10 +34,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 
-def tree_rss(root: int) -> int:
-    """Resident bytes of a process and all its descendants."""
+class Memory(NamedTuple):
+    rss: int   # bytes, each process's resident set summed
+    pss: int   # bytes, each process's proportional set summed: a shared page counts once over the tree
+
+
+def tree_memory(root: int) -> Memory:
+    """Resident memory of a process and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -44,31 +53,33 @@ def tree_rss(root: int) -> int:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    total, stack = 0, [root]
+    rss = pss = 0
+    stack = [root]
     while stack:
         pid = stack.pop()
         stack.extend(children.get(pid, []))
         try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+        except (OSError, ValueError):   # gone, or not readable
+            continue
+        rss += int(fields["Rss"].split()[0]) * 1024
+        pss += int(fields["Pss"].split()[0]) * 1024
+    return Memory(rss, pss)
 
 
 def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
-            ) -> tuple[float, int, subprocess.CompletedProcess]:
-    """Wall seconds and peak tree RSS of a command."""
+            ) -> tuple[float, Memory, subprocess.CompletedProcess]:
+    """Wall seconds and peak tree memory (RSS and PSS, each its own peak) of a command."""
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    peak = 0
+    peak = Memory(0, 0)
     done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, tree_rss(proc.pid))
+            now = tree_memory(proc.pid)
+            peak = Memory(max(peak.rss, now.rss), max(peak.pss, now.pss))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample)
@@ -114,12 +125,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     from shard.toolkit.env import find_python
 
-    def vendor_build() -> tuple[float, int]:
-        wall, rss, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
+    def vendor_build() -> tuple[float, Memory]:
+        wall, memory, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
                                   str(work / "whole.rknn")], cwd=work)
         if res.returncode:
             sys.exit(f"vendor build failed:\n{res.stderr}")
-        return wall, rss
+        return wall, memory
 
     vendor_before = vendor_build()
     bundle = work / "model.shard"
@@ -140,21 +151,24 @@ def run(args: argparse.Namespace, work: Path) -> None:
             versus = json.loads((bundle / "report.json").read_text())["versus_vendor"]["line"]
 
     vendor_after = vendor_build()   # before and after the compiles: the machine's drift shows, and averages out
-    vendor_wall, vendor_rss = ((a + b) / 2 for a, b in zip(vendor_before, vendor_after))
-    print(f"{'':66}{'wall s':>10}{'peak RSS GB':>14}")
-    for label, (wall, rss) in (("before", vendor_before), ("after", vendor_after)):
-        print(f"{f'one vendor build (whole), {label} the compiles':66}{wall:>10.1f}{rss / 1e9:>14.2f}")
-    for label, (wall, rss, _) in runs.items():
-        print(f"{f'shard compile, {label} (-j{args.jobs})':66}{wall:>10.1f}{rss / 1e9:>14.2f}")
-    cold_wall, cold_rss, _ = runs["cold"]
+    vendor_wall = (vendor_before[0] + vendor_after[0]) / 2
+    vendor_rss, vendor_pss = ((a + b) / 2 for a, b in zip(vendor_before[1], vendor_after[1]))
+    print(f"{'':66}{'wall s':>10}{'peak RSS GB':>14}{'peak PSS GB':>14}")
+    rows = [(f"one vendor build (whole), {label} the compiles", wall, memory)
+            for label, (wall, memory) in (("before", vendor_before), ("after", vendor_after))]
+    rows += [(f"shard compile, {label} (-j{args.jobs})", wall, memory) for label, (wall, memory, _) in runs.items()]
+    for label, wall, memory in rows:
+        print(f"{label:66}{wall:>10.1f}{memory.rss / 1e9:>14.2f}{memory.pss / 1e9:>14.2f}")
+    cold_wall, cold, _ = runs["cold"]
     one_layer = runs["one layer's weights changed"][0]
     whole = runs["cold, --vendor-alone whole"]
     per_core = runs["cold, --shards 3 (one per core)"]
     print(f"cold: {versus}")
-    print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold_rss / vendor_rss:.2f} "
+    print(f"RESULT wall_ratio={cold_wall / vendor_wall:.2f} rss_ratio={cold.rss / vendor_rss:.2f} "
+          f"pss_ratio={cold.pss / vendor_pss:.2f} "
           f"warm_s={runs['warm'][0]:.1f} one_layer_s={one_layer:.1f} one_layer_ratio={one_layer / cold_wall:.2f} "
-          f"wall_ratio_whole={whole[0] / vendor_wall:.2f} rss_ratio_whole={whole[1] / vendor_rss:.2f} "
-          f"wall_ratio_3={per_core[0] / vendor_wall:.2f} rss_ratio_3={per_core[1] / vendor_rss:.2f} "
+          f"wall_ratio_whole={whole[0] / vendor_wall:.2f} rss_ratio_whole={whole[1].rss / vendor_rss:.2f} "
+          f"wall_ratio_3={per_core[0] / vendor_wall:.2f} rss_ratio_3={per_core[1].rss / vendor_rss:.2f} "
           f"shards={shards}")
 
 
