@@ -129,6 +129,58 @@ def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
     assert not worker.tmp.exists()
 
 
+def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_own(save, tmp_path):
+    """A pool's first worker forks the others once it has imported the toolkit (ToolkitWorker's
+    sibling_logs): each sibling shares that import's pages, builds in its own folder, and dies or
+    lives apart from the first, its exit code reported like a spawned worker's."""
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    from shard.targets.rknn import RknnTarget
+    from shard.toolkit.env import find_python
+    from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+
+    build = RknnTarget("rk3588").build_options(None)
+    first = ToolkitWorker(find_python("rk3588"), tmp_path / "w0.log", [tmp_path / "w1.log"])
+    (sibling,) = first.siblings
+    answers = {}
+
+    def ask(worker, name):
+        answers[name] = worker.request(op="build", onnx=str(save(add_model([1, 16, 32, 32]))),
+                                       rknn=str(tmp_path / f"{name}.rknn"), log=str(tmp_path / f"{name}.log"),
+                                       keep=None, timeout=120, **build)
+
+    threads = [threading.Thread(target=ask, args=(w, n)) for w, n in ((first, "a"), (sibling, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert answers["a"]["ok"] and answers["b"]["ok"], answers
+    assert (tmp_path / "a.rknn").stat().st_size > 0 and (tmp_path / "b.rknn").stat().st_size > 0
+    stat = Path(f"/proc/{sibling.proc.pid}/stat").read_text()
+    assert int(stat[stat.rindex(")") + 2:].split()[1]) == first.proc.pid   # forked by the first
+    rollup = dict(line.split(":", 1) for line in Path(f"/proc/{sibling.proc.pid}/smaps_rollup").read_text().splitlines()[1:])
+    shared = sum(int(rollup[k].split()[0]) for k in ("Shared_Clean", "Shared_Dirty")) * 1024
+    assert shared > 100e6, f"the sibling shares only {shared / 1e6:.0f} MB with the first worker"
+    assert sibling.tmp != first.tmp and sibling.tmp.is_dir()
+
+    os.kill(sibling.proc.pid, signal.SIGKILL)   # as the kernel's OOM killer would
+    with pytest.raises(WorkerFailed, match=r"died \(the toolkit process exited with code -9\)"):
+        sibling.request(op="version", timeout=60)
+    assert "killed by signal 9" in (tmp_path / "w1.log").read_text()
+    assert first.request(op="version", timeout=60)["ok"]   # the first goes on
+
+    again = ToolkitWorker(find_python("rk3588"), tmp_path / "w2.log", [tmp_path / "w3.log"])
+    assert again.siblings[0].request(op="version", timeout=60)["ok"]   # forked by now
+    again.kill()   # the first's end is not its sibling's
+    assert again.siblings[0].request(op="version", timeout=60)["ok"]
+    for worker in (again.siblings[0], sibling, first):
+        worker.close()
+        assert not worker.alive() and not worker.tmp.exists()
+
+
 def test_the_worker_skips_the_check_dumps_and_the_build_logs_the_same(save, tmp_path):
     """The worker does not write the toolkit's check0..3_*.onnx dumps (rknn_worker.skip_check_dumps);
     with them skipped the toolkit's verbose build logs the same layers, ops and cycles."""

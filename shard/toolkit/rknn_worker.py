@@ -4,6 +4,12 @@ Reads one JSON request per line on stdin and answers one JSON line each. The too
 writes its real errors straight to file descriptors 1 and 2, so every request runs with both
 redirected into that request's log file; answers go to a private duplicate of the original stdout.
 
+Started with sibling specifications after the log path (JSON: the fds of a request pipe's read end
+and of an answer pipe's write end, a log path, a TMPDIR, a file for its exit code), the process
+forks one worker per sibling once it has imported the toolkit: the siblings share the import's
+pages (a quarter of a gigabyte, torch's most of it) instead of each loading its own, and skip its
+seconds. A sibling first answers {"pid": PID}, then serves like any worker.
+
 Requests:
   {"op": "version"}
   {"op": "build", "onnx": P, "rknn": P|null, "log": P, "config": {...}, "build": {...},
@@ -17,11 +23,13 @@ Requests:
 """
 
 import ctypes
+import gc
 import json
 import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -241,6 +249,11 @@ def main():
         import rknn.api  # noqa: F401
     except Exception:   # a request that needs it raises again and says why
         traceback.print_exc()
+    fork_siblings([json.loads(arg) for arg in sys.argv[2:]])
+    serve()
+
+
+def serve():
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "exit":   # at once: the toolkit's interpreter takes most of a second to tear down,
@@ -251,6 +264,67 @@ def main():
         except Exception as exc:  # reported to the client, which decides what it means
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         answer.write(json.dumps(res) + "\n")
+
+
+def fork_siblings(siblings):
+    """Fork a worker for each sibling specification, before this process has started a thread or
+    built anything; each becomes a worker of its own (become_sibling) and never returns here. This
+    process reaps them and notes how each ended in its log."""
+    if not siblings:
+        return
+    gc.collect()
+    gc.freeze()   # the import's objects stay out of the collector's reach: it would write to their pages
+    pids = []
+    for sibling in siblings:
+        flush_all()
+        pid = os.fork()
+        if pid == 0:
+            become_sibling(sibling, siblings)
+            serve()
+            os._exit(0)
+        pids.append((pid, sibling))
+    for sibling in siblings:   # closed once all are forked: no fd number is reused before a sibling closes it
+        os.close(sibling["requests"])
+        os.close(sibling["answers"])
+    for pid, sibling in pids:
+        threading.Thread(target=reap, args=(pid, sibling), daemon=True).start()
+
+
+def become_sibling(sibling, siblings):
+    """From here on a worker of its own: its requests, answers, log and TMPDIR. It outlives the
+    worker that forked it (a build of that one timed out, say): like any worker, it ends when the
+    client closes its requests or kills it."""
+    global answer, kept
+    for other in siblings:
+        if other is not sibling:
+            os.close(other["requests"])
+            os.close(other["answers"])
+    os.dup2(sibling["requests"], 0)
+    os.close(sibling["requests"])
+    answer.close()   # the forking worker's answers
+    answer = os.fdopen(sibling["answers"], "w", buffering=1)
+    kept = {}
+    log = os.open(sibling["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ["TMPDIR"] = tempfile.tempdir = sibling["tmp"]
+    answer.write(json.dumps({"pid": os.getpid()}) + "\n")
+
+
+def reap(pid, sibling):
+    """Wait for a sibling's end; its exit code (negative: the signal that killed it) goes to its
+    log and, for the client, to the file its specification names."""
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        with open(sibling["log"], "a") as f:
+            f.write(f"worker {pid} " + (f"killed by signal {-code}" if code < 0 else f"exited with code {code}") + "\n")
+        with open(sibling["status"] + ".part", "w") as f:
+            f.write(str(code))
+        os.replace(sibling["status"] + ".part", sibling["status"])
+    except OSError:   # its folder went with it (the client killed it, and does not ask), or its log
+        pass
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,25 +41,56 @@ class ToolkitWorker:
     """One long-lived worker process in a toolkit environment; requests are answered in order.
 
     The process gets a temporary folder of its own (TMPDIR): the build's scratch and whatever the
-    toolkit writes there go with it when the process ends, killed or not."""
+    toolkit writes there go with it when the process ends, killed or not.
 
-    def __init__(self, python: Path, log: Path):
+    With `sibling_logs`, the process also forks one more worker per log once it has imported the
+    toolkit (self.siblings, in that order): they share the import's pages and skip its seconds.
+    Each is a worker like this one; a sibling outlives the process that forked it."""
+
+    def __init__(self, python: Path, log: Path, sibling_logs: list[Path] = ()):
+        self._prepare(log)
+        self.siblings: list[ToolkitWorker] = []
+        fds: list[int] = []   # the siblings' ends of their pipes, handed to the process
+        try:
+            specs = []
+            for sibling_log in sibling_logs:
+                (requests, to_sibling), (from_sibling, answers) = os.pipe(), os.pipe()
+                fds += [requests, answers]
+                sibling = ToolkitWorker.__new__(ToolkitWorker)
+                sibling._prepare(sibling_log)
+                status = sibling.tmp / "exit-code"   # goes with its folder
+                sibling.proc = Forked(os.fdopen(to_sibling, "w"), os.fdopen(from_sibling), status)
+                self.siblings.append(sibling)
+                specs.append(json.dumps({"requests": requests, "answers": answers, "log": str(sibling.log),
+                                         "tmp": str(sibling.tmp), "status": str(status)}))
+            # -I: the user's PYTHONPATH and site-packages must not leak into the toolkit's environment.
+            self.proc = subprocess.Popen(
+                [str(python), "-I", str(WORKER_SCRIPT), str(self.log), *specs],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
+                env={**os.environ, "TMPDIR": str(self.tmp)}, pass_fds=fds,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._procs.append(self.proc)
+        self._listen()
+        for sibling in self.siblings:   # theirs to end from now on: they exist once this process forks them
+            sibling._procs.append(sibling.proc)
+            sibling._listen()
+
+    def _prepare(self, log: Path) -> None:
         self.log = Path(log)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix="shard-worker-"))
         # The process and the folder also end with this object: a compile interrupted while it
         # starts a worker, before any pool holds it, leaves neither behind.
-        procs: list[subprocess.Popen] = []
-        self._end = weakref.finalize(self, end_worker, procs, self.tmp)
-        # -I: the user's PYTHONPATH and site-packages must not leak into the toolkit's environment.
-        self.proc = subprocess.Popen(
-            [str(python), "-I", str(WORKER_SCRIPT), str(self.log)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
-            env={**os.environ, "TMPDIR": str(self.tmp)},
-        )
-        procs.append(self.proc)
+        self._procs: list[subprocess.Popen | Forked] = []
+        self._end = weakref.finalize(self, end_worker, self._procs, self.tmp)
+
+    def _listen(self) -> None:
         self._answers: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=read_answers, args=(self.proc.stdout, self._answers), daemon=True).start()
+        hello = self.proc.introduce if isinstance(self.proc, Forked) else None
+        threading.Thread(target=read_answers, args=(self.proc.stdout, self._answers, hello), daemon=True).start()
 
     def request(self, timeout: float | None = None, **req) -> dict:
         """Send one request and wait for its answer; WorkerFailed if the process dies or times out."""
@@ -72,17 +106,22 @@ class ToolkitWorker:
             raise WorkerFailed(f"timed out (no answer within {timeout:g} s; killed)", self.log, timed_out=True) from None
         if line is None:
             code = self.proc.wait()
-            raise WorkerFailed(f"died (the toolkit process exited with code {code})", self.log)
+            how = f"exited with code {code}" if code is not None else "ended: its log says how"
+            raise WorkerFailed(f"died (the toolkit process {how})", self.log)
         return json.loads(line)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return running(self.proc)
+
+    def family(self) -> list[ToolkitWorker]:
+        """This worker and the siblings it forks."""
+        return [self, *self.siblings]
 
     def kill(self) -> None:
         self._end()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if running(self.proc):
             try:
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.close()
@@ -98,21 +137,89 @@ class ToolkitWorker:
         self.close()
 
 
-def read_answers(stdout, answers: queue.Queue) -> None:
+def read_answers(stdout, answers: queue.Queue, hello: Callable[[dict | None], None] | None = None) -> None:
     """A worker's answers, line by line, then None when its process ends (holding no reference to
-    the worker, so a dropped one is collected and ended)."""
+    the worker, so a dropped one is collected and ended). A sibling's first line is its pid, for
+    `hello` (None if it ended before it said)."""
     for line in stdout:
+        if hello is not None:
+            hello(json.loads(line))
+            hello = None
+            continue
         answers.put(line)
+    if hello is not None:
+        hello(None)
     answers.put(None)
 
 
-def end_worker(procs: list[subprocess.Popen], tmp: Path) -> None:
+class Forked:
+    """The process of a sibling worker (forked by another worker, not by this process): the part of
+    subprocess.Popen a worker uses, by its pid and a pidfd. Its exit code is the forking worker's to
+    collect, which writes it to `status` (and to the sibling's log)."""
+
+    def __init__(self, stdin, stdout, status: Path):
+        self.stdin, self.stdout, self.status = stdin, stdout, status
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._pidfd: int | None = None
+        self._said = threading.Event()
+        self._ended = False
+
+    def introduce(self, hello: dict | None) -> None:
+        if hello is not None:
+            self.pid = hello["pid"]
+            try:
+                self._pidfd = os.pidfd_open(self.pid)
+            except ProcessLookupError:   # gone already
+                self._ended = True
+        else:   # ended before it said
+            self._ended = True
+        self._said.set()
+
+    def running(self) -> bool:
+        """True while it runs, or is still being forked."""
+        if not self._ended and self._said.is_set():
+            self._ended = bool(select.select([self._pidfd], [], [], 0)[0])
+        return not self._ended
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit code once it has ended; None where the forking worker did not say (it ended first)."""
+        if not self._said.wait(timeout) or (self._pidfd is not None
+                                            and not select.select([self._pidfd], [], [], timeout)[0]):
+            raise subprocess.TimeoutExpired(f"sibling worker {self.pid}", timeout)
+        self._ended = True
+        for _ in range(50):   # reaped, and its code written, a moment after it ends
+            if self.returncode is not None or self.status.exists():
+                break
+            time.sleep(0.02)
+        if self.returncode is None and self.status.exists():
+            self.returncode = int(self.status.read_text())
+        return self.returncode
+
+    def __del__(self) -> None:   # not in wait(): another thread may poll it still
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+
+    def kill(self) -> None:
+        self._said.wait(120)   # the forking worker is still importing the toolkit: its pid comes then
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def end_worker(procs: list[subprocess.Popen | Forked], tmp: Path) -> None:
     """Kill a worker's process if it runs and remove its temporary folder."""
     for proc in procs:
-        if proc.poll() is None:
+        if running(proc):
             proc.kill()
             proc.wait()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def running(proc: subprocess.Popen | Forked) -> bool:
+    return proc.running() if isinstance(proc, Forked) else proc.poll() is None
 
 
 class WorkerPool:
@@ -153,31 +260,34 @@ class WorkerPool:
         self._slots.put(worker if worker.alive() else None)
 
     def start(self) -> None:
-        """Start every worker now rather than on first use: each loads the toolkit (seconds) while
-        the caller prepares what it will ask."""
+        """Start every worker now rather than on first use, while the caller prepares what it will
+        ask: one process loads the toolkit (seconds) and forks the others from it."""
         with self._lock:
+            free = []
             for _ in range(self._slots.qsize()):   # the slots free now; one in use keeps its worker
                 try:
-                    worker = self._slots.get_nowait()
+                    free.append(self._slots.get_nowait())
                 except queue.Empty:
                     break
-                if worker is None and not self.stopped:
-                    worker = self._new_worker()
-                self._slots.put(worker)
+            empty = 0 if self.stopped else free.count(None)
+            new = self._new_worker(siblings=empty - 1).family() if empty else []
+            for worker in free:
+                self._slots.put(worker if worker is not None or not new else new.pop())
 
-    def _new_worker(self) -> ToolkitWorker:   # under self._lock
-        worker = ToolkitWorker(self.python, self.log_dir / f"worker-{len(self.started)}.log")
-        self.started.append(worker)
+    def _new_worker(self, siblings: int = 0) -> ToolkitWorker:   # under self._lock
+        logs = [self.log_dir / f"worker-{len(self.started) + k}.log" for k in range(1 + siblings)]
+        worker = ToolkitWorker(self.python, logs[0], logs[1:])
+        self.started += worker.family()
         return worker
 
     def kill_all(self) -> None:
         with self._lock:
             self.stopped = True
-        for worker in self.started:
+        for worker in reversed(self.started):   # siblings first: the worker that forked them reaps them
             worker.kill()
 
     def close(self) -> None:
-        for worker in self.started:
+        for worker in reversed(self.started):
             worker.close()
 
 
