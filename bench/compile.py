@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     def vendor_build() -> tuple[float, Memory]:
         wall, memory, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
-                                  str(work / "whole.rknn")], cwd=work)
+                                     str(work / "whole.rknn")], cwd=work)
         if res.returncode:
             sys.exit(f"vendor build failed:\n{res.stderr}")
         return wall, memory
