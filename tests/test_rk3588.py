@@ -181,6 +181,31 @@ def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_
         assert not worker.alive() and not worker.tmp.exists()
 
 
+def test_a_forked_worker_is_watched_through_proc_where_the_kernel_has_no_pidfd(tmp_path, monkeypatch):
+    """Linux before 5.3 has no pidfd_open (ENOSYS): a sibling's end is read from /proc instead."""
+    import errno
+    import os
+    import signal
+
+    from shard.toolkit import worker as workers
+    from shard.toolkit.env import find_python
+
+    def no_pidfd(pid):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(workers.os, "pidfd_open", no_pidfd)
+    first = workers.ToolkitWorker(find_python("rk3588"), tmp_path / "w0.log", [tmp_path / "w1.log"])
+    (sibling,) = first.siblings
+    assert sibling.request(op="version", timeout=60)["ok"] and sibling.alive()
+    os.kill(sibling.proc.pid, signal.SIGKILL)
+    with pytest.raises(workers.WorkerFailed, match=r"exited with code -9"):
+        sibling.request(op="version", timeout=60)
+    assert not sibling.alive()
+    sibling.close()
+    first.close()
+    assert not sibling.tmp.exists() and not first.tmp.exists() and not first.alive()
+
+
 def test_the_worker_skips_the_check_dumps_and_the_build_logs_the_same(save, tmp_path):
     """The worker does not write the toolkit's check0..3_*.onnx dumps (rknn_worker.skip_check_dumps);
     with them skipped the toolkit's verbose build logs the same layers, ops and cycles."""

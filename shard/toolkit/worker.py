@@ -154,8 +154,9 @@ def read_answers(stdout, answers: queue.Queue, hello: Callable[[dict | None], No
 
 class Forked:
     """The process of a sibling worker (forked by another worker, not by this process): the part of
-    subprocess.Popen a worker uses, by its pid and a pidfd. Its exit code is the forking worker's to
-    collect, which writes it to `status` (and to the sibling's log)."""
+    subprocess.Popen a worker uses, by its pid, watched through a pidfd (or, on a kernel before
+    Linux 5.3, through /proc). Its exit code is the forking worker's to collect, which writes it to
+    `status` (and to the sibling's log)."""
 
     def __init__(self, stdin, stdout, status: Path):
         self.stdin, self.stdout, self.status = stdin, stdout, status
@@ -166,26 +167,37 @@ class Forked:
         self._ended = False
 
     def introduce(self, hello: dict | None) -> None:
-        if hello is not None:
+        if hello is None:   # ended before it said
+            self._ended = True
+        else:
             self.pid = hello["pid"]
             try:
                 self._pidfd = os.pidfd_open(self.pid)
             except ProcessLookupError:   # gone already
                 self._ended = True
-        else:   # ended before it said
-            self._ended = True
+            except (AttributeError, OSError):   # no pidfd here: /proc tells
+                pass
         self._said.set()
 
     def running(self) -> bool:
         """True while it runs, or is still being forked."""
         if not self._ended and self._said.is_set():
-            self._ended = bool(select.select([self._pidfd], [], [], 0)[0])
+            self._ended = self._exited(0)
         return not self._ended
+
+    def _exited(self, timeout: float | None) -> bool:
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], timeout)[0])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while live(self.pid):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Its exit code once it has ended; None where the forking worker did not say (it ended first)."""
-        if not self._said.wait(timeout) or (self._pidfd is not None
-                                            and not select.select([self._pidfd], [], [], timeout)[0]):
+        if not self._said.wait(timeout) or not (self._ended or self._exited(timeout)):
             raise subprocess.TimeoutExpired(f"sibling worker {self.pid}", timeout)
         self._ended = True
         for _ in range(50):   # reaped, and its code written, a moment after it ends
@@ -202,11 +214,19 @@ class Forked:
 
     def kill(self) -> None:
         self._said.wait(120)   # the forking worker is still importing the toolkit: its pid comes then
-        if self.pid is not None:
+        if self.pid is not None and not self._ended:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def live(pid: int) -> bool:
+    """Does the process run (not ended, nor a zombie waiting to be reaped)?"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def end_worker(procs: list[subprocess.Popen | Forked], tmp: Path) -> None:
