@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shard.compiler import remove_stale_staging
+from shard.toolkit.worker import live as alive
 
 pytestmark = pytest.mark.toolkit
 
@@ -39,13 +40,6 @@ def descendants_running(root: int, needle: str) -> list[int]:
         if ancestor == root and needle in cmdline:
             found.append(pid)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.fixture(scope="module")
