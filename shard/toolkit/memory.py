@@ -12,6 +12,9 @@ toolkit runs the shard's operators in onnxruntime, attention's activations inclu
 workers now and then reach at once. SigLIP-512 compiled with 11, 16, 20 and 22 shards, 2 jobs, peaked
 at 1.37-1.39, 1.26-1.33, 1.21 and 1.20-1.25 GB over all its processes: per worker 0.44 GB plus about
 6 bytes per weight byte of its shard (each build's own peak is in the report: build_peak_bytes).
+Those runs had each worker import the toolkit itself; now the first worker forks the others
+(toolkit.worker), which share its import, and 11, 16 and 22 shards peak at 1.30, 1.21 and
+1.11-1.16 GB: WORKER_BYTES errs towards more shards, as the builds' own guess does.
 """
 
 from __future__ import annotations

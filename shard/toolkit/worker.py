@@ -165,6 +165,7 @@ class Forked:
         self._pidfd: int | None = None
         self._said = threading.Event()
         self._ended = False
+        self._asked, self._asking = False, threading.Lock()   # has wait() looked for the exit code
 
     def introduce(self, hello: dict | None) -> None:
         if hello is None:   # ended before it said
@@ -200,12 +201,13 @@ class Forked:
         if not self._said.wait(timeout) or not (self._ended or self._exited(timeout)):
             raise subprocess.TimeoutExpired(f"sibling worker {self.pid}", timeout)
         self._ended = True
-        for _ in range(50):   # reaped, and its code written, a moment after it ends
-            if self.returncode is not None or self.status.exists():
-                break
-            time.sleep(0.02)
-        if self.returncode is None and self.status.exists():
-            self.returncode = int(self.status.read_text())
+        with self._asking:   # reaped, and its code written, a moment after it ends: looked for once
+            for _ in range(0 if self._asked else 50):
+                if self.status.exists():
+                    self.returncode = int(self.status.read_text())
+                    break
+                time.sleep(0.02)
+            self._asked = True
         return self.returncode
 
     def __del__(self) -> None:   # not in wait(): another thread may poll it still
