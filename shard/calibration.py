@@ -96,6 +96,43 @@ def random_samples(inputs: list, n: int = RANDOM_SAMPLES, seed: int = 0) -> list
     return [random_inputs(inputs, seed + k) for k in range(n)]
 
 
+# Ops an integer input passes through on its way to a lookup table (the ids' dtype and layout).
+TO_TABLE = ("Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten")
+
+
+def table_rows(tensor, depth: int = 4) -> int | None:
+    """The rows of the constant table a tensor indexes (a Gather's indices, through casts and
+    reshapes), or None where it indexes none."""
+    import onnx_graphsurgeon as gs
+
+    for user in tensor.outputs:
+        if user.op == "Gather" and user.inputs[1] is tensor and isinstance(user.inputs[0], gs.Constant):
+            return int(user.inputs[0].shape[user.attrs.get("axis", 0)])
+        if depth and user.op in TO_TABLE and user.outputs:
+            rows = table_rows(user.outputs[0], depth - 1)
+            if rows is not None:
+                return rows
+    return None
+
+
+def domain_samples(graph, inputs: list, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """Seeded inputs of the model's own domain: token ids drawn from the table they index (its
+    vocabulary: ids of 0 and 1 are special tokens a trained model rarely sees), other integers (an
+    attention mask) ones, floats unit normals."""
+    rng = np.random.default_rng(seed)
+    tensors = graph.tensors()
+    samples = []
+    for _ in range(n):
+        sample = {}
+        for spec in inputs:
+            dtype = np.dtype(spec.dtype)
+            rows = table_rows(tensors[spec.name]) if spec.name in tensors and dtype.kind in "iu" else None
+            sample[spec.name] = rng.standard_normal(spec.shape).astype(dtype) if dtype.kind == "f" else \
+                rng.integers(0, rows, spec.shape).astype(dtype) if rows else np.ones(spec.shape, dtype)
+        samples.append(sample)
+    return samples
+
+
 def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize: bool = True):
     """onnxruntime over a model, also returning the named intermediate tensors; a model over 2 GB
     goes through a temporary file with its weights beside it. optimize=False: no graph fusions, so

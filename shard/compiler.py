@@ -136,7 +136,10 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         if options.vendor_only and not tgt.vendor:
             raise ShardError(f"--vendor-only: target {target} has no vendor compiler")
         against_vendor = tgt.vendor and (options.vendor_baseline or options.vendor_only)
-        whole, why = (whole_build_fits(proto, "whole" if options.vendor_only else options.vendor_alone,
+        # --check-fidelity asks for the whole model's check: the vendor alone built whole, unless told otherwise.
+        how = "whole" if options.vendor_only or options.check_fidelity and options.vendor_alone == "auto" \
+            else options.vendor_alone
+        whole, why = (whole_build_fits(proto, how,
                                        jobs=options.jobs, quantized=options.precision in QUANTIZED)
                       if against_vendor else (False, ""))
         per_shard = against_vendor and not whole   # the vendor alone from the shards' unrewritten builds
@@ -247,7 +250,9 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
             if versus:
                 versus["why"] = why
-            measure = quantized or bool(in_range) if options.check_fidelity is None else options.check_fidelity
+            # Fidelity is part of never worse: a rewrite or a cut can lose what the vendor's build keeps
+            # (a trained decoder cut inside its RMSNorm: cosine 0.038 against the vendor's 0.99999).
+            measure = bool(versus) if options.check_fidelity is None else options.check_fidelity
             if stand_in and (measure or versus["bundle"] == "vendor alone"):   # its artifact is needed now
                 as_it_came = load_model(model)
                 fix_input_shapes(as_it_came, options.input_shapes)
@@ -257,15 +262,24 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)", config=vendor_build))
                 chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        check = measure and against_vendor and versus["bundle"] == "shard" and builds[VENDOR_ALONE].error is None
+        # The vendor alone's bundle for the fidelity check: its whole build, or each shard without its rewrites.
+        baseline = None
+        if measure and versus and versus["bundle"] == "shard":
+            if against_vendor and builds[VENDOR_ALONE].error is None:
+                baseline = [(VENDOR_ALONE, vendor_plan(canonical or graph))]
+            elif per_shard:
+                baseline = unrewritten_versions(plans, originals)
+                baseline = None if [b for b, _ in baseline] == [b for b, _ in chosen] else baseline
         if measure and per_shard:
-            ctx.warnings.append("fidelity not compared with the vendor alone: its build of the whole model is not "
-                                f"made here ({why}; --vendor-alone whole makes it)")
-        vendor_dir = staging.with_name(f"{staging.name}-vendor") if check else None
-        if vendor_dir:  # before finish() drops the vendor alone's files from the staging bundle
+            ctx.warnings.append(f"fidelity compared with the vendor alone shard by shard (its build of the whole model "
+                                f"is not made here: {why}; --vendor-alone whole makes it), which keeps every cut")
+        vendor_dir = staging.with_name(f"{staging.name}-vendor") if baseline else None
+        if vendor_dir:  # before the writer drops the other builds' files from the staging bundle
             (vendor_dir / "shards").mkdir(parents=True)
-            for suffix in (".onnx", tgt.artifact_suffix):
-                link_or_copy(staging / "shards" / f"{VENDOR_ALONE}{suffix}", vendor_dir / "shards" / f"{VENDOR_ALONE}{suffix}")
+            for built, _ in baseline:
+                for suffix in (".onnx", ".onnx.data", tgt.artifact_suffix):
+                    if (staging / "shards" / f"{built}{suffix}").exists():
+                        link_or_copy(staging / "shards" / f"{built}{suffix}", vendor_dir / "shards" / f"{built}{suffix}")
 
         writer = BundleWriter(target, tgt, profile, build, ctx, graph, source, options, logs, builds, choices,
                               {job.name: shapes for job, shapes in relaid}, t0, {"passes": t_passes, "build": t_build},
@@ -276,9 +290,9 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         manifest, report = writer.write(staging, chosen, host_pre, host_post)
         if vendor_dir:
             # 4. Fidelity, on the simulator: the bundle beside the vendor alone's, the same seeded inputs.
-            writer.write(vendor_dir, [(VENDOR_ALONE, vendor_plan(canonical or graph))], [], [])
+            writer.write(vendor_dir, baseline, *(host_steps(ctx, baseline, builds, None) if per_shard else ([], [])))
             manifest, report = keep_the_more_faithful(staging, vendor_dir, model, versus, progress,
-                                                      ctx.samples[:FIDELITY_SAMPLES] if quantized else None,
+                                                      fidelity_samples(ctx, canonical or graph, quantized),
                                                       spent_for_fidelity=bool(in_range) or options.precision == "mixed")
             kept = report["versus_vendor"]["fidelity"]["shard" if versus["bundle"] == "shard" else "vendor"]
             if quantized and not kept >= LOW_FIDELITY:
@@ -517,6 +531,8 @@ class BundleWriter:
         for spec in specs if fp8 else []:   # what build-engines checks each engine runs in FP8
             spec.build_options = {**spec.build_options, "fp8_nodes": sorted(fp8 & set(spec.source_nodes))}
         for spec in specs:  # edges scale_sandwich holds divided by a power of two (verify feeds them so)
+            if spec.build.endswith(UNREWRITTEN) or spec.build == VENDOR_ALONE:   # the model's own tensors
+                continue
             spec.edge_scales = {t.name: list(ctx.scales[t.name]) for t in (*spec.inputs, *spec.outputs)
                                 if t.name in ctx.scales}
         for path in (f for step in host_pre for f in step_files(step)):
@@ -571,7 +587,7 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
         versus["line"] += "; both NaN on the simulator, so the cycles count"
         worse = verdict(Figures(**versus["shard"]), Figures(**versus["vendor"])) == "worse"
     if worse:
-        versus.update(bundle="vendor alone", rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
+        versus.update(bundle=versus["vendor_alone"], rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
                       axes=dict.fromkeys(versus["axes"], "equal"))
         shutil.rmtree(staging)
         vendor_dir.rename(staging)
@@ -736,12 +752,30 @@ def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict
     """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
     made: each shard built without its rewrites (its twin where the passes changed it, else its own
     build), which is also the bundle where shard is worse."""
-    unrewritten = [(f"{plan.name}{UNREWRITTEN}", original) if original is not None else (plan.name, plan)
-                   for plan, original in zip(plans, originals)]
+    unrewritten = unrewritten_versions(plans, originals)
     ours, theirs = (Figures.of([builds[name] for name, _ in kept]) for kept in (chosen, unrewritten))
     fall_back = verdict(ours, theirs, axes) == "worse"
     versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD)
     return (unrewritten if fall_back else chosen), versus
+
+
+def unrewritten_versions(plans: list, originals: list) -> list:
+    """(build, plan) of each shard as the vendor alone would take its region: its twin where the
+    passes changed it, else its own build."""
+    return [(f"{plan.name}{UNREWRITTEN}", original) if original is not None else (plan.name, plan)
+            for plan, original in zip(plans, originals)]
+
+
+def fidelity_samples(ctx: PassContext, graph: gs.Graph, quantized: bool) -> list[dict[str, np.ndarray]]:
+    """What shard's bundle and the vendor alone's are compared on: the first calibration samples where
+    the user gave them (or the compile quantizes from them), else seeded inputs of the model's own
+    domain (shard.calibration.domain_samples: token ids from its vocabulary, masks of ones)."""
+    from shard.calibration import calibration_samples, domain_samples
+
+    inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
+    if quantized or ctx.options.calib:
+        return calibration_samples(ctx, inputs)[:FIDELITY_SAMPLES]
+    return domain_samples(graph, inputs, FIDELITY_SAMPLES)
 
 
 def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back: bool, vendor: str) -> dict:

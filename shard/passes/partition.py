@@ -12,6 +12,7 @@ import onnx_graphsurgeon as gs
 from shard.errors import ModelError
 from shard.graph import constants, is_static, nbytes
 from shard.passes import PassContext, register
+from shard.passes.fused import fused_regions
 from shard.toolkit.memory import shards_for_memory
 
 
@@ -167,9 +168,12 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # that the compile can build beside it (shard.never_worse).
     canonical = ctx.snapshots.get("canonicalize")
     live = live_bytes_after(graph, dag, set(canonical.tensors()) if canonical is not None else None)
-    cuts = choose_cuts(costs, live, min(shards, n))
+    inside = inside_fused(graph)
+    cuts = choose_cuts(costs, [math.inf if i in inside else b for i, b in enumerate(live)], min(shards, n))
+    avoided = sorted({inside[i] for i in choose_cuts(costs, live, min(shards, n)) if i in inside})
     ctx.plan = shard_boundaries(graph, cuts)
     report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
+              "kept_whole": avoided,   # where the cheapest cut ran through a fused pattern
               "macs": [p.macs for p in ctx.plan], "for_memory": for_memory,
               "by_memory": not getattr(opts, "shards", None) and for_memory > ctx.profile.cores,
               "shard_weight_bytes": [sum(nbytes(t) for t in constants(p.nodes)) for p in ctx.plan]}
@@ -181,6 +185,18 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             ctx.warnings.append(f"partition: {', '.join(over)} predicted over {JOB_MARGIN:g} of the NPU's "
                                 f"{limit:g} s job limit (no cheaper cut was found); the board may kill them")
     return graph, report
+
+
+def inside_fused(graph: gs.Graph) -> dict[int, str]:
+    """The cut positions (after node i) that would run through a pattern the vendor fuses, each with
+    the pattern's kind and name: a cut inside a normalization stores x^2 in fp16 (shard.passes.fused)."""
+    index = {id(node): i for i, node in enumerate(graph.nodes)}
+    inside = {}
+    for kind, name, nodes in fused_regions(graph):
+        at = [index[id(n)] for n in nodes if id(n) in index]
+        for i in range(min(at, default=0), max(at, default=0)):
+            inside.setdefault(i, f"{kind} {name}")
+    return inside
 
 
 def npu_seconds_per_mac(facts: dict) -> float | None:

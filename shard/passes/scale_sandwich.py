@@ -55,12 +55,17 @@ import onnx_graphsurgeon as gs
 
 from shard.graph import float_ranks, tensor_spec, toposort
 from shard.passes import PassContext, register
+from shard.passes.fused import normalizations
 
 MASK_FLOOR = -1e4     # a value below this in a mask is the exporter's minus infinity, not a logit
 MINUS_INFINITY = -1e30   # a value at or below this stands for -inf (masks), never for a range to keep
 MASK_MARGIN = 32.0    # masked logits end this far below every calibrated score: exp(-32) = 1.3e-14
 CLAMP = "/clamp"      # the name ending of a mask clamp's Max
 CHECK_RTOL = 1e-5     # outputs may move by this, relative to their largest value (unfused onnxruntime)
+# The largest factor a tensor is carried at. A real activation past fp16 needs a few (SmolLM2-135M's
+# residual stream 1); past this, the factors are compounding through products of carried tensors,
+# and a tensor held divided by 2^24 is below fp16's smallest step.
+MAX_SHIFT = 24
 
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 PASS_THROUGH = ("Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Reshape", "Transpose",
@@ -97,7 +102,13 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     splits = split_outliers(graph, stats) if ctx.options.precision == "mixed" else []
     if splits:
         toposort(graph)
-    rescaled, over = rescale_ranges(graph, stats, safe, ctx)
+    candidates = set(ctx.host_candidates)
+    try:
+        rescaled, over = rescale_ranges(graph, stats, safe, ctx)
+    except Unscalable as exc:
+        ctx.host_candidates, ctx.scales = candidates, {}
+        return before, {"changes": [], "samples": len(samples), "safe_absmax": safe,
+                        "not_fixed": [{"node": "", "op": "", "reason": str(exc), "action": "no range rescale made"}]}
     changes = clamps + splits + rescaled
     report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
     if changes and not ctx.options.calib:
@@ -569,9 +580,20 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
         if needed(node.outputs[0], stats, safe):
             held(node, node.outputs[0], total, f"its input {t.name} is divided by 2^{e} before it (a Mul)")
 
+    # A normalization written out is scale-invariant: x held / 2^k needs its epsilon / 4^k, and what
+    # it makes carries no factor (as LayerNormalization). Its own tensors (x^2) are the fused op's.
+    norms = {id(n): norm for norm in normalizations(graph) for n in norm.nodes}
     for node in list(graph.nodes):
         variables = [(i, t) for i, t in enumerate(node.inputs) if isinstance(t, gs.Variable) and t.name]
         ks = {i: k.get(t.name, 0) for i, t in variables}
+        for i, t in variables:
+            bounded(t.name, ks[i])
+        if id(node) in norms:
+            norm = norms[id(node)]
+            kx = k.get(norm.input.name, 0)
+            if norm.eps and norm.eps[0] is node and kx:
+                node.inputs[norm.eps[1]] = times(node.inputs[norm.eps[1]], -2 * kx)
+            continue
         outs = [t for t in node.outputs if t.name]
         weight = node.inputs[1] if node.op in WEIGHTED and len(node.inputs) > 1 else None
         if node.op in WEIGHTED and isinstance(weight, gs.Constant) and len(variables) == 1 and variables[0][0] == 0:
@@ -633,6 +655,8 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
                 node.attrs["epsilon"] = float(node.attrs.get("epsilon", 1e-5)) * 4.0 ** -ks[0]
         else:
             restore_inputs(node, variables, ks)
+    for name, shift in k.items():
+        bounded(name, shift)
     ctx.scales.update({name: (name, v) for name, v in k.items() if v})
     for out in list(graph.outputs):
         if k.get(out.name):
@@ -642,9 +666,19 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
                         f"profile's margin)",
               "action": "no factor can be folded into the op that makes it; it may overflow"}
              for t in graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs
-             and needed(t, stats, safe) > k.get(t.name, 0) and not all(u.op == "Max" and u.name.endswith(CLAMP)
-                                                                       for u in t.outputs)]
+             and id(t.inputs[0]) not in norms and needed(t, stats, safe) > k.get(t.name, 0)
+             and not all(u.op == "Max" and u.name.endswith(CLAMP) for u in t.outputs)]
     return changes, over
+
+
+class Unscalable(Exception):
+    """No set of factors within MAX_SHIFT keeps the model in range; the pass leaves the graph as it was."""
+
+
+def bounded(name: str, shift: int) -> None:
+    if abs(shift) > MAX_SHIFT:
+        raise Unscalable(f"{name} would be held divided by 2^{shift}, past 2^{MAX_SHIFT}: the factors compound "
+                         f"through products of rescaled tensors")
 
 
 def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:
