@@ -110,11 +110,13 @@ def compile_command(
                                                     "inputs, each with a leading sample axis ([N, 1, 128] for "
                                                     "input_ids) [default: 8 seeded random samples, with a warning]."),
     check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity",
-                                                  help="Also run the bundle and the vendor alone's build on the "
-                                                  "simulator (int8: the first calibration samples; fp16: seeded "
-                                                  "inputs); where shard's cosine is lower, the bundle holds the "
-                                                  "vendor's build. Costs a simulator build of both "
-                                                  "[default: on for int8, off for fp16]."),
+                                                  help="Run the bundle and the vendor alone's on the simulator (the "
+                                                  "first --calib samples, else seeded inputs of the model's domain); "
+                                                  "where shard's cosine is lower, the bundle holds the vendor's. "
+                                                  "--check-fidelity builds the vendor alone whole for it; without "
+                                                  "the whole build the vendor alone is each shard unrewritten. Costs "
+                                                  "a simulator build of both [default: on wherever the vendor alone "
+                                                  "is compared]."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
                                                             "the bundle of an unchanged compile and the builds of "
                                                             "identical shards (~/.cache/shard/builds or "
