@@ -19,6 +19,7 @@ from shard.passes import PassContext
 from shard.passes.fused import normalizations
 from shard.passes.partition import partition
 from shard.passes.scale_sandwich import MAX_SHIFT
+from shard.profile import load_profile
 from test_scale_sandwich import assert_same, run_ort, run_rewritten, sandwiched
 
 FINFO_MIN = float(np.finfo(np.float32).min)
@@ -128,8 +129,6 @@ def test_factors_compounding_through_products_stop_the_pass_in_one_line():
 
 def test_no_cut_runs_through_a_norm_and_the_report_names_those_it_avoided():
     graph = infer_shapes(gs.import_onnx(decoder(blocks=3)))
-    from shard.profile import load_profile
-
     ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(shards=7))
     graph, report = partition(graph, ctx)
     inside = {id(node) for n in normalizations(graph) for node in n.nodes[:-1]}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.passes.tile_attention import find_attention
+from shard.passes.tile_attention import find_attention, only_consumer
 
 # Between the mean of the squares and the division by their root: the epsilon, the root, a reciprocal.
 TO_ROOT = ("Add", "Sqrt", "Reciprocal", "Div", "Cast")
@@ -33,10 +33,6 @@ class Norm:
     @property
     def name(self) -> str:
         return self.nodes[-1].name
-
-
-def single_user(t: gs.Tensor) -> gs.Node | None:
-    return t.outputs[0] if len(t.outputs) == 1 else None
 
 
 def squared(node: gs.Node | None) -> gs.Tensor | None:
@@ -60,7 +56,7 @@ def normalizations(graph: gs.Graph) -> list[Norm]:
         if x is None:
             continue
         chain, t, last = [], mean.outputs[0], None
-        while (user := single_user(t)) is not None:
+        while (user := only_consumer(t)) is not None:
             if user.op in ("Mul", "Div") and x in user.inputs:
                 last = user
                 break
