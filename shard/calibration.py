@@ -119,17 +119,15 @@ def domain_samples(graph, inputs: list, n: int, seed: int = 0) -> list[dict[str,
     """Seeded inputs of the model's own domain: token ids drawn from the table they index (its
     vocabulary: ids of 0 and 1 are special tokens a trained model rarely sees), other integers (an
     attention mask) ones, floats unit normals."""
-    rng = np.random.default_rng(seed)
     tensors = graph.tensors()
-    samples = []
-    for _ in range(n):
-        sample = {}
+    samples = random_samples(inputs, n, seed)   # floats as the seeded calibration samples have them
+    for k, sample in enumerate(samples):
+        rng = np.random.default_rng(seed + k)
         for spec in inputs:
             dtype = np.dtype(spec.dtype)
-            rows = table_rows(tensors[spec.name]) if spec.name in tensors and dtype.kind in "iu" else None
-            sample[spec.name] = rng.standard_normal(spec.shape).astype(dtype) if dtype.kind == "f" else \
-                rng.integers(0, rows, spec.shape).astype(dtype) if rows else np.ones(spec.shape, dtype)
-        samples.append(sample)
+            if dtype.kind in "iub":
+                rows = table_rows(tensors[spec.name]) if spec.name in tensors and dtype.kind != "b" else None
+                sample[spec.name] = rng.integers(0, rows, spec.shape).astype(dtype) if rows else np.ones(spec.shape, dtype)
     return samples
 
 

@@ -262,24 +262,14 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
                 builds.update(compile_jobs([vendor_job], "compile the model as it came (vendor alone)", config=vendor_build))
                 chosen, versus = against_vendor_alone(own, builds, judged, options.vendor_only, canonical or graph)
         host_pre, host_post = host_steps(ctx, chosen, builds, versus)
-        # The vendor alone's bundle for the fidelity check: its whole build, or each shard without its rewrites.
-        baseline = None
-        if measure and versus and versus["bundle"] == "shard":
-            if against_vendor and builds[VENDOR_ALONE].error is None:
-                baseline = [(VENDOR_ALONE, vendor_plan(canonical or graph))]
-            elif per_shard:
-                baseline = unrewritten_versions(plans, originals)
-                baseline = None if [b for b, _ in baseline] == [b for b, _ in chosen] else baseline
+        baseline = fidelity_baseline(versus, builds, chosen, unrewritten_versions(plans, originals) if per_shard
+                                     else [(VENDOR_ALONE, vendor_plan(canonical or graph))]) if measure else None
         if measure and per_shard:
             ctx.warnings.append(f"fidelity compared with the vendor alone shard by shard (its build of the whole model "
                                 f"is not made here: {why}; --vendor-alone whole makes it), which keeps every cut")
         vendor_dir = staging.with_name(f"{staging.name}-vendor") if baseline else None
         if vendor_dir:  # before the writer drops the other builds' files from the staging bundle
-            (vendor_dir / "shards").mkdir(parents=True)
-            for built, _ in baseline:
-                for suffix in (".onnx", ".onnx.data", tgt.artifact_suffix):
-                    if (staging / "shards" / f"{built}{suffix}").exists():
-                        link_or_copy(staging / "shards" / f"{built}{suffix}", vendor_dir / "shards" / f"{built}{suffix}")
+            link_builds(staging / "shards", vendor_dir / "shards", [b for b, _ in baseline], tgt.artifact_suffix)
 
         writer = BundleWriter(target, tgt, profile, build, ctx, graph, source, options, logs, builds, choices,
                               {job.name: shapes for job, shapes in relaid}, t0, {"passes": t_passes, "build": t_build},
@@ -759,6 +749,27 @@ def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict
     return (unrewritten if fall_back else chosen), versus
 
 
+def fidelity_baseline(versus: dict | None, builds: dict[str, ShardBuild], chosen: list, vendor: list) -> list | None:
+    """The vendor alone's (build, plan) list that shard's bundle is checked against on the simulator:
+    `vendor` (its whole build, or each shard without its rewrites), where it built and differs from
+    the bundle; else None."""
+    if not versus or versus["bundle"] != "shard" or any(name not in builds for name, _ in vendor):
+        return None
+    usable = Figures.of([builds[name] for name, _ in vendor])
+    if not usable.builds or usable.regtask_lines:   # nothing to run: shard is better by construction
+        return None
+    return None if [b for b, _ in vendor] == [b for b, _ in chosen] else vendor
+
+
+def link_builds(folder: Path, into: Path, names: list[str], artifact_suffix: str) -> None:
+    """Each named build's files (ONNX, external weights, artifact) linked from one shards folder into another."""
+    into.mkdir(parents=True)
+    for name in names:
+        for suffix in (".onnx", ".onnx.data", artifact_suffix):
+            if suffix and (folder / f"{name}{suffix}").exists():
+                link_or_copy(folder / f"{name}{suffix}", into / f"{name}{suffix}")
+
+
 def unrewritten_versions(plans: list, originals: list) -> list:
     """(build, plan) of each shard as the vendor alone would take its region: its twin where the
     passes changed it, else its own build."""
@@ -1035,7 +1046,7 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
         return None
     seconds = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
     return {"shard_seconds": seconds, "latency_s": predict_stream(manifest.shards, seconds, [0])[0],
-            "stream_fps": {n: predict_stream(manifest.shards, seconds, list(range(n)))[1]
+            "stream_fps": {str(n): predict_stream(manifest.shards, seconds, list(range(n)))[1]
                            for n in range(1, profile.cores + 1)}}
 
 

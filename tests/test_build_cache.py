@@ -14,7 +14,8 @@ pytestmark = pytest.mark.toolkit
 
 def test_unchanged_shards_come_from_the_cache_and_changed_ones_build(save, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
-    options = CompileOptions(shards=2)
+    # Without the fidelity check: the vendor alone's figures stand in only where its artifact is not needed.
+    options = CompileOptions(shards=2, check_fidelity=False)
     first = shard.compile(save(mlp_chain(4)), "rk3588", tmp_path / "a.shard", options)
     assert first.report["builds"]["from_cache"] == 0
     # Each build's peak memory, measured in its worker: at least the toolkit's own imports (torch alone is 0.19 GB).

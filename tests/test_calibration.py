@@ -141,3 +141,27 @@ def test_cli_rejects_a_bad_calibration_file_in_one_line(tmp_path, save):
     ok = npz(tmp_path, "ok.npz", x=np.random.default_rng(0).standard_normal((3, 1, 4)).astype(np.float32))
     out = shard_cli("verify", tmp_path / "b.shard", "-r", model, "--backend", "cpu", "--inputs", ok)
     assert out.returncode == 0 and "3 samples from ok.npz" in out.stdout, out.stdout + out.stderr
+
+
+def test_domain_samples_draw_token_ids_from_the_table_they_index_and_masks_of_ones():
+    import onnx_graphsurgeon as gs
+    from onnx import TensorProto, helper, numpy_helper
+
+    from shard.bundle import TensorSpec
+    from shard.calibration import domain_samples
+
+    table = numpy_helper.from_array(np.ones((50, 4), np.float32), "table")
+    nodes = [helper.make_node("Cast", ["ids"], ["ids32"], to=TensorProto.INT32),
+             helper.make_node("Gather", ["table", "ids32"], ["e"]),
+             helper.make_node("Cast", ["mask"], ["m"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["m", "axis"], ["mu"]), helper.make_node("Mul", ["e", "mu"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 64]),
+                                           helper.make_tensor_value_info("mask", TensorProto.INT64, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 4])],
+                              initializer=[table, numpy_helper.from_array(np.array([2], np.int64), "axis")])
+    specs = [TensorSpec("ids", [1, 64], "int64"), TensorSpec("mask", [1, 64], "int64")]
+    samples = domain_samples(gs.import_onnx(helper.make_model(graph)), specs, 3)
+    ids = np.stack([s["ids"] for s in samples])
+    assert ids.min() >= 0 and ids.max() < 50 and len(np.unique(ids)) > 10   # the vocabulary, not 0 and 1
+    assert all(np.array_equal(s["mask"], np.ones((1, 64), np.int64)) for s in samples)
+    assert np.array_equal(domain_samples(gs.import_onnx(helper.make_model(graph)), specs, 3)[1]["ids"], samples[1]["ids"])

@@ -151,3 +151,16 @@ def test_a_decoder_with_a_massive_channel_and_a_minus_infinity_mask_compiles_and
     assert not [t.name for s in result.manifest.shards for t in s.outputs if t.name.endswith(norm_inside)]
     report = shard.verify(result.bundle, path, backend="sim", min_cosine=0.9999, samples=samples(2))
     assert report.passed, [(c.name, c.cosine) for c in report.outputs]
+
+
+@pytest.mark.toolkit
+def test_without_the_whole_vendor_build_fidelity_is_compared_shard_by_shard(save, tmp_path):
+    path = save(decoder(blocks=3))
+    np.savez(tmp_path / "calib.npz", **{k: np.stack([s[k] for s in samples(4)]) for k in ("x", "mask")})
+    result = shard.compile(path, "rk3588", tmp_path / "d.shard",
+                           CompileOptions(shards=3, vendor_alone="shards", calib=str(tmp_path / "calib.npz")))
+    versus = result.report["versus_vendor"]
+    assert versus["vendor_alone"] == "vendor alone shard by shard" and versus["bundle"] == "shard"
+    assert result.report["passes"]["scale_sandwich"]["changes"]   # so the shards have unrewritten twins
+    assert versus["fidelity"]["shard"] >= 0.9999 and versus["fidelity"]["vendor"] >= 0.9999
+    assert any("fidelity compared with the vendor alone shard by shard" in w for w in result.report["warnings"])

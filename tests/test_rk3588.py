@@ -250,7 +250,7 @@ def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     predicted = result.report["predicted"]   # from the estimated cycles at 1 GHz, through the scheduler's policy
     cycles = [s["diagnostics"]["estimated_cycles"] for s in result.report["shards"]]
     assert predicted["latency_s"] == sum(cycles) / 1e9
-    fps = predicted["stream_fps"]
+    fps = {int(n): f for n, f in predicted["stream_fps"].items()}
     assert fps[1] * 0.99 <= 1e9 / sum(cycles) and fps[1] < fps[2] < fps[3] <= 3 * fps[1]
     report = shard.verify(result.bundle, onnx_path, backend="sim")
     assert report.passed and report.outputs[0].cosine >= 0.9999
