@@ -108,7 +108,8 @@ def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     except Unscalable as exc:
         ctx.host_candidates, ctx.scales = candidates, {}
         return before, {"changes": [], "samples": len(samples), "safe_absmax": safe,
-                        "not_fixed": [{"node": "", "op": "", "reason": str(exc), "action": "no range rescale made"}]}
+                        "not_fixed": [{"node": exc.tensor, "op": "range rescale", "reason": str(exc),
+                                       "action": "no range rescale made: the model is compiled as it came"}]}
     changes = clamps + splits + rescaled
     report = {"changes": changes, "not_fixed": over, "samples": len(samples), "safe_absmax": safe}
     if changes and not ctx.options.calib:
@@ -674,11 +675,15 @@ def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) 
 class Unscalable(Exception):
     """No set of factors within MAX_SHIFT keeps the model in range; the pass leaves the graph as it was."""
 
+    def __init__(self, tensor: str, shift: int):
+        super().__init__(f"{tensor} would be held divided by 2^{shift}, past 2^{MAX_SHIFT}: the factors compound "
+                         f"through products of rescaled tensors")
+        self.tensor = tensor
+
 
 def bounded(name: str, shift: int) -> None:
     if abs(shift) > MAX_SHIFT:
-        raise Unscalable(f"{name} would be held divided by 2^{shift}, past 2^{MAX_SHIFT}: the factors compound "
-                         f"through products of rescaled tensors")
+        raise Unscalable(name, shift)
 
 
 def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:
