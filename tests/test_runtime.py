@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import mlp_chain
+from conftest import mlp_chain, shard_cli
 
 import shard
 from shard.compiler import CompileOptions
@@ -71,3 +71,26 @@ def test_public_api_names_survive_importing_their_modules():
             "print(all(callable(getattr(shard, n)) for n in ('compile', 'load', 'verify')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
+
+
+@pytest.mark.parametrize("damage", ["unmade input", "cycle", "made twice", "unmade output"])
+def test_a_manifest_whose_shards_cannot_all_run_is_refused_at_load(bundle, damage):
+    # Before, a run waited forever: a core thread died of a KeyError outside its try block.
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    shards = data["shards"]
+    if damage == "unmade input":
+        shards[1]["inputs"][0]["name"] = "nobody_makes_this"
+    elif damage == "cycle":   # shard 0 reads what shard 1 makes, which reads shard 0's output
+        shards[0]["inputs"].append(dict(shards[1]["outputs"][0]))
+    elif damage == "made twice":
+        shards[2]["outputs"].append(dict(shards[0]["outputs"][0]))
+    else:
+        data["outputs"][0]["name"] = "nobody_makes_this"
+    path.write_text(json.dumps(data))
+    match = {"unmade input": "reads nobody_makes_this", "cycle": "a cycle", "made twice": "and by shard",
+             "unmade output": "outputs reads nobody_makes_this"}[damage]
+    with pytest.raises(BundleError, match=match):
+        shard.load(bundle, backend="cpu")
+    res = shard_cli("run", bundle, "--backend", "cpu", "--timeout", "5")
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "damaged" in res.stderr

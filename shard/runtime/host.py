@@ -39,6 +39,47 @@ def step_outputs(step: dict) -> list[str]:
     return step.get("outputs") or [step["output"]]
 
 
+def check_dataflow(manifest) -> None:
+    """Every tensor a shard or host step reads is made before it, by the graph's inputs, a host step or
+    a shard, once, and the shards depend on each other without a cycle; else a BundleError naming the
+    tensor (a run would otherwise wait forever for what nothing makes)."""
+    made = {t.name: "a graph input" for t in manifest.inputs}
+
+    def read(reader: str, names) -> None:
+        for name in names:
+            if name not in made:
+                raise BundleError(f"{reader} reads {name}, which no graph input, host step or shard makes: "
+                                  f"the manifest is damaged; compile the model again")
+
+    def make(maker: str, names) -> None:
+        for name in names:
+            if name in made:
+                raise BundleError(f"{name} is made by {made[name]} and by {maker}: the manifest is damaged")
+            made[name] = maker
+
+    for step in manifest.host_pre:
+        read(f"host step {step.get('type', step.get('op'))}", step_inputs(step))
+        make(f"host step {step.get('type', step.get('op'))}", step_outputs(step))
+    for shard in manifest.shards:
+        make(f"shard {shard.name}", [t.name for t in shard.outputs])
+    for shard in manifest.shards:
+        read(f"shard {shard.name}", [t.name for t in shard.inputs])
+    producer = {t.name: k for k, s in enumerate(manifest.shards) for t in s.outputs}
+    waiting = [{producer[t.name] for t in s.inputs if t.name in producer} for s in manifest.shards]
+    done: set[int] = set()
+    while len(done) < len(waiting):
+        ready = [k for k, deps in enumerate(waiting) if k not in done and deps <= done]
+        if not ready:
+            cycle = sorted(manifest.shards[k].name for k in range(len(waiting)) if k not in done)
+            raise BundleError(f"shards {', '.join(cycle)} wait on each other's outputs (a cycle): the manifest "
+                              f"is damaged; compile the model again")
+        done.update(ready)
+    for step in manifest.host_post:
+        read(f"host step {step.get('type', step.get('op'))}", step_inputs(step))
+        make(f"host step {step.get('type', step.get('op'))}", step_outputs(step))
+    read("the bundle's outputs", [t.name for t in manifest.outputs])
+
+
 def step_files(step: dict) -> list[str]:
     """The bundle files a step reads (an embedding table), relative to the bundle."""
     return [c["file"] for c in step.get("constants", {}).values() if "file" in c]

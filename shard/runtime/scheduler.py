@@ -233,6 +233,10 @@ class Scheduler:
                 if frame is None:  # forgotten by a consumer that stopped early
                     continue
                 shard = self.shards[task.shard]
+                missing = [t.name for t in shard.inputs if t.name not in frame.tensors]
+                if missing:   # a manifest that check_dataflow did not see: stop, never wait forever
+                    self._fail(RunError(f"{shard.name}: no tensor {missing[0]} to run on (frame {task.frame})"))
+                    return
                 inputs = {t.name: frame.tensors[t.name] for t in shard.inputs}
                 started = self.clock()
                 self._running[core] = (task, started)
