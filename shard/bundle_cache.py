@@ -20,10 +20,10 @@ from functools import cache
 from pathlib import Path
 
 import onnx
-from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 import shard
-from shard.graph import graph_tensors, sha256_file
+from shard.errors import ModelError
+from shard.graph import external_data_files, sha256_file
 from shard.targets.build_cache import entry_file, link_or_copy, prune, size_limit, store_entry
 
 VERSION = 1
@@ -53,10 +53,13 @@ def model_digest(model: Path, digest) -> None:
             named = named or b"location" in tail + block[:16] or b"location" in block
             tail = block[-8:]
     if named:
-        proto = onnx.load(str(model), load_external_data=False)
-        for location in sorted({ExternalDataInfo(t).location for t in graph_tensors(proto.graph) if uses_external_data(t)}):
-            digest.update(location.encode() + b"\0")
-            sha256_file(model.parent / location, digest)
+        try:
+            proto = onnx.load(str(model), load_external_data=False)
+        except Exception as exc:  # noqa: BLE001 - protobuf's decode errors; load_model names them
+            raise ModelError(f"{model}: not an ONNX model ({type(exc).__name__}: {exc})") from None
+        for path in external_data_files(model, proto):
+            digest.update(str(path.relative_to(model.parent.resolve())).encode() + b"\0")
+            sha256_file(path, digest)
 
 
 def bundle_key(model: Path, target: str, toolchain: str, options) -> str | None:

@@ -10,6 +10,7 @@ import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from shard.bundle import TensorSpec
 from shard.errors import ModelError
@@ -26,12 +27,34 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     if not path.is_file():
         raise ModelError(f"{path}: not a file")
     try:
-        model = onnx.load(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+        if external_data_files(path, model):
+            onnx.load_external_data_for_model(model, str(path.parent))
     except (DecodeError, ValueError, RuntimeError, OSError) as exc:
         raise ModelError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model (no graph nodes)")
     return model
+
+
+def external_data_files(path: Path, model: onnx.ModelProto) -> list[Path]:
+    """The files the model's tensors keep their bytes in, each checked before anything reads it: a
+    regular file inside the model's folder (a location such as ../../../dev/zero made a compile read
+    forever); else a ModelError naming the tensor."""
+    folder, files = path.parent.resolve(), {}
+    for tensor in graph_tensors(model.graph):
+        if not uses_external_data(tensor):
+            continue
+        location = ExternalDataInfo(tensor).location
+        full = (folder / location).resolve()
+        if Path(location).is_absolute() or not full.is_relative_to(folder):
+            raise ModelError(f"{path}: tensor {tensor.name} keeps its data in {location}, outside the model's "
+                             f"folder; external data must lie beside the model")
+        if not full.is_file():
+            raise ModelError(f"{path}: tensor {tensor.name} keeps its data in {location}, which is not a file "
+                             f"beside the model")
+        files[location] = full
+    return [files[k] for k in sorted(files)]
 
 
 PROTO_LIMIT = 1_800_000_000   # bytes; protobuf caps one message at 2 GiB (leave room for the graph)

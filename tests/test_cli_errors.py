@@ -71,3 +71,31 @@ def test_output_in_the_way_is_not_replaced(save, tmp_path):
 ])
 def test_other_commands(tmp_path, args, fragment):
     assert_one_line_error(shard_cli(*args, cwd=tmp_path), fragment)
+
+
+@pytest.mark.parametrize("location", ["../../../../../../dev/zero", "/etc/hostname", "elsewhere/../../w.bin", "link.bin",
+                                      "missing.bin"])
+def test_external_data_must_lie_beside_the_model(tmp_path, location):
+    # ../../dev/zero hung `shard compile` forever: the bundle cache hashed it before anything looked.
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (tmp_path / "w.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    (folder / "link.bin").symlink_to(tmp_path / "w.bin")   # a link out of the folder
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    w.ClearField("raw_data")
+    w.data_location = TensorProto.EXTERNAL
+    w.external_data.add(key="location", value=location)
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=[w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    with open(folder / "m.onnx", "wb") as f:
+        f.write(model.SerializeToString())
+    res = shard_cli("compile", folder / "m.onnx", "--target", "cpu")
+    assert_one_line_error(res, "tensor w keeps its data in", "beside the model")
+    assert not (folder / "m.shard").exists()
