@@ -704,10 +704,11 @@ def probe_gpu(out: Path, ops: Path | None) -> None:
 
 def cache_folders() -> dict[str, tuple[Path, str]]:
     """{cache: (folder, glob of one entry)}."""
+    from shard.toolkit.cache import POINTS
     from shard.toolkit.cache import default_cache_dir as probe_cache
     from shard.targets.build_cache import default_cache_dir as build_cache
 
-    return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), "**/*.json")}
+    return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), POINTS)}
 
 
 @cache_app.command("info")
@@ -735,13 +736,17 @@ def cache_info() -> None:
 @cache_app.command("clear")
 def cache_clear(builds: bool = typer.Option(True, "--builds/--no-builds", help="Remove the vendor builds."),
                 probes: bool = typer.Option(True, "--probes/--no-probes", help="Remove the probe points.")) -> None:
-    """Remove cached vendor builds and probe points (the next compile or probe builds again)."""
-    from shard.targets.build_cache import clear_folder
+    """Remove cached vendor builds and probe points (the next compile or probe builds again); only what
+    shard wrote, and only in a folder shard made its cache."""
+    from shard.cache_folder import clear, entry_folders
 
-    for name, (folder, entry) in cache_folders().items():
+    folders = cache_folders()
+    for name, variable in (("builds", "SHARD_BUILD_CACHE"), ("probes", "SHARD_PROBE_CACHE")):
         if {"builds": builds, "probes": probes}[name]:
-            entries, size = clear_folder(folder, entry)
-            console.print(f"{name}: removed {entries} entries, {size / 1e6:.1f} MB ({folder})")
+            folder, entry = folders[name]
+            entries = entry_folders(folder) if name == "builds" else sorted(folder.glob(entry))
+            count, size = clear(folder, entries, variable)
+            console.print(f"{name}: removed {count} entries, {size / 1e6:.1f} MB ({folder})")
 
 
 @toolkit_app.command("install")

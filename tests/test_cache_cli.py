@@ -6,16 +6,28 @@ from conftest import mlp_chain, shard_cli
 from onnx import numpy_helper
 
 
-def test_cache_info_and_clear(tmp_path):
+def shard_caches(tmp_path):
+    """A build cache with two builds and a bundle, a probe cache with one point, as shard writes them."""
+    from shard.cache_folder import TAG_TEXT, mark_entry
+
     builds, probes = tmp_path / "builds", tmp_path / "probes"
     for key in ("a1", "b2"):
         (builds / key).mkdir(parents=True)
         (builds / key / "build.json").write_text("{}")
         (builds / key / "artifact").write_bytes(b"\0" * 500_000)
+        mark_entry(builds / key)
     (builds / "bundle-c3").mkdir()
     (builds / "bundle-c3" / "bundle.json").write_text("{}")
+    mark_entry(builds / "bundle-c3")
     (probes / "rknn-toolkit2-2.5.0" / "rk3588" / "add-width@h1").mkdir(parents=True)
     (probes / "rknn-toolkit2-2.5.0" / "rk3588" / "add-width@h1" / "v1-64.json").write_text("{}")
+    for folder in (builds, probes):
+        (folder / "CACHEDIR.TAG").write_text(TAG_TEXT)
+    return builds, probes
+
+
+def test_cache_info_and_clear(tmp_path):
+    builds, probes = shard_caches(tmp_path)
     env = {"SHARD_BUILD_CACHE": str(builds), "SHARD_PROBE_CACHE": str(probes), "COLUMNS": "200"}
     info = shard_cli("cache", "info", env_extra=env)
     assert info.returncode == 0, info.stderr
@@ -23,8 +35,50 @@ def test_cache_info_and_clear(tmp_path):
     assert "│       2 │ 1.0 │" in rows["builds"] and "│       1 │ 0.0 │" in rows["probes"], info.stdout
     assert "builds: at most 10 GiB" in info.stdout and "it holds 1 whole bundles" in info.stdout
     cleared = shard_cli("cache", "clear", "--no-probes", env_extra=env)
-    assert cleared.returncode == 0 and "builds: removed 2 entries, 1.0 MB" in cleared.stdout
+    assert cleared.returncode == 0 and "builds: removed 3 entries, 1.0 MB" in cleared.stdout, cleared.stdout
     assert not builds.exists() and probes.exists()
+    cleared = shard_cli("cache", "clear", env_extra=env)
+    assert cleared.returncode == 0 and "probes: removed 1 entries" in cleared.stdout and not probes.exists()
+
+
+def test_clear_removes_only_shards_entries_and_refuses_a_folder_that_is_not_a_cache(tmp_path):
+    # $SHARD_BUILD_CACHE pointed at a folder of the user's: clear deleted all of it, then said "removed 0 entries".
+    mine = tmp_path / "mine"
+    (mine / "photos").mkdir(parents=True)
+    (mine / "photos" / "a.jpg").write_bytes(b"jpeg")
+    (mine / "notes.txt").write_text("keep me")
+    res = shard_cli("cache", "clear", env_extra={"SHARD_BUILD_CACHE": str(mine), "SHARD_PROBE_CACHE": str(mine)})
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "is not a shard cache" in res.stderr and "SHARD_BUILD_CACHE" in res.stderr
+    assert (mine / "photos" / "a.jpg").read_bytes() == b"jpeg" and (mine / "notes.txt").read_text() == "keep me"
+    builds, probes = shard_caches(tmp_path)   # a shard cache with a user's file put in it
+    (builds / "mine").mkdir()
+    (builds / "mine" / "keep.txt").write_text("keep")
+    (probes / "notes.json").write_text("{}")
+    res = shard_cli("cache", "clear", env_extra={"SHARD_BUILD_CACHE": str(builds), "SHARD_PROBE_CACHE": str(probes)})
+    assert res.returncode == 0 and "builds: removed 3 entries" in res.stdout and "probes: removed 1 entries" in res.stdout
+    assert sorted(p.name for p in builds.iterdir()) == ["CACHEDIR.TAG", "mine"] and (builds / "mine" / "keep.txt").exists()
+    assert sorted(p.name for p in probes.iterdir()) == ["CACHEDIR.TAG", "notes.json"]
+
+
+def test_eviction_removes_only_shards_entries(tmp_path, monkeypatch):
+    # A cache folder past its cap evicted every non-hidden folder in it, other programs' caches included.
+    from shard.targets import ShardBuild, ShardJob
+    from shard.targets.build_cache import BuildCache
+
+    monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "1.5M")
+    (tmp_path / "cache" / "other-program").mkdir(parents=True)
+    (tmp_path / "cache" / "other-program" / "data").write_bytes(b"\0" * 2**21)
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
+    for k in range(2):
+        job = ShardJob(f"s{k}", tmp_path / f"s{k}.onnx", tmp_path / f"s{k}.rknn", tmp_path / f"s{k}.log")
+        job.log.write_text("log")
+        job.artifact.write_bytes(b"\0" * 2**20)
+        cache.put(job, f"k{k}", ShardBuild(job.name, 1.0))
+    cache.used = set()
+    assert cache.prune()[0] == 1   # the two entries hold 2 MiB: one goes, the other program's data stays
+    assert (tmp_path / "cache" / "other-program" / "data").stat().st_size == 2**21
+    assert not (tmp_path / "cache" / "CACHEDIR.TAG").exists()   # not shard's folder: never tagged as one
 
 
 def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, monkeypatch):
@@ -49,7 +103,7 @@ def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, mo
     job = ShardJob("s1", tmp_path / "s1.onnx", tmp_path / "x.rknn", tmp_path / "x.log")
     assert cache.get(job, "k1").cached and job.artifact.read_bytes() == b"\0" * 2**20
     assert cache.prune() == (1, 2**20 + len("log") + len((cache.root / "k0" / "build.json").read_text()))
-    assert sorted(p.name for p in cache.root.iterdir()) == ["k0", "k1", "k3"]   # k2: the least recently used
+    assert sorted(p.name for p in cache.root.iterdir()) == ["CACHEDIR.TAG", "k0", "k1", "k3"]   # k2: the least recently used
     monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "lots")
     with pytest.raises(CompileError, match="SHARD_BUILD_CACHE_SIZE='LOTS': expected bytes"):
         BuildCache(tmp_path / "cache", "rk3588", "toolkit")

@@ -47,7 +47,7 @@ def check_dataflow(manifest) -> None:
 
     def read(reader: str, names) -> None:
         for name in names:
-            if name not in made:
+            if name and name not in made:   # "": an optional input left out
                 raise BundleError(f"{reader} reads {name}, which no graph input, host step or shard makes: "
                                   f"the manifest is damaged; compile the model again")
 

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from shard.cache_folder import disk_bytes, entry_folders, mark_entry, mark_folder
 from shard.errors import CompileError
 from shard.graph import sha256_file
 from shard.targets import ShardBuild, ShardJob
@@ -173,10 +174,10 @@ def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
     """Evict a cache folder's least recently used entries, none named in `keep`, until it holds at
     most `limit` bytes; returns what was evicted (entries, bytes)."""
     entries = []
-    for folder in Path(root).glob("[!.]*/"):   # an entry's last use: its newest file
+    for folder in entry_folders(root):   # shard's own entries only; an entry's last use: its newest file
         try:
             used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
-            entries.append((used, folder, folder_size(folder, "*")[1]))
+            entries.append((used, folder, disk_bytes(folder)))
         except OSError:   # another compile evicted it first
             continue
     total = sum(size for _, _, size in entries)
@@ -195,10 +196,11 @@ def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
 
 def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:
     """Write an entry whole or not at all: `write` fills a staging folder, renamed to `root/key`."""
-    root.mkdir(parents=True, exist_ok=True)
+    mark_folder(root, default_cache_dir())
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
         write(staging)
+        mark_entry(staging)
         staging.rename(root / key)
     except OSError:  # another compile stored the same entry first, or the disk is full: no entry
         shutil.rmtree(staging, ignore_errors=True)
@@ -225,18 +227,4 @@ def folder_size(root: Path, entry: str) -> tuple[int, int]:
     """(entries: files matching the glob `entry`, bytes of every file below, hard links once) of a cache."""
     if not Path(root).is_dir():
         return 0, 0
-    seen, total = set(), 0
-    for path in Path(root).rglob("*"):
-        if path.is_file():
-            stat = path.stat()
-            if (stat.st_dev, stat.st_ino) not in seen:
-                seen.add((stat.st_dev, stat.st_ino))
-                total += stat.st_size
-    return sum(1 for _ in Path(root).glob(entry)), total
-
-
-def clear_folder(root: Path, entry: str) -> tuple[int, int]:
-    """Remove a cache folder; returns what it held (entries, bytes)."""
-    held = folder_size(root, entry)
-    shutil.rmtree(root, ignore_errors=True)
-    return held
+    return sum(1 for _ in Path(root).glob(entry)), disk_bytes(Path(root))

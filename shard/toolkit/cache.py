@@ -12,7 +12,10 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from shard.cache_folder import mark_folder
 from shard.toolkit.classify import Point
+
+POINTS = "*/*/*/v*-*.json"   # a point's file below the cache folder: toolkit/target/limit/v{version}-{size}.json
 
 
 def default_cache_dir() -> Path:
@@ -21,7 +24,8 @@ def default_cache_dir() -> Path:
 
 class PointCache:
     def __init__(self, root: Path | None, toolkit: str, target: str, read: bool = True):
-        self.dir = None if root is None else Path(root) / toolkit.replace(" ", "-") / target
+        self.root = None if root is None else Path(root)
+        self.dir = None if root is None else self.root / toolkit.replace(" ", "-") / target
         self.read = read
 
     def get(self, limit: str, version: int, size: int | str) -> Point | None:
@@ -38,6 +42,7 @@ class PointCache:
         if self.dir is None:
             return
         path = self.dir / limit / f"v{version}-{point.size if size is None else size}.json"
+        mark_folder(self.root, default_cache_dir())
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
