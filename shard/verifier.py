@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,6 +42,10 @@ class VerifyReport:
 
 
 def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
+    """Cosine and largest difference of two arrays of one shape; another shape (or size) is NaN, never
+    a pass (flattened, a [1, 16, 8] output matched a [1, 8, 16] reference)."""
+    if np.shape(expected) != np.shape(actual):
+        return Comparison(name, math.nan, math.inf)
     a = np.asarray(expected, dtype=np.float64).ravel()
     b = np.asarray(actual, dtype=np.float64).ravel()
     with np.errstate(invalid="ignore", over="ignore"):  # inf or NaN in an output: cosine NaN, never a pass

@@ -94,3 +94,21 @@ def test_a_manifest_whose_shards_cannot_all_run_is_refused_at_load(bundle, damag
         shard.load(bundle, backend="cpu")
     res = shard_cli("run", bundle, "--backend", "cpu", "--timeout", "5")
     assert res.returncode == 1 and "Traceback" not in res.stderr and "damaged" in res.stderr
+
+
+def test_verify_compares_shapes_not_flattened_values(bundle, tmp_path, save):
+    # The manifest's output shape changed from [1, 8, 16] to [1, 16, 8]: run returned [1, 16, 8] and
+    # verify, comparing the flattened arrays, passed.
+    from shard.verifier import compare
+
+    path = bundle / "manifest.json"
+    data = json.loads(path.read_text())
+    shape = data["outputs"][0]["shape"]
+    data["outputs"][0]["shape"] = [shape[0], shape[2], shape[1]]
+    data["shards"][-1]["outputs"][0]["shape"] = [shape[0], shape[2], shape[1]]
+    path.write_text(json.dumps(data))
+    res = shard_cli("verify", bundle, "--reference", save(mlp_chain(3), "ref.onnx"), "--backend", "cpu")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    x = np.arange(6.0).reshape(2, 3)
+    assert compare("y", x, x.reshape(3, 2)).cosine != compare("y", x, x.reshape(3, 2)).cosine   # NaN
+    assert compare("y", x, x.copy()).cosine == 1.0
