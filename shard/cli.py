@@ -59,7 +59,10 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
     try:
         if not sep or not name:
             raise ValueError
-        return name, tuple(int(d) for d in dims.split(","))
+        shape = tuple(int(d) for d in dims.split(","))
+        if min(shape) < 1:
+            raise ShardError(f"--input-shape {text!r}: every dimension must be at least 1")
+        return name, shape
     except ValueError:
         raise ShardError(f"--input-shape {text!r}: expected NAME=D0,D1,... such as pixel_values=1,3,224,224") from None
 
@@ -160,6 +163,10 @@ def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
             fixed[name] = shapes[0]
         else:
             choices[name] = shapes
+    for name, shapes in choices.items():
+        if len({len(s) for s in shapes}) > 1:
+            raise ShardError(f"--input-shape {name}: every bucket's shape needs the same rank; got "
+                             f"{' | '.join(','.join(map(str, s)) for s in shapes)}")
     counts = {len(v) for v in choices.values()}
     if len(counts) > 1:
         raise ShardError("--input-shape: every bucketed input needs the same number of shapes (the k-th of each "

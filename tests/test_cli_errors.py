@@ -99,3 +99,19 @@ def test_external_data_must_lie_beside_the_model(tmp_path, location):
     res = shard_cli("compile", folder / "m.onnx", "--target", "cpu")
     assert_one_line_error(res, "tensor w keeps its data in", "beside the model")
     assert not (folder / "m.shard").exists()
+
+
+@pytest.mark.parametrize("shape, fragment", [("x=1,16,8", "is fixed at 8, not 16"), ("x=2,1,8,16", "has rank 3"),
+                                             ("x=1,8|1,8,2", "needs the same rank"), ("x=1,0,16", "at least 1")])
+def test_input_shape_must_agree_with_the_models_static_dimensions(tmp_path, shape, fragment):
+    # x=1,16,8 on a [1,8,16] Relu compiled, and the run silently returned the result reshaped.
+    from conftest import make_model
+    from onnx import helper
+
+    import onnx
+
+    path = tmp_path / "relu.onnx"
+    onnx.save(make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [1, 8, 16])], [("y", [1, 8, 16])]), path)
+    res = shard_cli("compile", path, "--target", "cpu", "--input-shape", shape)
+    assert_one_line_error(res, fragment)
+    assert not (tmp_path / "relu.shard").exists()

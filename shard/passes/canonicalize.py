@@ -86,10 +86,23 @@ def fix_input_shapes(graph: gs.Graph, overrides: dict[str, tuple[int, ...]]) -> 
             if tensor.shape is not None and len(tensor.shape) != len(new):
                 raise ModelError(f"--input-shape {tensor.name}: model input has rank {len(tensor.shape)}, "
                                  f"given {format_shape(new)}")
+            fixed = [(a, d, n) for a, (d, n) in enumerate(zip(tensor.shape or [], new)) if isinstance(d, int) and d > 0
+                     and d != n]
+            if fixed:   # the model's own Reshapes and weights hold that size: another would be read wrongly
+                axis, dim, given = fixed[0]
+                raise ModelError(f"--input-shape {tensor.name}={','.join(map(str, new))}: dimension {axis} of the model's "
+                                 f"input {format_shape(tensor.shape)} is fixed at {dim}, not {given}; only dynamic "
+                                 f"dimensions can be set")
+            if any(n <= 0 for n in new):
+                raise ModelError(f"--input-shape {tensor.name}={','.join(map(str, new))}: every dimension must be "
+                                 f"at least 1")
             tensor.shape = new
             changed.append(tensor.name)
         if tensor.shape is None:
             raise ModelError(f"input {tensor.name!r} has no shape; give one with --input-shape {tensor.name}=1,3,224,224")
+        if 0 in tensor.shape:
+            raise ModelError(f"input {tensor.name!r} has shape {format_shape(tensor.shape)}, with no element: "
+                             f"nothing to compute")
         for axis, dim in enumerate(tensor.shape):
             if not (isinstance(dim, int) and dim >= 0):
                 example = ",".join(str(d) if isinstance(d, int) and d >= 0 else "N" for d in tensor.shape)
