@@ -34,7 +34,23 @@ def load_model(path: str | Path) -> onnx.ModelProto:
         raise ModelError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model (no graph nodes)")
+    check_single_assignment(path, model.graph)
     return model
+
+
+def check_single_assignment(path: Path, graph: onnx.GraphProto) -> None:
+    """Each tensor made once (ONNX's rule; onnxruntime and the checker refuse a model that breaks it, and
+    the simulator took the first definition of the name, silently)."""
+    made = {value.name: "a graph input" for value in graph.input}
+    made.update((tensor.name, "an initializer") for tensor in graph.initializer)
+    for node in graph.node:
+        for name in node.output:
+            if name and name in made:
+                raise ModelError(f"{path}: tensor {name} is made by {made[name]} and by node {node.name or node.op_type}; "
+                                 f"a valid ONNX model makes each tensor once")
+            if name:
+                made[name] = f"node {node.name or node.op_type}"
+
 
 
 def external_data_files(path: Path, model: onnx.ModelProto) -> list[Path]:

@@ -115,3 +115,18 @@ def test_input_shape_must_agree_with_the_models_static_dimensions(tmp_path, shap
     res = shard_cli("compile", path, "--target", "cpu", "--input-shape", shape)
     assert_one_line_error(res, fragment)
     assert not (tmp_path / "relu.shard").exists()
+
+
+def test_a_tensor_made_twice_is_refused(tmp_path):
+    # Not SSA: onnxruntime and the onnx checker refuse it; shard compiled it and the simulator took the first.
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="first"),
+                               helper.make_node("Neg", ["x"], ["y"], name="second")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "twice.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = shard_cli("compile", path, "--target", "cpu")
+    assert_one_line_error(res, "tensor y is made by node first and by node second")
