@@ -5,13 +5,14 @@ Standard library only: the runtime on the device reads bundles with nothing but 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 4  # 4: a shard's own precision, build options, quantization samples, scaled edges; 3: host steps,
+SCHEMA_VERSION = 5  # 5: every file a run reads with its size and sha256; 4: a shard's own precision, build options, quantization samples, scaled edges; 3: host steps,
                     # shards with edge shapes and the build they kept
 MANIFEST = "manifest.json"
 
@@ -57,6 +58,7 @@ class Manifest:
     host_post: list[dict] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
+    files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -73,6 +75,53 @@ class Manifest:
                   for s in data["shards"]]
         return cls(**{**data, "inputs": tensors(data["inputs"]), "outputs": tensors(data["outputs"]),
                       "shards": shards})
+
+
+def run_files(root: Path, manifest: Manifest) -> list[str]:
+    """The bundle's files a run reads (shard ONNX and their external weights, artifacts, host tables,
+    quantization samples, the profile); not the logs and the report, which it does not."""
+    named = [rel for s in manifest.shards for rel in (s.onnx, s.artifact) if rel]
+    named += [f"{s.onnx}.data" for s in manifest.shards if s.onnx and (root / f"{s.onnx}.data").is_file()]
+    named += [c["file"] for step in manifest.host_pre + manifest.host_post
+              for c in step.get("constants", {}).values() if "file" in c]
+    named += [rel for s in manifest.shards for sample in s.dataset for rel in sample]
+    named += [manifest.profile["file"]] if manifest.profile.get("file") and (root / manifest.profile["file"]).is_file() \
+        else []
+    return sorted(set(named))
+
+
+def file_record(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def record_files(root: Path, manifest: Manifest) -> None:
+    """Give the manifest the size and sha256 of every file a run reads; written by whoever writes the
+    manifest, once those files are final."""
+    manifest.files = {rel: file_record(root / rel) for rel in run_files(root, manifest)}
+
+
+def check_files(bundle: str | Path, manifest: Manifest | None = None) -> dict[str, str]:
+    """Every file a run reads against the size and sha256 the manifest records: {path: "ok"}, or a
+    BundleError naming the first that differs (a byte flipped in a pack ran with a different answer,
+    and two swapped .rknn files verified)."""
+    root = Path(bundle)
+    manifest = manifest or read_manifest(root)
+    checked = {}
+    for rel in run_files(root, manifest):
+        want = manifest.files.get(rel)
+        if want is None:
+            raise BundleError(f"{root}: {rel} has no recorded hash in the manifest: the bundle was changed after "
+                              f"it was written; compile the model again")
+        got = file_record(root / rel) if (root / rel).stat().st_size == want["bytes"] else None
+        if got != want:
+            raise BundleError(f"{root}: {rel} is not the file the compile wrote (its size or sha256 differs): "
+                              f"the bundle was changed or damaged after it was written; compile it again")
+        checked[rel] = f"ok (sha256 {want['sha256'][:12]}, {want['bytes']} bytes)"
+    return checked
 
 
 def read_manifest(bundle: str | Path) -> Manifest:

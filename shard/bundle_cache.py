@@ -24,11 +24,10 @@ import onnx
 import shard
 from shard.errors import ModelError
 from shard.graph import external_data_files, sha256_file
-from shard.targets.build_cache import entry_file, link_or_copy, prune, size_limit, store_entry
+from shard.targets.build_cache import entry_file, prune, size_limit, store_entry
 
 VERSION = 1
 MARKER = "bundle.json"     # an entry's record, touched on each hit
-LINKED = 1 << 20           # files at least this large are hard-linked (the bundle's shard files), the rest copied
 IGNORED = ("jobs", "build_cache")   # options that do not change the bundle
 
 
@@ -81,15 +80,14 @@ def entry_name(key: str) -> str:
 
 
 def copy_tree(src: Path, dst: Path) -> None:
-    """The files under src at the same places under dst: large ones hard-linked, small ones copied
-    (a report rewritten in one folder never changes the other)."""
+    """The files under src at the same places under dst, copied: a bundle shares no file with the
+    cache, so an edit of one never reaches the other (hard-linked, truncating an entry truncated the
+    bundles made from it). The restored bundle is checked against its manifest's hashes."""
     for path in sorted(src.rglob("*")):
         target = dst / path.relative_to(src)
         if path.is_dir():
             target.mkdir(parents=True, exist_ok=True)
-        elif path.stat().st_size >= LINKED:
-            link_or_copy(path, target)
-        else:
+        elif path.is_file() and not path.is_symlink():
             shutil.copyfile(path, target)
 
 

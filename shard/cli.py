@@ -480,6 +480,8 @@ def verify_one(bundle: Path, reference: Path, backend, min_cosine: float, seed: 
     samples = load_samples(inputs, read_manifest(bundle).inputs, "--inputs") if inputs else None
     with progress_bar() as progress:
         report = verify_bundle(bundle, reference, backend, min_cosine, seed, progress=progress, samples=samples)
+    for rel, check in report.files.items():
+        console.print(f"file {rel}: {check}")
     if len(report.samples) > 1:
         per_sample = Table(title=f"{len(report.samples)} samples from {inputs.name}")
         for col in ("sample", "output", "cosine", "max abs diff"):

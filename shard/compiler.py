@@ -19,7 +19,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard import __version__
-from shard.bundle import MANIFEST, Manifest, ShardSpec, read_manifest
+from shard.bundle import MANIFEST, Manifest, ShardSpec, check_files, read_manifest, record_files
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
 from shard.errors import CompileError, ShardError
@@ -91,6 +91,8 @@ def restored(staging: Path, output: Path, record: dict, seconds: float) -> Compi
 
     folders = [staging / b.name for b in read_buckets(staging).buckets] if is_bucketed(staging) else [staging]
     manifests = [read_manifest(folder) for folder in folders]   # every file there: else a damaged entry
+    for folder, manifest in zip(folders, manifests):   # and each the bytes the compile wrote
+        check_files(folder, manifest)
     reports = {}
     for folder in folders:
         report = json.loads((folder / "report.json").read_text())
@@ -553,6 +555,7 @@ class BundleWriter:
                       vendor_alone=vendor and {"seconds": vendor.seconds, "error": vendor.error,
                                                "diagnostics": vendor.diagnostics,
                                                "figures_only": vendor.figures_only})
+        record_files(folder, manifest)
         (folder / MANIFEST).write_text(manifest.to_json())
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return manifest, report

@@ -20,7 +20,7 @@ import tarfile
 from pathlib import Path
 
 import shard
-from shard.bundle import MANIFEST, read_manifest
+from shard.bundle import MANIFEST, check_files, read_manifest
 from shard.errors import ShardError
 from shard.runtime.buckets import is_bucketed
 from shard.runtime.host import step_files
@@ -66,6 +66,7 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
         raise ShardError(f"{bundle}: a bundle of shape buckets is packed bucket by bucket for now: "
                          f"shard pack {bundle}/b0 -o ..., and so on")
     manifest = read_manifest(bundle)
+    check_files(bundle, manifest)   # never pack what the compile did not write
     name = output.name[: -len(".tar.gz")]
     files: dict[str, bytes] = {}
     shards = []
@@ -81,7 +82,9 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     for step in manifest.host_pre + manifest.host_post:
         for rel in step_files(step):
             files[f"bundle/{rel}"] = (bundle / rel).read_bytes()
-    files[f"bundle/{MANIFEST}"] = dataclasses.replace(manifest, shards=shards).to_json().encode()
+    packed = {rel.removeprefix("bundle/"): data for rel, data in files.items()}
+    recorded = {rel: record for rel, record in manifest.files.items() if rel in packed}
+    files[f"bundle/{MANIFEST}"] = dataclasses.replace(manifest, shards=shards, files=recorded).to_json().encode()
     package = Path(shard.__file__).parent
     for entry in RUNTIME:
         for path in ([package / entry] if entry.endswith(".py") else sorted((package / entry).rglob("*.py"))):

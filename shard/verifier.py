@@ -35,6 +35,7 @@ class VerifyReport:
     reference_is_source: bool = True
     skipped_shards: dict[str, str] = field(default_factory=dict)
     samples: list[list[Comparison]] = field(default_factory=list)   # every output, per input sample
+    files: dict[str, str] = field(default_factory=dict)   # each file the run read, against its recorded sha256
 
     @property
     def passed(self) -> bool:
@@ -118,7 +119,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
                  for i in range(len(manifest.outputs))]
         report = VerifyReport(backend=session.backend, min_cosine=min_cosine, outputs=worst,
                               reference_is_source=sha256_file(reference) == manifest.source["sha256"],
-                              samples=per_sample)
+                              samples=per_sample, files=dict(session.files))
         expected, actual = references[0], runs[0]
         for k, shard in enumerate(manifest.shards):
             progress("shards, fed the reference's tensors", k, len(manifest.shards))

@@ -13,7 +13,7 @@ from conftest import make_model, shard_cli
 from onnx import TensorProto, helper
 
 import shard
-from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec
+from shard.bundle import MANIFEST, Manifest, ShardSpec, TensorSpec, record_files
 from shard.errors import RunError
 from shard.runtime.scheduler import shard_dependencies
 
@@ -56,6 +56,7 @@ def write_bundle(root: Path, shards: list[tuple[onnx.ModelProto, int]], graph_in
                                tensors(model.graph.output), core, "fp32", macs))
     manifest = Manifest("cpu", {"name": "hand", "sha256": ""}, {}, {}, [known[n] for n in graph_inputs],
                         [known[n] for n in graph_outputs], specs)
+    record_files(root, manifest)   # as a compile writes it: each file's size and sha256
     (root / MANIFEST).write_text(manifest.to_json())
     return root
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.bundle import Manifest, ShardSpec, read_manifest
+from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError
 from shard.runtime.executors import STAGE_BACKENDS, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
@@ -45,6 +45,7 @@ class Session:
                  schedule: str | None = None, timeout: float | None = None):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
+        self.files = check_files(self.bundle, self.manifest)   # {path: "ok ..."}: every file as compile wrote it
         check_dataflow(self.manifest)
         self.tables = load_tables(self.bundle, self.manifest.host_pre)
         self.host_seconds = 0.0   # all frames' host steps, before and after the shards

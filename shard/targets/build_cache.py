@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from shard.bundle import file_record
 from shard.cache_folder import disk_bytes, entry_folders, mark_entry, mark_folder
 from shard.errors import CompileError
 from shard.graph import sha256_file
@@ -105,11 +106,15 @@ class BuildCache:
         self.used.add(key)
         try:
             data = json.loads((entry / "build.json").read_text())
+            artifact = data.pop("artifact", None)   # its size and sha256, as put() found it
+            if job.artifact is not None and data["error"] is None and file_record(entry / "artifact") != artifact:
+                shutil.rmtree(entry, ignore_errors=True)   # damaged or replaced: built again, and kept anew
+                return None
             os.utime(entry / "build.json")   # used now: the last to be evicted
             shutil.copyfile(entry / "build.log", job.log)
             if job.artifact is not None and data["error"] is None:
-                link_or_copy(entry / "artifact", job.artifact)
-        except (OSError, json.JSONDecodeError, KeyError):
+                shutil.copyfile(entry / "artifact", job.artifact)   # a copy: editing a bundle never reaches the cache
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
             return None
         if data["error"]:  # the message names the shard and its log: this job's, not the first one's
             data["error"] = data["error"].replace(NAME, job.name).replace(LOG, str(job.log))
@@ -128,10 +133,11 @@ class BuildCache:
                 data = {k: v for k, v in asdict(build).items() if k not in ("name", "cached", "figures_only")}
                 if build.error:
                     data["error"] = build.error.replace(str(job.log), LOG).replace(f"{job.name}:", f"{NAME}:")
-                (staging / "build.json").write_text(json.dumps(data))
                 shutil.copyfile(job.log, staging / "build.log")
                 if artifact is not None and build.error is None:
-                    link_or_copy(artifact, staging / "artifact")
+                    shutil.copyfile(artifact, staging / "artifact")
+                    data["artifact"] = file_record(staging / "artifact")
+                (staging / "build.json").write_text(json.dumps(data))
 
             store_entry(self.root, entry, write)
 

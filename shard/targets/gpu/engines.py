@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from shard.bundle import MANIFEST, read_manifest
+from shard.bundle import MANIFEST, read_manifest, record_files
 from shard.errors import CompileError, ShardError
 
 BOOKKEEPING = ("Reformat", "NoOp", "Constant", "Shuffle", "Identity")   # layers that move data, compute nothing
@@ -147,5 +147,6 @@ def build_engines(bundle: str | Path, progress: Callable[[str, int, int], None] 
         raise CompileError("an engine runs below the precision its stage asked for (TensorRT on Thor can drop "
                            "FP8 requests silently):\n  " + "\n  ".join(lines[:20]) +
                            ("\n  ..." if len(lines) > 20 else "") + "\nrun it with --backend cuda meanwhile")
+    record_files(bundle, manifest)
     (bundle / MANIFEST).write_text(manifest.to_json())
     return checks
