@@ -59,9 +59,15 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
     files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads
+    digest: str = ""   # the sha256 of this manifest's JSON with digest empty: a changed byte shows
 
     def to_json(self) -> str:
+        """The manifest as written, sealed first: its digest set over everything else it says."""
+        self.digest = self.own_digest()
         return json.dumps(asdict(self), indent=2) + "\n"
+
+    def own_digest(self) -> str:
+        return hashlib.sha256(json.dumps({**asdict(self), "digest": ""}, indent=2).encode()).hexdigest()
 
     @property
     def rknn(self) -> bool:
@@ -132,15 +138,20 @@ def read_manifest(bundle: str | Path) -> Manifest:
         raise BundleError(f"{root}: not a shard bundle (no {MANIFEST}); make one with `shard compile`")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BundleError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(data, dict):
+        raise BundleError(f"{path}: malformed manifest (not a JSON object)")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise BundleError(f"{path}: schema version {data.get('schema_version')!r}, this shard reads "
                           f"{SCHEMA_VERSION}; recompile the model")
     try:
         manifest = Manifest.from_dict(data)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise BundleError(f"{path}: malformed manifest ({exc})") from None
+    if manifest.digest != manifest.own_digest():
+        raise BundleError(f"{path}: the manifest is not the one the compile wrote (its digest differs): the bundle was "
+                          f"changed or damaged after it was written; compile the model again")
     base = root.resolve()
     files = [(f"shard {shard.name}", rel) for shard in manifest.shards for rel in (shard.onnx, shard.artifact, shard.log)]
     files += [(f"host step {step['type']}", c["file"]) for step in manifest.host_pre

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import mlp_chain, shard_cli
+from conftest import mlp_chain, shard_cli, write_manifest
 
 import shard
 from shard.compiler import CompileOptions
@@ -39,10 +39,7 @@ def test_inputs_are_checked(bundle):
 
 
 def test_manifest_paths_never_leave_the_bundle(bundle):
-    path = bundle / "manifest.json"
-    data = json.loads(path.read_text())
-    data["shards"][0]["onnx"] = "../../etc/passwd"
-    path.write_text(json.dumps(data))
+    write_manifest(bundle, lambda data: data["shards"][0].update(onnx="../../etc/passwd"))
     with pytest.raises(BundleError, match="outside the bundle"):
         shard.load(bundle, backend="cpu")
 
@@ -76,18 +73,18 @@ def test_public_api_names_survive_importing_their_modules():
 @pytest.mark.parametrize("damage", ["unmade input", "cycle", "made twice", "unmade output"])
 def test_a_manifest_whose_shards_cannot_all_run_is_refused_at_load(bundle, damage):
     # Before, a run waited forever: a core thread died of a KeyError outside its try block.
-    path = bundle / "manifest.json"
-    data = json.loads(path.read_text())
-    shards = data["shards"]
-    if damage == "unmade input":
-        shards[1]["inputs"][0]["name"] = "nobody_makes_this"
-    elif damage == "cycle":   # shard 0 reads what shard 1 makes, which reads shard 0's output
-        shards[0]["inputs"].append(dict(shards[1]["outputs"][0]))
-    elif damage == "made twice":
-        shards[2]["outputs"].append(dict(shards[0]["outputs"][0]))
-    else:
-        data["outputs"][0]["name"] = "nobody_makes_this"
-    path.write_text(json.dumps(data))
+    def edit(data):
+        shards = data["shards"]
+        if damage == "unmade input":
+            shards[1]["inputs"][0]["name"] = "nobody_makes_this"
+        elif damage == "cycle":   # shard 0 reads what shard 1 makes, which reads shard 0's output
+            shards[0]["inputs"].append(dict(shards[1]["outputs"][0]))
+        elif damage == "made twice":
+            shards[2]["outputs"].append(dict(shards[0]["outputs"][0]))
+        else:
+            data["outputs"][0]["name"] = "nobody_makes_this"
+
+    write_manifest(bundle, edit)
     match = {"unmade input": "reads nobody_makes_this", "cycle": "a cycle", "made twice": "and by shard",
              "unmade output": "outputs reads nobody_makes_this"}[damage]
     with pytest.raises(BundleError, match=match):
@@ -101,14 +98,33 @@ def test_verify_compares_shapes_not_flattened_values(bundle, tmp_path, save):
     # verify, comparing the flattened arrays, passed.
     from shard.verifier import compare
 
-    path = bundle / "manifest.json"
-    data = json.loads(path.read_text())
-    shape = data["outputs"][0]["shape"]
-    data["outputs"][0]["shape"] = [shape[0], shape[2], shape[1]]
-    data["shards"][-1]["outputs"][0]["shape"] = [shape[0], shape[2], shape[1]]
-    path.write_text(json.dumps(data))
+    def transpose(data):
+        shape = data["outputs"][0]["shape"]
+        data["outputs"][0]["shape"] = data["shards"][-1]["outputs"][0]["shape"] = [shape[0], shape[2], shape[1]]
+
+    write_manifest(bundle, transpose)
     res = shard_cli("verify", bundle, "--reference", save(mlp_chain(3), "ref.onnx"), "--backend", "cpu")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stdout + res.stderr
     x = np.arange(6.0).reshape(2, 3)
     assert compare("y", x, x.reshape(3, 2)).cosine != compare("y", x, x.reshape(3, 2)).cosine   # NaN
     assert compare("y", x, x.copy()).cosine == 1.0
+
+
+def test_a_changed_byte_of_the_manifest_or_of_a_file_a_run_reads_is_refused(bundle):
+    path = bundle / "manifest.json"
+    text = path.read_text()
+    path.write_text(text.replace('"core": 0', '"core": 1', 1))   # still valid JSON and a runnable bundle
+    with pytest.raises(BundleError, match="digest differs"):
+        shard.load(bundle, backend="cpu")
+    path.write_text(text)
+    shards = bundle / "shards"   # two shards' files swapped (as two .rknn artifacts were, and verified)
+    a, b = (shards / "shard_000.onnx").read_bytes(), (shards / "shard_001.onnx").read_bytes()
+    (shards / "shard_000.onnx").write_bytes(b)
+    (shards / "shard_001.onnx").write_bytes(a)
+    with pytest.raises(BundleError, match="shard_000.onnx is not the file the compile wrote"):
+        shard.load(bundle, backend="cpu")
+    (shards / "shard_000.onnx").write_bytes(a)
+    (shards / "shard_001.onnx").write_bytes(b)
+    with shard.load(bundle, backend="cpu") as session:
+        assert set(session.files) == {"shards/shard_000.onnx", "shards/shard_001.onnx", "shards/shard_002.onnx",
+                                      "profile.json"} and all(v.startswith("ok") for v in session.files.values())

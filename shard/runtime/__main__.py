@@ -11,11 +11,13 @@ for thor and cuda bundles, else the cpu executor (onnxruntime), which needs the 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -68,20 +70,44 @@ def pick_backend(manifest: Manifest) -> str:
     return "cpu"
 
 
+# What a pack may unpack to: a bundle is its weights and little else, which gzip barely shrinks (a
+# 1 MB pack of zeros unpacked to 1 GiB).
+MAX_MEMBERS = 10_000
+MAX_BYTES = 64 * 2**30
+MAX_RATIO = 100   # unpacked bytes over the pack's
+
+
 def unpack(path: Path, into: Path) -> Path:
-    """The bundle inside a pack (NAME/bundle), extracted into `into`."""
-    with tarfile.open(path) as tar:
-        try:
-            tar.extractall(into, filter="data")
-        except TypeError:   # a Python without extraction filters (before 3.9.17): check the names ourselves
-            root = into.resolve()
-            for member in tar.getmembers():
-                if not member.isfile() or not (root / member.name).resolve().is_relative_to(root):
-                    raise RunError(f"{path}: not a shard pack (entry {member.name!r})") from None
-            tar.extractall(into)
+    """The bundle inside a pack (NAME/bundle), extracted into `into`: the whole gzip stream read and
+    its CRC and length checked first, within MAX_MEMBERS entries and MAX_BYTES (and MAX_RATIO times
+    the pack), regular files and folders only, one bundle; anything else a RunError in one line."""
+    limit = min(MAX_BYTES, MAX_RATIO * max(path.stat().st_size, 1 << 20))
+    try:
+        with gzip.open(path, "rb") as stream:   # tarfile stops before gzip's trailer: its CRC went unseen
+            total = 0
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                total += len(block)
+                if total > limit:
+                    raise RunError(f"{path}: unpacks to more than {limit / 2**30:.1f} GiB: not a shard pack")
+        with tarfile.open(path, "r:gz") as tar:
+            members = tar.getmembers()
+            if len(members) > MAX_MEMBERS:
+                raise RunError(f"{path}: {len(members)} entries, more than a shard pack holds ({MAX_MEMBERS})")
+            odd = next((m.name for m in members if not (m.isfile() or m.isdir())), None)
+            if odd is not None:
+                raise RunError(f"{path}: entry {odd!r} is not a file: not a shard pack")
+            try:
+                tar.extractall(into, filter="data")
+            except TypeError:   # a Python without extraction filters (before 3.9.17): check the names ourselves
+                root = into.resolve()
+                if any(not (root / m.name).resolve().is_relative_to(root) for m in members):
+                    raise RunError(f"{path}: an entry leaves the pack's folder: not a shard pack") from None
+                tar.extractall(into)
+    except (tarfile.TarError, OSError, EOFError, zlib.error, UnicodeError, ValueError) as exc:
+        raise RunError(f"{path}: not a shard pack, or a damaged one ({type(exc).__name__}: {exc})") from None
     found = sorted(into.glob("*/bundle/manifest.json"))
-    if not found:
-        raise RunError(f"{path}: not a shard pack (no NAME/bundle/manifest.json inside)")
+    if len(found) != 1:
+        raise RunError(f"{path}: not a shard pack ({len(found)} NAME/bundle/manifest.json inside, one expected)")
     return found[0].parent
 
 
