@@ -154,10 +154,12 @@ def read_manifest(bundle: str | Path) -> Manifest:
                           f"changed or damaged after it was written; compile the model again")
     base = root.resolve()
     files = [(f"shard {shard.name}", rel) for shard in manifest.shards for rel in (shard.onnx, shard.artifact, shard.log)]
-    files += [(f"host step {step['type']}", c["file"]) for step in manifest.host_pre
+    files += [(f"host step {step.get('type', step.get('op'))}", c["file"]) for step in manifest.host_pre + manifest.host_post
               for c in step.get("constants", {}).values() if "file" in c]
     files += [(f"shard {shard.name}'s quantization samples", rel) for shard in manifest.shards
               for sample in shard.dataset for rel in sample]
+    files += [(f"shard {shard.name}'s weights", f"{shard.onnx}.data") for shard in manifest.shards
+              if shard.onnx and (root / f"{shard.onnx}.data").exists()]   # a link out of the bundle, too
     for owner, rel in files:
         if rel is None:
             continue

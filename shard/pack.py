@@ -65,9 +65,12 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     if is_bucketed(bundle):
         raise ShardError(f"{bundle}: a bundle of shape buckets is packed bucket by bucket for now: "
                          f"shard pack {bundle}/b0 -o ..., and so on")
+    name = output.name[: -len(".tar.gz")]
+    if name in ("", ".", "..") or name.startswith("."):   # `-o .tar.gz` wrote absolute names, `...tar.gz` ../ ones
+        raise ShardError(f"{output}: a pack's name is what its folder is called: NAME.tar.gz, NAME not starting "
+                         f"with a dot")
     manifest = read_manifest(bundle)
     check_files(bundle, manifest)   # never pack what the compile did not write
-    name = output.name[: -len(".tar.gz")]
     files: dict[str, bytes] = {}
     shards = []
     for spec in manifest.shards:

@@ -2,6 +2,7 @@
 test, eviction, and the build cache's structure keys."""
 
 import numpy as np
+import pytest
 from conftest import mlp_chain, shard_cli
 from onnx import numpy_helper
 
@@ -134,3 +135,31 @@ def test_a_models_structure_is_its_graph_with_weights_by_shape_and_kind():
     w = small.graph.initializer[0]
     w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * np.float32(1.01), w.name))
     assert structure_key(small) != before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "another shard's"])
+def test_a_damaged_cached_build_is_built_again_and_bundles_share_no_file_with_the_cache(tmp_path, damage):
+    # Truncated, byte-flipped or replaced entries were reused ("1 of 1 vendor builds from the cache"),
+    # and bundles hard-linked them: editing a bundle poisoned the cache.
+    from shard.targets import ShardBuild, ShardJob
+    from shard.targets.build_cache import BuildCache
+
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
+    for k, fill in enumerate((b"\1", b"\2")):
+        job = ShardJob(f"s{k}", tmp_path / f"s{k}.onnx", tmp_path / f"s{k}.rknn", tmp_path / f"s{k}.log")
+        job.log.write_text("log")
+        job.artifact.write_bytes(fill * 4096)
+        cache.put(job, f"k{k}", ShardBuild(job.name, 1.0))
+    job = ShardJob("s0", tmp_path / "s0.onnx", tmp_path / "got.rknn", tmp_path / "got.log")
+    assert cache.get(job, "k0").cached and job.artifact.read_bytes() == b"\1" * 4096
+    assert job.artifact.stat().st_ino != (cache.root / "k0" / "artifact").stat().st_ino   # a copy
+    job.artifact.write_bytes(b"edited")   # an edit of the bundle's file leaves the entry as it was
+    assert (cache.root / "k0" / "artifact").read_bytes() == b"\1" * 4096
+    stored = cache.root / "k0" / "artifact"
+    if damage == "truncated":
+        stored.write_bytes(b"\1" * 100)
+    elif damage == "flipped":
+        stored.write_bytes(b"\1" * 4095 + b"\3")
+    else:
+        stored.write_bytes((cache.root / "k1" / "artifact").read_bytes())
+    assert cache.get(job, "k0") is None and not (cache.root / "k0").exists()   # a miss: built and kept anew

@@ -128,3 +128,33 @@ def test_a_changed_byte_of_the_manifest_or_of_a_file_a_run_reads_is_refused(bund
     with shard.load(bundle, backend="cpu") as session:
         assert set(session.files) == {"shards/shard_000.onnx", "shards/shard_001.onnx", "shards/shard_002.onnx",
                                       "profile.json"} and all(v.startswith("ok") for v in session.files.values())
+
+
+@pytest.mark.parametrize("name", [".tar.gz", "...tar.gz"])
+def test_a_pack_is_named_by_a_plain_name(bundle, tmp_path, name):
+    # -o .tar.gz wrote absolute member names, -o ...tar.gz ../ ones.
+    res = shard_cli("pack", bundle, "-o", tmp_path / name)
+    assert res.returncode == 1 and "Traceback" not in res.stderr and "NAME.tar.gz" in res.stderr
+    assert not (tmp_path / name).exists()
+
+
+def test_a_bundle_never_reads_through_a_link_out_of_it(bundle, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not yours")
+    (bundle / "shards" / "shard_000.onnx.data").symlink_to(secret)
+    with pytest.raises(BundleError, match="points outside the bundle"):
+        shard.load(bundle, backend="cpu")
+    res = shard_cli("pack", bundle, "-o", tmp_path / "p.tar.gz", "--with-onnx")
+    assert res.returncode == 1 and "outside the bundle" in res.stderr and not (tmp_path / "p.tar.gz").exists()
+
+
+def test_a_host_step_after_the_shards_never_names_a_file_out_of_the_bundle(bundle, tmp_path):
+    def edit(data):
+        data["host_post"] = [{"op": "onnx", "type": "Mul", "inputs": ["y", "c"], "outputs": ["z"],
+                              "constants": {"c": {"file": "../../../../etc/passwd"}}}]
+
+    write_manifest(bundle, edit)
+    with pytest.raises(BundleError, match="host step Mul points outside the bundle"):
+        shard.load(bundle, backend="cpu")
+    res = shard_cli("pack", bundle, "-o", tmp_path / "p.tar.gz")
+    assert res.returncode == 1 and "outside the bundle" in res.stderr
