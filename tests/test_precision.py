@@ -103,7 +103,9 @@ def test_range_sandwich_rescues_a_model_the_vendor_alone_turns_into_nan(tmp_path
     assert scaled and all(k > 0 for _, k in scaled)      # the edge between the shards is held scaled
     out = shard_cli("verify", tmp_path / "g.shard", "-r", model, "--min-cosine", "0.9999")
     assert out.returncode == 0 and "not checked alone" not in out.stdout, out.stdout + out.stderr
-    assert out.stdout.count("shard_00") == 2             # both checked fed the reference's (scaled) tensors
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│ shard_00")]
+    assert len(rows) == 2                                # both checked fed the reference's (scaled) tensors
+    assert out.stdout.count("file shards/shard_00") == 4 and "ok (sha256" in out.stdout   # .onnx, .rknn each
 
 
 def growing_to_softmax(save, tail: bool):
