@@ -3,6 +3,9 @@ fits, padded (the attention mask masks the padding out) and cut back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -73,6 +76,10 @@ def test_buckets_on_the_cpu(bert, tmp_path):
     assert spec.crop == {"last_hidden_state": {"1": ["input_ids", 1]}}
     for b in spec.buckets:
         assert verify_bundle(result.bundle / b.name, bert, backend="cpu").passed
+    # The runtime alone runs a bucketed bundle (it said "not a shard bundle (no manifest.json)").
+    res = subprocess.run([sys.executable, "-m", "shard.runtime", str(result.bundle), "--backend", "cpu"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "output last_hidden_state: shape [1, 16, 128]" in res.stdout, res.stderr
     check_between_buckets(result.bundle, bert, "cpu")
 
 

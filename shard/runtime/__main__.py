@@ -112,7 +112,8 @@ def unpack(path: Path, into: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shard.runtime import Session, random_inputs
+    from shard.runtime import load, random_inputs
+    from shard.runtime.buckets import is_bucketed, read_buckets
 
     ap = argparse.ArgumentParser(prog="python -m shard.runtime", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="shard-pack-") as tmp:
             path = Path(args.bundle)
             bundle = unpack(path, Path(tmp)) if path.is_file() else path
-            manifest = read_manifest(bundle)
+            # a bundle of shape buckets: random inputs fill its smallest bucket, given ones pick theirs
+            manifest = read_manifest(bundle / read_buckets(bundle).buckets[0].name if is_bucketed(bundle) else bundle)
             backend = args.backend or pick_backend(manifest)
             given = read_inputs(args.input, [t.name for t in manifest.inputs])
-            with Session(bundle, backend) as session:
+            with load(bundle, backend) as session:
                 started = time.perf_counter()
                 for _ in range(max(1, args.repeat)):
                     outputs = session.run(given or random_inputs(manifest.inputs))
