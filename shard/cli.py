@@ -351,7 +351,11 @@ def run_command(
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
     if is_bucketed(bundle):
-        return run_buckets(bundle, input, backend, repeat, seed, save)
+        if stream or trace:   # a stream and its trace are one bucket's (its cores, its shards)
+            raise ShardError(f"--stream and --trace run one bucket of a bundle of shape buckets: shard run "
+                             f"{bundle}/b0 ... (the buckets are {bundle}/b0, b1, ...)")
+        return run_buckets(bundle, input, backend, repeat, seed, save,
+                           dict(cores=parse_cores(cores), schedule=schedule, timeout=timeout))
     frames = stream or repeat
     with progress_bar() as progress:
         progress(f"load ({backend or 'default backend'})", 0, 1)
@@ -396,12 +400,14 @@ def run_command(
         console.print(f"{1000 * wall / frames:.1f} ms per run")
 
 
-def run_buckets(bundle: Path, input: list[str], backend: str | None, repeat: int, seed: int, save: Path | None) -> None:
-    """`shard run` on a bundle of shape buckets: each frame on the smallest bucket its inputs fit."""
+def run_buckets(bundle: Path, input: list[str], backend: str | None, repeat: int, seed: int, save: Path | None,
+                session_args: dict) -> None:
+    """`shard run` on a bundle of shape buckets: each frame on the smallest bucket its inputs fit (each
+    bucket's session with the cores, schedule and timeout asked for)."""
     from shard.runtime import load, random_inputs
     from shard.runtime.__main__ import read_inputs, save_outputs
 
-    with load(bundle, backend=backend) as session:
+    with load(bundle, backend=backend, **session_args) as session:
         largest = session.spec.buckets[-1]
         names = list(largest.inputs)
         given = read_inputs(input, names) if input else None
@@ -846,5 +852,8 @@ def main() -> None:
     try:
         app()
     except ShardError as exc:
+        from shard.runtime.scheduler import exit_now_if_stuck
+
         err.print(f"[red]error[/]: {escape(str(exc))}", highlight=False, soft_wrap=True)  # shapes look like markup
+        exit_now_if_stuck(1)
         sys.exit(1)

@@ -76,6 +76,11 @@ def test_buckets_on_the_cpu(bert, tmp_path):
     assert spec.crop == {"last_hidden_state": {"1": ["input_ids", 1]}}
     for b in spec.buckets:
         assert verify_bundle(result.bundle / b.name, bert, backend="cpu").passed
+    # --timeout and the others reach each bucket's session; a stream is one bucket's (they were ignored).
+    res = shard_cli("run", result.bundle, "--backend", "cpu", "--timeout", "0.000001", "--repeat", "20")
+    assert res.returncode == 1 and "timeout" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    res = shard_cli("run", result.bundle, "--backend", "cpu", "--stream", "4")
+    assert res.returncode == 1 and "run one bucket" in res.stderr and "Traceback" not in res.stderr
     # The runtime alone runs a bucketed bundle (it said "not a shard bundle (no manifest.json)").
     res = subprocess.run([sys.executable, "-m", "shard.runtime", str(result.bundle), "--backend", "cpu"],
                          capture_output=True, text=True)

@@ -158,3 +158,12 @@ def test_a_host_step_after_the_shards_never_names_a_file_out_of_the_bundle(bundl
         shard.load(bundle, backend="cpu")
     res = shard_cli("pack", bundle, "-o", tmp_path / "p.tar.gz")
     assert res.returncode == 1 and "outside the bundle" in res.stderr
+
+
+def test_a_timeout_ends_the_run_with_exit_1_not_an_abort(tmp_path, save):
+    # The error line came, then "terminate called without an active exception" and exit 134 in about 4
+    # runs of 6: a core thread still inside onnxruntime when the interpreter exited.
+    big = shard.compile(save(mlp_chain(3, width=512)), "cpu", tmp_path / "big.shard", CompileOptions(shards=3)).bundle
+    for _ in range(6):
+        res = shard_cli("run", big, "--backend", "cpu", "--timeout", "0.000001", "--repeat", "30")
+        assert res.returncode == 1 and "timeout" in res.stderr and "terminate" not in res.stderr, res.stderr

@@ -24,6 +24,7 @@ import numpy as np
 
 from shard.bundle import Manifest, read_manifest
 from shard.errors import RunError, ShardError
+from shard.runtime.scheduler import exit_now_if_stuck
 
 
 def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_outputs(outputs, args.save)
     except ShardError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        exit_now_if_stuck(1)
         return 1
     return 0
 

@@ -266,6 +266,19 @@ class Scheduler:
                 self._cond.notify_all()
 
 
+def exit_now_if_stuck(code: int) -> None:
+    """Leave the process at once where a core's thread is still inside an executor (a shard past its
+    timeout): the interpreter's exit would abort in the executor's C++ runtime ("terminate called
+    without an active exception", exit 134) instead of ending with `code`. The OS reclaims the rest."""
+    import os
+    import sys
+
+    if any(t.name.startswith("shard-core-") and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def predict_stream(shards: list[ShardSpec], seconds: list[float], cores: list[int], schedule: str = DEFAULT_SCHEDULE,
                    frames: int = 400, depth: int | None = None) -> tuple[float, float]:
     """(one frame's latency, frames per second of run_stream) if each shard took `seconds[k]` on any core:
