@@ -64,7 +64,7 @@ def compile_model(model: str | Path, target: str = "rk3588", output: str | Path 
     model = Path(model)
     output = Path(output) if output else default_output(model)
     tgt = get_target(target)
-    check_output_path(output)
+    check_output_path(output, model)
     tgt.check_environment()               # a missing toolkit fails before minutes of work
     t0 = time.monotonic()
     root = default_cache_dir()
@@ -956,11 +956,13 @@ def save_onnx(model, path: Path) -> bool:
     return large
 
 
-def check_output_path(output: Path) -> None:
-    """Refuse to replace anything at `output` that is not a bundle; make sure its folder exists; remove
-    what compiles of the same output that no longer run left beside it."""
+def check_output_path(output: Path, model: Path | None = None) -> None:
+    """Refuse to replace anything at `output` that is not a bundle, or that holds the model; make sure
+    its folder exists; remove what compiles of the same output that no longer run left beside it."""
     from shard.runtime.buckets import is_bucketed
 
+    if model is not None and model.resolve().is_relative_to(output.resolve()):
+        raise ShardError(f"{model} lies inside the output {output}, which the bundle replaces; choose another -o")
     if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output)):
         raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
     if not output.parent.is_dir():
@@ -978,6 +980,9 @@ def remove_stale_staging(output: Path) -> list[Path]:
     for path in output.parent.glob(f".{glob.escape(output.name)}.*-*"):
         match = STAGING.match(path.name)
         if match and match["name"] == output.name and not process_alive(int(match["pid"])):
+            if path.name.endswith(f".old-{match['pid']}") and not output.exists():
+                path.rename(output)   # the compile died between its two renames: this is the only bundle
+                continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

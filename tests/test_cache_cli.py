@@ -163,3 +163,19 @@ def test_a_damaged_cached_build_is_built_again_and_bundles_share_no_file_with_th
     else:
         stored.write_bytes((cache.root / "k1" / "artifact").read_bytes())
     assert cache.get(job, "k0") is None and not (cache.root / "k0").exists()   # a miss: built and kept anew
+
+
+def test_a_damaged_build_record_is_dropped_so_the_build_is_kept_anew(tmp_path):
+    # A bad build.json was detected but never rewritten: that build was made again on every compile.
+    from shard.targets import ShardBuild, ShardJob
+    from shard.targets.build_cache import BuildCache
+
+    cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
+    job = ShardJob("s", tmp_path / "s.onnx", tmp_path / "s.rknn", tmp_path / "s.log")
+    job.log.write_text("log")
+    job.artifact.write_bytes(b"\1" * 64)
+    cache.put(job, "k", ShardBuild(job.name, 1.0))
+    (cache.root / "k" / "build.json").write_text("{not json")
+    assert cache.get(job, "k") is None and not (cache.root / "k").exists()
+    cache.put(job, "k", ShardBuild(job.name, 1.0))
+    assert cache.get(job, "k").cached

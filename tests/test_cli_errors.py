@@ -130,3 +130,45 @@ def test_a_tensor_made_twice_is_refused(tmp_path):
     path.write_bytes(model.SerializeToString())
     res = shard_cli("compile", path, "--target", "cpu")
     assert_one_line_error(res, "tensor y is made by node first and by node second")
+
+
+def test_a_model_inside_the_output_folder_is_refused_and_kept(tmp_path):
+    out = tmp_path / "out.shard"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")   # an earlier bundle there, the model saved into it
+    import onnx
+
+    onnx.save(add_model([1, 8]), out / "m.onnx")
+    res = shard_cli("compile", out / "m.onnx", "--target", "cpu", "-o", out)
+    assert_one_line_error(res, "lies inside the output")
+    assert (out / "m.onnx").is_file()
+
+
+def test_a_compile_that_died_between_its_renames_leaves_the_old_bundle_in_place(tmp_path):
+    import subprocess
+
+    import onnx
+
+    model = tmp_path / "m.onnx"
+    onnx.save(add_model([1, 8]), model)
+    assert shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "m.shard").returncode == 0
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "m.shard").rename(tmp_path / f".m.shard.old-{dead.pid}")   # where a SIGKILL left it
+    res = shard_cli("compile", tmp_path / "missing.onnx", "--target", "cpu", "-o", tmp_path / "m.shard")
+    assert res.returncode == 1   # a compile that fails itself still puts the only bundle back
+    assert (tmp_path / "m.shard" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("values", ["complex", "strings"])
+def test_run_refuses_inputs_that_are_not_numbers(tmp_path, values):
+    import numpy as np
+    import onnx
+
+    model = tmp_path / "m.onnx"
+    onnx.save(add_model([1, 8]), model)
+    assert shard_cli("compile", model, "--target", "cpu").returncode == 0
+    x = np.ones((1, 8), np.complex64) if values == "complex" else np.array([["a"] * 8])
+    np.save(tmp_path / "x.npy", x)
+    res = shard_cli("run", tmp_path / "m.shard", "--backend", "cpu", "--input", tmp_path / "x.npy")
+    assert_one_line_error(res, "the model takes numbers")

@@ -38,8 +38,11 @@ def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
             name, path = names[0], text
         try:
             arrays[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError) as exc:
             raise RunError(f"--input {name}: cannot read {path} as .npy ({exc})") from None
+        if arrays[name].dtype.kind not in "biuf":   # complex lost its imaginary part, strings raised
+            raise RunError(f"--input {name}: {path} holds {arrays[name].dtype} values; the model takes numbers "
+                           f"(integers or floats)")
     return arrays
 
 

@@ -114,7 +114,10 @@ class BuildCache:
             shutil.copyfile(entry / "build.log", job.log)
             if job.artifact is not None and data["error"] is None:
                 shutil.copyfile(entry / "artifact", job.artifact)   # a copy: editing a bundle never reaches the cache
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        except OSError:   # a miss, or evicted under our feet
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            shutil.rmtree(entry, ignore_errors=True)   # a damaged record: built again and kept anew, not every time
             return None
         if data["error"]:  # the message names the shard and its log: this job's, not the first one's
             data["error"] = data["error"].replace(NAME, job.name).replace(LOG, str(job.log))
