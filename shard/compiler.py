@@ -298,13 +298,13 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         # that a finalizer swallowed on the way (shard.cli.stop_point), it stops here, leaving nothing.
         progress("write the bundle", 1, 1)
         replace_dir(staging, output)
-    except BaseException:
+    except BaseException as exc:
         if datasets:
             shutil.rmtree(datasets.root, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(staging.with_name(f"{staging.name}-vendor"), ignore_errors=True)
-        if not any(logs.iterdir()):
-            logs.rmdir()
+        if str(logs) not in str(exc):   # kept only where the message names them (a build that failed)
+            shutil.rmtree(logs, ignore_errors=True)
         raise
     shutil.rmtree(logs, ignore_errors=True)
     if datasets:
