@@ -12,7 +12,8 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 5  # 5: every file a run reads with its size and sha256; 4: a shard's own precision, build options, quantization samples, scaled edges; 3: host steps,
+SCHEMA_VERSION = 5  # 5: every file a run reads with its size and sha256, the manifest's digest; 4: a shard's own
+                    # precision, build options, quantization samples, scaled edges; 3: host steps,
                     # shards with edge shapes and the build they kept
 MANIFEST = "manifest.json"
 
@@ -117,12 +118,15 @@ def check_files(bundle: str | Path, manifest: Manifest | None = None) -> dict[st
     root = Path(bundle)
     manifest = manifest or read_manifest(root)
     checked = {}
-    for rel in run_files(root, manifest):
+    for rel in sorted(set(run_files(root, manifest)) | set(manifest.files)):   # a recorded file gone counts too
         want = manifest.files.get(rel)
         if want is None:
             raise BundleError(f"{root}: {rel} has no recorded hash in the manifest: the bundle was changed after "
                               f"it was written; compile the model again")
-        got = file_record(root / rel) if (root / rel).stat().st_size == want["bytes"] else None
+        path = root / rel
+        if not path.is_file() or not path.resolve().is_relative_to(root.resolve()):
+            raise BundleError(f"{root}: {rel} is missing, or not a file of the bundle: compile the model again")
+        got = file_record(path) if path.stat().st_size == want["bytes"] else None
         if got != want:
             raise BundleError(f"{root}: {rel} is not the file the compile wrote (its size or sha256 differs): "
                               f"the bundle was changed or damaged after it was written; compile it again")

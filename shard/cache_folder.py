@@ -56,9 +56,9 @@ def disk_bytes(path: Path, seen: set | None = None) -> int:
 
 
 def clear(root: Path, entries: list[Path], variable: str) -> tuple[int, int]:
-    """Remove the given entries of a cache folder shard owns, then the folders between them and the
-    root that they leave empty, and the tag and root where nothing else is left; (entries, bytes) removed. A folder that is not shard's is
-    refused in one line, and nothing is removed."""
+    """Remove the given entries of a cache folder shard owns, the folders they leave empty, and the
+    tag and the root where nothing else is left; returns (entries, bytes) removed. A folder that is
+    not shard's is refused in one line, and nothing is removed."""
     root = Path(root)
     if not root.exists():
         return 0, 0

@@ -167,3 +167,9 @@ def test_a_timeout_ends_the_run_with_exit_1_not_an_abort(tmp_path, save):
     for _ in range(6):
         res = shard_cli("run", big, "--backend", "cpu", "--timeout", "0.000001", "--repeat", "30")
         assert res.returncode == 1 and "timeout" in res.stderr and "terminate" not in res.stderr, res.stderr
+
+
+def test_a_recorded_file_that_is_gone_is_refused_in_one_line(bundle):
+    (bundle / "profile.json").unlink()
+    with pytest.raises(BundleError, match="profile.json is missing"):
+        shard.load(bundle, backend="cpu")
