@@ -90,7 +90,10 @@ def test_attention_softmax_with_row_sums_as_matmuls_equals_softmax_in_fp32(shape
     rng = np.random.default_rng(seed)
     feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
              for i in model.graph.input}
-    np.testing.assert_allclose(run_ort(out, feeds)[0], run_ort(model, feeds)[0], rtol=2e-5, atol=1e-6)
+    want = run_ort(model, feeds)[0]
+    # p @ v sums terms of both signs: an entry that nearly cancels has fp32 error relative to the terms,
+    # not to itself (seed 806, [1, 12, 8, 64]: 1.6e-6 off on -0.0094 where the output reaches 0.43).
+    np.testing.assert_allclose(run_ort(out, feeds)[0], want, rtol=2e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_attention_softmax_whose_input_spans_too_far_for_fp16_is_left_to_the_compiler():
