@@ -261,10 +261,7 @@ def print_compile_report(report: dict) -> None:
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
                       f"cut so that its builds, --jobs at once, stay within half of the vendor's build of the whole "
                       f"model; each shard is one more hand-off a frame on the board (--shards sets the count)")
-    kept_whole = report["passes"].get("partition", {}).get("kept_whole")
-    if kept_whole:
-        console.print(f"partition: no cut through what the vendor fuses (the cheapest cut ran through "
-                      f"{len(kept_whole)}): {', '.join(kept_whole[:3])}{' ...' if len(kept_whole) > 3 else ''}")
+    print_kept_whole(report["passes"].get("partition", {}).get("kept_whole"))
     predicted = report.get("predicted")
     if predicted:
         console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): one frame "
@@ -322,6 +319,13 @@ def print_compile_report(report: dict) -> None:
             console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
         for layer in s["diagnostics"].get("single_core_fallbacks", []):
             console.print(f"[yellow]warning[/]: {s['name']}: {layer} falls back to one NPU core")
+
+
+def print_kept_whole(kept_whole: list[str] | None) -> None:
+    """The fused patterns (norms, attention) partition's cheapest cut would have run through."""
+    if kept_whole:
+        console.print(f"partition: no cut through what the vendor fuses (the cheapest cut ran through "
+                      f"{len(kept_whole)}): {', '.join(kept_whole[:3])}{' ...' if len(kept_whole) > 3 else ''}")
 
 
 @app.command("run")
