@@ -349,11 +349,12 @@ def run_command(
 ) -> None:
     """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
-    from shard.runtime.__main__ import read_inputs, save_outputs
+    from shard.runtime.__main__ import check_save, read_inputs, save_outputs
     from shard.runtime.buckets import is_bucketed
 
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
+    check_save(save)
     if is_bucketed(bundle):
         if stream or trace:   # a stream and its trace are one bucket's (its cores, its shards)
             raise ShardError(f"--stream and --trace run one bucket of a bundle of shape buckets: shard run "

@@ -34,8 +34,52 @@ def load_model(path: str | Path) -> onnx.ModelProto:
         raise ModelError(f"{path}: not an ONNX model ({type(exc).__name__}: {exc})") from None
     if not model.graph.node:
         raise ModelError(f"{path}: not an ONNX model (no graph nodes)")
+    check_text(path, model.graph)
     check_single_assignment(path, model.graph)
+    check_tensor_data(path, model.graph)
     return model
+
+
+def check_text(path: Path, graph: onnx.GraphProto) -> None:
+    """Every name and op type UTF-8 text, as ONNX requires (protobuf hands other bytes through as
+    bytes, and onnx's own helpers then raised UnicodeDecodeError halfway through a compile)."""
+    values = [*graph.input, *graph.output, *graph.value_info, *graph.initializer]
+    for node in graph.node:
+        texts = [node.name, node.op_type, node.domain, *node.input, *node.output, *(a.name for a in node.attribute)]
+        bad = [text for text in texts if isinstance(text, bytes)]
+        if bad:
+            label = next((t for t in texts[:2] if t and isinstance(t, str)), "without a name")
+            raise ModelError(f"{path}: node {label} names {bad[0]!r}, which is not UTF-8 text (ONNX names are)")
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                check_text(path, sub)
+    bad = [value.name for value in values if isinstance(value.name, bytes)]
+    if bad:
+        raise ModelError(f"{path}: tensor name {bad[0]!r} is not UTF-8 text (ONNX names are)")
+
+
+def check_tensor_data(path: Path, graph: onnx.GraphProto) -> None:
+    """Every stored tensor holds at least the bytes its shape needs (a 2^31-element initializer with no
+    data got as far as numpy's reshape; onnxruntime refuses it). Read from the message's size, so that
+    no weight is copied to check it."""
+    for tensor in graph_tensors(graph):
+        if uses_external_data(tensor) or tensor.data_type == onnx.TensorProto.STRING:
+            continue
+        count = int(np.prod(tensor.dims, dtype=np.float64))
+        if tensor.ByteSize() < count * least_bytes_per_value(tensor):
+            raise ModelError(f"{path}: tensor {tensor.name} has shape {list(tensor.dims)} but holds data for fewer "
+                             f"values than that")
+
+
+def least_bytes_per_value(tensor: onnx.TensorProto) -> float:
+    """A lower bound on what one value takes in the message: its width in raw_data; in the typed
+    fields 4 for floats, 8 for doubles and complex64, 16 for complex128, 1 for the varint rest."""
+    kind = onnx.TensorProto
+    if tensor.data_type in (kind.INT4, kind.UINT4, getattr(kind, "FLOAT4E2M1", -1)):
+        return 0.5
+    if tensor.HasField("raw_data"):
+        return onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    return {kind.FLOAT: 4, kind.DOUBLE: 8, kind.COMPLEX64: 8, kind.COMPLEX128: 16}.get(tensor.data_type, 1)
 
 
 def check_single_assignment(path: Path, graph: onnx.GraphProto) -> None:

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from shard.bundle import read_manifest
+from shard.errors import VerifyError
 from shard.calibration import run_each
 from shard.graph import load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
@@ -78,6 +79,25 @@ def scaled_edges(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndar
             for name, (source, k) in shard.edge_scales.items() if source in expected}
 
 
+def check_reference(reference: str | Path, model, manifest) -> None:
+    """The reference takes the bundle's inputs, in their ranks and static sizes, and makes its outputs;
+    else one line (onnxruntime raised on the first sample, or on the outputs verify asks of it)."""
+    weights = {t.name for t in model.graph.initializer}
+    takes = {v.name: v for v in model.graph.input if v.name not in weights}
+    makes = {v.name for v in model.graph.output}
+    wanted, missing = [t.name for t in manifest.inputs], [t.name for t in manifest.outputs if t.name not in makes]
+    if set(wanted) != set(takes) or missing:
+        raise VerifyError(f"{reference} is not the model this bundle was compiled from: it takes "
+                          f"{sorted(takes)} and makes {sorted(makes)}; the bundle takes {wanted} and makes "
+                          f"{[t.name for t in manifest.outputs]}")
+    for spec in manifest.inputs:
+        dims = takes[spec.name].type.tensor_type.shape.dim
+        if len(dims) != len(spec.shape) or any(d.HasField("dim_value") and d.dim_value != n
+                                               for d, n in zip(dims, spec.shape)):
+            shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+            raise VerifyError(f"{reference}: input {spec.name} has shape {shape}; the bundle's is {list(spec.shape)}")
+
+
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
                   progress: Callable[[str, int, int], None] = lambda *a: None,
@@ -87,6 +107,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
     output's worst sample, and the shards are checked alone on the first sample."""
     manifest = read_manifest(bundle)
     model, _ = prepare_model(load_model(reference))  # as compile read it: an old opset upgraded
+    check_reference(reference, model, manifest)
     known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
         {n_out for node in model.graph.node for n_out in node.output}
     graph_inputs = {t.name for t in manifest.inputs}

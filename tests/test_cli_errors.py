@@ -172,3 +172,68 @@ def test_run_refuses_inputs_that_are_not_numbers(tmp_path, values):
     np.save(tmp_path / "x.npy", x)
     res = shard_cli("run", tmp_path / "m.shard", "--backend", "cpu", "--input", tmp_path / "x.npy")
     assert_one_line_error(res, "the model takes numbers")
+
+
+def test_an_initializer_without_its_data_is_refused(tmp_path):
+    # A 2^31-element initializer with no bytes got as far as numpy's reshape (ValueError, a traceback).
+    from onnx import TensorProto, helper
+
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[2 ** 31])
+    vi = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2 ** 31])  # noqa: E731
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g", [vi("x")], [vi("y")], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "huge.onnx"
+    path.write_bytes(model.SerializeToString())
+    res = shard_cli("compile", path, "--target", "cpu")
+    assert_one_line_error(res, "tensor w has shape [2147483648] but holds data for fewer values")
+    assert not (tmp_path / "huge.shard").exists()
+
+
+@pytest.mark.parametrize("text", [b"out_name", b"Relu"])   # a tensor name, an op type
+def test_names_that_are_not_utf8_are_refused(tmp_path, text):
+    # protobuf hands such strings through as bytes; onnx's make_node then raised UnicodeDecodeError.
+    from conftest import make_model
+    from onnx import helper
+
+    import onnx
+
+    data = make_model([helper.make_node("Relu", ["x"], ["out_name"])], [("x", [1, 8])],
+                      [("out_name", [1, 8])]).SerializeToString()
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(data.replace(text, text[:-1] + b"\xff"))
+    node = onnx.load(str(path)).graph.node[0]
+    assert isinstance(node.op_type if text == b"Relu" else node.output[0], bytes)
+    res = shard_cli("compile", path, "--target", "cpu")
+    assert_one_line_error(res, "is not UTF-8 text")
+
+
+@pytest.mark.parametrize("reference, fragment", [
+    ("other-output", "is not the model this bundle was compiled from"),
+    ("other-input", "is not the model this bundle was compiled from"),
+    ("other-shape", "input x has shape [1, 4]; the bundle's is [1, 8]")])
+def test_verify_refuses_a_reference_that_is_another_model(tmp_path, reference, fragment):
+    from conftest import make_model
+    from onnx import helper
+
+    import onnx
+
+    onnx.save(add_model([1, 8]), tmp_path / "m.onnx")
+    assert shard_cli("compile", tmp_path / "m.onnx", "--target", "cpu").returncode == 0
+    x, y = {"other-input": ("q", "y"), "other-output": ("x", "z"), "other-shape": ("x", "y")}[reference]
+    width = 4 if reference == "other-shape" else 8
+    onnx.save(make_model([helper.make_node("Relu", [x], [y])], [(x, [1, width])], [(y, [1, width])]),
+              tmp_path / "other.onnx")
+    res = shard_cli("verify", tmp_path / "m.shard", "--reference", tmp_path / "other.onnx", "--backend", "cpu")
+    assert_one_line_error(res, fragment)
+
+
+def test_run_save_onto_a_file_is_refused_before_the_run(tmp_path):
+    import onnx
+
+    onnx.save(add_model([1, 8]), tmp_path / "m.onnx")
+    assert shard_cli("compile", tmp_path / "m.onnx", "--target", "cpu").returncode == 0
+    (tmp_path / "out").write_text("the user's file")
+    res = shard_cli("run", tmp_path / "m.shard", "--backend", "cpu", "--save", tmp_path / "out")
+    assert_one_line_error(res, "a file is there; --save names a folder")
+    assert "ms per run" not in res.stdout
+    assert (tmp_path / "out").read_text() == "the user's file"

@@ -46,8 +46,15 @@ def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
     return arrays
 
 
+def check_save(folder: Path | None) -> None:
+    """Refuse a --save path that is not a folder, before the run rather than after it."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise RunError(f"--save {folder}: a file is there; --save names a folder to write NAME.npy files in")
+
+
 def save_outputs(outputs: dict[str, np.ndarray], folder: Path) -> list[Path]:
     """Each output as FOLDER/NAME.npy ('/' in a name becomes '_')."""
+    check_save(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, array in outputs.items():
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", type=Path, help="write the last frame's outputs here as NAME.npy")
     args = ap.parse_args(argv)
     try:
+        check_save(args.save)
         with tempfile.TemporaryDirectory(prefix="shard-pack-") as tmp:
             path = Path(args.bundle)
             bundle = unpack(path, Path(tmp)) if path.is_file() else path
