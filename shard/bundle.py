@@ -12,9 +12,10 @@ from pathlib import Path
 
 from shard.errors import BundleError
 
-SCHEMA_VERSION = 5  # 5: every file a run reads with its size and sha256, the manifest's digest; 4: a shard's own
-                    # precision, build options, quantization samples, scaled edges; 3: host steps,
-                    # shards with edge shapes and the build they kept
+# 6: each artifact's build record (ShardSpec.built_from); 5: every file a run reads with its size and
+# sha256, the manifest's digest; 4: a shard's own precision, build options, quantization samples,
+# scaled edges; 3: host steps, shards with edge shapes and the build they kept
+SCHEMA_VERSION = 6
 MANIFEST = "manifest.json"
 
 
@@ -42,6 +43,7 @@ class ShardSpec:
     build_options: dict = field(default_factory=dict)  # its toolkit options where not the manifest's (int8)
     dataset: list[list[str]] = field(default_factory=list)  # its quantization samples: per sample, .npy per input
     edge_scales: dict[str, list] = field(default_factory=dict)  # edge: [the model's tensor, k], held / 2^k
+    built_from: dict[str, str] = field(default_factory=dict)  # sha256 of the build's "onnx", "onnx.data", "artifact"
 
 
 @dataclass
@@ -131,7 +133,27 @@ def check_files(bundle: str | Path, manifest: Manifest | None = None) -> dict[st
             raise BundleError(f"{root}: {rel} is not the file the compile wrote (its size or sha256 differs): "
                               f"the bundle was changed or damaged after it was written; compile it again")
         checked[rel] = f"ok (sha256 {want['sha256'][:12]}, {want['bytes']} bytes)"
+    for rel, line in check_builds(root, manifest).items():
+        checked[rel] += line
     return checked
+
+
+def check_builds(root: Path, manifest: Manifest) -> dict[str, str]:
+    """Each shard's artifact is the build of its ONNX: the hashes its build took of the files it read
+    and wrote (ShardSpec.built_from) are those the manifest records for the shard's files, which
+    check_files holds the files to. {artifact: a line}, or a BundleError (an artifact that a compile
+    put in another shard's place would pass the file checks alone)."""
+    lines = {}
+    for shard in manifest.shards:
+        if not shard.artifact:
+            continue
+        files = {"onnx": shard.onnx, "onnx.data": f"{shard.onnx}.data", "artifact": shard.artifact}
+        recorded = {role: manifest.files[rel]["sha256"] for role, rel in files.items() if rel in manifest.files}
+        if shard.built_from != recorded:
+            raise BundleError(f"{root}: {shard.artifact} is not the build of {shard.onnx} (the hashes its build "
+                              f"recorded differ from the bundle's files); compile the model again")
+        lines[shard.artifact] = f"; the build of {shard.onnx} (sha256 {recorded['onnx'][:12]}), as recorded when it was built"
+    return lines
 
 
 def read_manifest(bundle: str | Path) -> Manifest:

@@ -14,7 +14,6 @@ absolute max of each channel of the last axis.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +21,7 @@ from typing import Iterator
 import numpy as np
 import onnx
 
+from shard import scratch
 from shard.errors import ShardError
 from shard.graph import fits_protobuf
 from shard.options import CompileOptions
@@ -156,7 +156,7 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if small:
         return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    with tempfile.TemporaryDirectory(prefix="shard-ort-") as tmp:
+    with scratch.temporary("ort") as tmp:
         onnx.save(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
         return ort.InferenceSession(f"{tmp}/model.onnx", opts, providers=["CPUExecutionProvider"])
 

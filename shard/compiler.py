@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from shard import __version__
+from shard import __version__, scratch
 from shard.bundle import MANIFEST, Manifest, ShardSpec, check_files, read_manifest, record_files
 from shard.edges import SUFFIX as EDGES
 from shard.edges import relayout
@@ -192,7 +192,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
             #    The workers load the toolkit while the first shard is written: not earlier, where they would
             #    hold memory beside the passes' peak (the range statistics) and share its cores.
             builder.start()
-            datasets = Datasets(Path(tempfile.mkdtemp(prefix="shard-calib-")), values, options.precision,
+            datasets = Datasets(scratch.folder("calib"), values, options.precision,
                                 set(options.promote or ())) if quantized else None
             if against_vendor and quantized:
                 vendor_job = vendor_alone_job(staging, logs, tgt, vendor_inputs, datasets)
@@ -300,21 +300,21 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
         replace_dir(staging, output)
     except BaseException as exc:
         if datasets:
-            shutil.rmtree(datasets.root, ignore_errors=True)
+            scratch.remove(datasets.root)
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(staging.with_name(f"{staging.name}-vendor"), ignore_errors=True)
-        if str(logs) not in str(exc):   # kept only where the message names them (a build that failed)
-            shutil.rmtree(logs, ignore_errors=True)
+        # kept only where the message names them (a build that failed)
+        (scratch.keep if str(logs) in str(exc) else scratch.remove)(logs)
         raise
-    shutil.rmtree(logs, ignore_errors=True)
+    scratch.remove(logs)
     if datasets:
-        shutil.rmtree(datasets.root, ignore_errors=True)
+        scratch.remove(datasets.root)
     return CompileResult(bundle=output, manifest=manifest, report=report, rank=rank)
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
     """The staging bundle beside the output and a folder for the build logs."""
-    logs = Path(tempfile.mkdtemp(prefix=f"shard-logs-{output.stem}-"))
+    logs = scratch.folder(f"logs-{output.stem}")
     logs.chmod(0o755)
     return staging_folder(output), logs
 
@@ -519,6 +519,8 @@ class BundleWriter:
         ctx = self.ctx
         cores = len(chosen) if self.tgt.stage_streams else self.profile.cores   # GPU: a stream per stage
         specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs)
+        for spec in specs:   # what ties each artifact to its ONNX, as its build hashed them
+            spec.built_from = self.builds[spec.build].built_from if spec.build in self.builds else {}
         fp8 = {c["node"] for c in ctx.reports.get("fp8_linears", {}).get("changes", [])}
         for spec in specs if fp8 else []:   # what build-engines checks each engine runs in FP8
             spec.build_options = {**spec.build_options, "fp8_nodes": sorted(fp8 & set(spec.source_nodes))}

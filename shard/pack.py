@@ -25,7 +25,7 @@ from shard.errors import ShardError
 from shard.runtime.buckets import is_bucketed
 from shard.runtime.host import step_files
 
-RUNTIME = ("__init__.py", "bundle.py", "errors.py", "runtime")   # what `import shard.runtime` needs
+RUNTIME = ("__init__.py", "bundle.py", "errors.py", "scratch.py", "runtime")   # what `import shard.runtime` needs
 LEFT_OUT = ("rknn_sim.py",)   # the simulator executor needs the x86 toolkit environment, never on a board
 
 RUN_PY = '''"""Run this pack's model with the runtime beside it: python run.py --help"""

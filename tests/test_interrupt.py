@@ -50,12 +50,10 @@ def model(tmp_path_factory) -> Path:
     return export_model("siglip-base-512", tmp_path_factory.mktemp("interrupt") / "s2.onnx", layers=2)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
-    out = tmp_path / "s2.shard"
+def compile_until_builds(model: Path, out: Path, scratch: Path) -> tuple[subprocess.Popen, list[int]]:
+    """`shard compile` with TMPDIR=scratch, returned once its vendor builds run in two workers."""
     # A shell without job control starts background commands with SIGINT ignored, and children inherit
     # that (a CI runner may start the suite so): the compile gets SIGINT's default, as at a terminal.
-    scratch = tmp_path.with_name(f"{tmp_path.name}-tmp")   # the compile's temporary folder (TMPDIR)
     scratch.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "shard", "compile", str(model), "-o", str(out), "--no-cache"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -65,11 +63,18 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         workers = descendants_running(proc.pid, "rknn_worker")
-        staging = list(tmp_path.glob(".s2.shard.tmp-*"))
+        staging = list(out.parent.glob(f".{out.name}.tmp-*"))
         if len(workers) >= 2 and staging and list((staging[0] / "shards").glob("*.onnx")):
             break   # shards written, vendor builds under way in both workers (the second forked by the first)
         time.sleep(0.2)
     assert len(workers) >= 2 and proc.poll() is None, "the compile never reached its vendor builds"
+    return proc, workers
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
+    scratch = tmp_path.with_name(f"{tmp_path.name}-tmp")   # the compile's temporary folder (TMPDIR)
+    proc, workers = compile_until_builds(model, tmp_path / "s2.shard", scratch)
     proc.send_signal(signum)
     proc.wait(timeout=120)
     assert proc.returncode != 0
@@ -80,6 +85,27 @@ def test_a_stopped_compile_leaves_nothing(model, tmp_path, signum):
     # onnxruntime's: 1.32 writes it into TMPDIR when a process first starts a session, and keeps it.)
     left = [p for p in scratch.iterdir() if p.name != ".ses"]
     assert {(p.name.split("-") + [p.name])[1] for p in left} <= {"logs"}, left
+
+
+def test_what_a_killed_compile_left_in_tmpdir_goes_with_the_next_command(model, tmp_path):
+    # SIGKILL runs no cleanup: shard-worker-*, shard-ops-* and shard-logs-* stayed in TMPDIR for good.
+    scratch = tmp_path.with_name(f"{tmp_path.name}-tmp")
+    proc, workers = compile_until_builds(model, tmp_path / "s2.shard", scratch)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60   # the workers end when their stdin closes
+    while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kinds = lambda: sorted({p.name.split("-")[1] for p in scratch.glob("shard-*")})  # noqa: E731
+    assert {"ops", "worker", "logs"} <= set(kinds())
+    import onnx
+    from conftest import add_model
+
+    onnx.save(add_model([1, 8]), tmp_path / "small.onnx")
+    res = subprocess.run([sys.executable, "-m", "shard", "compile", str(tmp_path / "small.onnx"), "--target", "cpu"],
+                         capture_output=True, text=True, env={**os.environ, "TMPDIR": str(scratch)})
+    assert res.returncode == 0, res.stderr
+    assert kinds() == []
 
 
 def test_a_later_compile_removes_what_a_killed_one_left(tmp_path):

@@ -130,6 +130,36 @@ def test_a_changed_byte_of_the_manifest_or_of_a_file_a_run_reads_is_refused(bund
                                       "profile.json"} and all(v.startswith("ok") for v in session.files.values())
 
 
+@pytest.mark.toolkit
+def test_an_artifact_that_is_not_the_build_of_its_onnx_is_refused(tmp_path, save):
+    # Two .rknn files swapped by whoever wrote the manifest after them (its file hashes then agree with
+    # the files): only the hashes each build took when it ended tie an artifact to its ONNX.
+    model = save(mlp_chain(2), "m.onnx")
+    bundle = shard.compile(model, "rk3588", tmp_path / "m.shard", CompileOptions(shards=2)).bundle
+    res = shard_cli("verify", bundle, "--reference", model, "--backend", "sim")
+    assert res.returncode == 0, res.stderr
+    for k in range(2):
+        onnx_sha = json.loads((bundle / "manifest.json").read_text())["files"][f"shards/shard_00{k}.onnx"]["sha256"]
+        assert f"file shards/shard_00{k}.rknn: ok" in res.stdout
+        assert f"the build of shards/shard_00{k}.onnx (sha256 {onnx_sha[:12]})" in res.stdout
+    shards = bundle / "shards"
+    a, b = (shards / "shard_000.rknn").read_bytes(), (shards / "shard_001.rknn").read_bytes()
+    assert a != b
+    (shards / "shard_000.rknn").write_bytes(b)
+    (shards / "shard_001.rknn").write_bytes(a)
+
+    def reseal(data):
+        files = data["files"]
+        files["shards/shard_000.rknn"], files["shards/shard_001.rknn"] = \
+            files["shards/shard_001.rknn"], files["shards/shard_000.rknn"]
+
+    write_manifest(bundle, reseal)
+    with pytest.raises(BundleError, match="shard_000.rknn is not the build of shards/shard_000.onnx"):
+        shard.load(bundle, backend="sim")
+    res = shard_cli("verify", bundle, "--reference", model, "--backend", "sim")
+    assert res.returncode == 1 and "is not the build of" in res.stderr and "Traceback" not in res.stderr
+
+
 @pytest.mark.parametrize("name", [".tar.gz", "...tar.gz"])
 def test_a_pack_is_named_by_a_plain_name(bundle, tmp_path, name):
     # -o .tar.gz wrote absolute member names, -o ...tar.gz ../ ones.
@@ -167,6 +197,18 @@ def test_a_timeout_ends_the_run_with_exit_1_not_an_abort(tmp_path, save):
     for _ in range(6):
         res = shard_cli("run", big, "--backend", "cpu", "--timeout", "0.000001", "--repeat", "30")
         assert res.returncode == 1 and "timeout" in res.stderr and "terminate" not in res.stderr, res.stderr
+
+
+@pytest.mark.toolkit
+def test_a_simulator_timeout_leaves_no_temporary_folder(tmp_path, save):
+    # The process leaves through os._exit (a core thread is still inside the simulator): no finalizer
+    # ran, and the simulator's shard-sim-* and shard-worker-* folders stayed in TMPDIR.
+    bundle = shard.compile(save(mlp_chain(1)), "rk3588", tmp_path / "m.shard").bundle
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    res = shard_cli("run", bundle, "--backend", "sim", "--timeout", "0.001", env_extra={"TMPDIR": str(scratch)})
+    assert res.returncode == 1 and "timeout" in res.stderr, res.stderr
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("shard-")] == []
 
 
 def test_a_recorded_file_that_is_gone_is_refused_in_one_line(bundle):

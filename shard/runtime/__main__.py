@@ -15,13 +15,13 @@ import gzip
 import importlib.util
 import sys
 import tarfile
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from shard import scratch
 from shard.bundle import Manifest, read_manifest
 from shard.errors import RunError, ShardError
 from shard.runtime.scheduler import exit_now_if_stuck
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         check_save(args.save)
-        with tempfile.TemporaryDirectory(prefix="shard-pack-") as tmp:
+        with scratch.temporary("pack") as tmp:
             path = Path(args.bundle)
             bundle = unpack(path, Path(tmp)) if path.is_file() else path
             # a bundle of shape buckets: random inputs fill its smallest bucket, given ones pick theirs

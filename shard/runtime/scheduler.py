@@ -269,11 +269,15 @@ class Scheduler:
 def exit_now_if_stuck(code: int) -> None:
     """Leave the process at once where a core's thread is still inside an executor (a shard past its
     timeout): the interpreter's exit would abort in the executor's C++ runtime ("terminate called
-    without an active exception", exit 134) instead of ending with `code`. The OS reclaims the rest."""
+    without an active exception", exit 134) instead of ending with `code`. The OS reclaims the rest;
+    the temporary folders go first (no finalizer runs)."""
     import os
     import sys
 
+    from shard import scratch
+
     if any(t.name.startswith("shard-core-") and t.is_alive() for t in threading.enumerate()):
+        scratch.remove_all()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

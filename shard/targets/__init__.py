@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from shard.bundle import file_record
 from shard.errors import TargetError
 
 
@@ -23,6 +24,13 @@ class ShardJob:
     float16: list[str] | None = None          # mixed precision: the ops (node and tensor names) kept in fp16
     figures_key: str | None = None            # its model's build_cache.structure_key: figures kept by it too
 
+    def built_from(self) -> dict[str, str]:
+        """The sha256 of the files the build read and wrote ("onnx", "onnx.data" if any, "artifact"),
+        taken when it ended: what ties the artifact a bundle ships to the ONNX it simulates."""
+        data = self.onnx.with_name(f"{self.onnx.name}.data")
+        files = {"onnx": self.onnx, "onnx.data": data if data.is_file() else None, "artifact": self.artifact}
+        return {role: file_record(path)["sha256"] for role, path in files.items() if path is not None}
+
 
 @dataclass
 class ShardBuild:
@@ -35,6 +43,7 @@ class ShardBuild:
     cached: bool = False          # taken from the build cache (shard.targets.build_cache), not built now
     figures_only: bool = False    # the figures of a build of the same structure, other weights: no artifact
     peak_bytes: int | None = None # the worker's peak resident memory during the build (None: not built now)
+    built_from: dict[str, str] = field(default_factory=dict)   # ShardJob.built_from when it was built
 
 
 class Target(Protocol):

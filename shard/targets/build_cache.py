@@ -140,6 +140,8 @@ class BuildCache:
                 if artifact is not None and build.error is None:
                     shutil.copyfile(artifact, staging / "artifact")
                     data["artifact"] = file_record(staging / "artifact")
+                else:   # figures alone: no artifact to tie to its ONNX
+                    data["built_from"] = {}
                 (staging / "build.json").write_text(json.dumps(data))
 
             store_entry(self.root, entry, write)

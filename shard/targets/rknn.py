@@ -146,8 +146,12 @@ class ToolkitBuilds:
         if result is None:
             with self.pool.worker() as worker:
                 result = build_shard(worker, job, options, self.timeout)
+            if job.artifact and result.error is None:
+                result.built_from = job.built_from()
             if self.store:
                 self.store.put(job, key, result, self.store.figures_key(job, options))
+        elif job.artifact and result.error is None and not result.built_from:   # kept before builds recorded it
+            result.built_from = job.built_from()
         on_done(result)
         return result
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from shard import scratch
 from shard.errors import RunError
 from shard.profile import Profile
 from shard.toolkit.worker import infer
@@ -42,9 +43,9 @@ class ToolkitOps:
                  board=None):
         self.toolkit = installed_label(target)
         self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
-        self.scratch = Path(tempfile.mkdtemp(prefix="shard-ops-"))
+        self.scratch = scratch.folder("ops")
         # The folder also goes with this object: a compile stopped while this starts leaves none.
-        self._remove = weakref.finalize(self, shutil.rmtree, str(self.scratch), True)
+        self._remove = weakref.finalize(self, scratch.remove, self.scratch)
         self.pool = WorkerPool(find_python(target), self.scratch, jobs)
         slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
         self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)

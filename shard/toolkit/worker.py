@@ -10,10 +10,8 @@ import json
 import os
 import queue
 import select
-import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import weakref
@@ -23,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from shard import scratch
 from shard.errors import RunError
 
 WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
@@ -81,7 +80,7 @@ class ToolkitWorker:
     def _prepare(self, log: Path) -> None:
         self.log = Path(log)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix="shard-worker-"))
+        self.tmp = scratch.folder("worker")
         # The process and the folder also end with this object: a compile interrupted while it
         # starts a worker, before any pool holds it, leaves neither behind.
         self._procs: list[subprocess.Popen | Forked] = []
@@ -237,7 +236,7 @@ def end_worker(procs: list[subprocess.Popen | Forked], tmp: Path) -> None:
         if running(proc):
             proc.kill()
             proc.wait()
-    shutil.rmtree(tmp, ignore_errors=True)
+    scratch.remove(tmp)
 
 
 def running(proc: subprocess.Popen | Forked) -> bool:

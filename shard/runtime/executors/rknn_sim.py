@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from shard import scratch
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
 from shard.runtime.executors import npu_inputs, outputs_by_name
@@ -25,7 +26,7 @@ from shard.toolkit.worker import ToolkitWorker, WorkerFailed, infer
 class RknnSimExecutor:
     def __init__(self, bundle: Path, manifest: Manifest, timeout: float = 1800.0,
                  on_ready: Callable[[str], None] = lambda name: None):
-        self.scratch = Path(tempfile.mkdtemp(prefix="shard-sim-"))
+        self.scratch = scratch.folder("sim")
         self.timeout = timeout
         self.lock = threading.Lock()
         self.worker = ToolkitWorker(find_python(manifest.target), self.scratch / "worker.log")
@@ -69,5 +70,5 @@ class RknnSimExecutor:
 
     def close(self) -> None:
         self.worker.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        scratch.remove(self.scratch)
 
