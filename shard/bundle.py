@@ -147,12 +147,15 @@ def check_builds(root: Path, manifest: Manifest) -> dict[str, str]:
     for shard in manifest.shards:
         if not shard.artifact:
             continue
-        files = {"onnx": shard.onnx, "onnx.data": f"{shard.onnx}.data", "artifact": shard.artifact}
+        files = {"onnx": shard.onnx, "onnx.data": shard.onnx and f"{shard.onnx}.data", "artifact": shard.artifact}
         recorded = {role: manifest.files[rel]["sha256"] for role, rel in files.items() if rel in manifest.files}
-        if shard.built_from != recorded:
-            raise BundleError(f"{root}: {shard.artifact} is not the build of {shard.onnx} (the hashes its build "
-                              f"recorded differ from the bundle's files); compile the model again")
-        lines[shard.artifact] = f"; the build of {shard.onnx} (sha256 {recorded['onnx'][:12]}), as recorded when it was built"
+        # a pack without the ONNX files (shard pack): the artifact against its own record alone
+        built = {role: sha for role, sha in shard.built_from.items() if role in recorded or role == "artifact"}
+        if built != recorded:
+            raise BundleError(f"{root}: {shard.artifact} is not the build of {shard.onnx or 'its ONNX'} (the hashes "
+                              f"its build recorded differ from the bundle's files); compile the model again")
+        lines[shard.artifact] = (f"; the build of {shard.onnx} (sha256 {recorded['onnx'][:12]}), as recorded when it "
+                                 f"was built" if shard.onnx else "; as recorded when it was built")
     return lines
 
 
