@@ -518,9 +518,7 @@ class BundleWriter:
         """The bundle of the chosen builds in `folder`: shard files, host tables, logs, manifest, report."""
         ctx = self.ctx
         cores = len(chosen) if self.tgt.stage_streams else self.profile.cores   # GPU: a stream per stage
-        specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs)
-        for spec in specs:   # what ties each artifact to its ONNX, as its build hashed them
-            spec.built_from = self.builds[spec.build].built_from if spec.build in self.builds else {}
+        specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs, self.builds)
         fp8 = {c["node"] for c in ctx.reports.get("fp8_linears", {}).get("changes", [])}
         for spec in specs if fp8 else []:   # what build-engines checks each engine runs in FP8
             spec.build_options = {**spec.build_options, "fp8_nodes": sorted(fp8 & set(spec.source_nodes))}
@@ -846,10 +844,10 @@ def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[s
 
 
 def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
-               edge_shapes: dict[str, dict], jobs: dict[str, ShardJob]) -> list[ShardSpec]:
+               edge_shapes: dict[str, dict], jobs: dict[str, ShardJob], builds: dict[str, ShardBuild]) -> list[ShardSpec]:
     """Give the chosen builds the shard names (shard_000, ...) and drop the others' files; the
     logs of every build stay. A quantized shard's samples go into calib/ (the simulator quantizes
-    it from them again)."""
+    it from them again). Each shard carries what its build hashed (ShardBuild.built_from)."""
     folder = staging / "shards"
     keep = {}
     specs = []
@@ -873,7 +871,8 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
                                precision=precision, macs=plan.macs, source_nodes=plan.source_nodes,
                                build=built, edge_shapes=edge_shapes.get(built, {}),
                                build_options=tgt.build_for(build, precision, job.float16 if job else None)
-                               if precision != build.get("precision") else {}, dataset=dataset))
+                               if precision != build.get("precision") else {}, dataset=dataset,
+                               built_from=dict(builds[built].built_from) if built in builds else {}))
     moved = {}
     for dst, src in keep.items():  # through temporary names: shard_001 may be another file's old name
         tmp = src.with_name(f"{src.name}.keep")
@@ -884,19 +883,24 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
             path.unlink()
     for dst, tmp in moved.items():
         tmp.rename(dst)
-        if dst.name.endswith(".onnx.data"):   # the weights of a model past 2 GiB: the file names them
-            relocate_weights(dst.with_name(dst.name.removesuffix(".data")))
+    for spec in specs:
+        if (staging / f"{spec.onnx}.data").is_file():   # the weights of a model past 2 GiB: the file names them
+            relocate_weights(staging / spec.onnx, spec.built_from)
     return specs
 
 
-def relocate_weights(path: Path) -> None:
-    """Point an ONNX file's external tensors at PATH.data (the file was renamed, its weights with it)."""
+def relocate_weights(path: Path, built_from: dict[str, str]) -> None:
+    """Point an ONNX file's external tensors at PATH.data (the file was renamed, its weights with it).
+    Where `built_from` holds the file as its build read it, it then holds the file as edited."""
+    read = sha256_file(path)
     model = onnx.load(str(path), load_external_data=False)
     for tensor in graph_tensors(model.graph):
         for entry in tensor.external_data:
             if entry.key == "location":
                 entry.value = f"{path.name}.data"
     onnx.save(model, str(path))
+    if built_from.get("onnx") == read:
+        built_from["onnx"] = sha256_file(path)
 
 
 def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress: Progress = lambda *a: None,
