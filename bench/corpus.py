@@ -207,7 +207,7 @@ def judge(ours: Side, theirs: Side) -> str:
 
 
 def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "rk3588") -> Row:
-    from shard.compiler import CompileOptions
+    from shard.options import CompileOptions
 
     shapes = PACKAGED[name][2] if name in PACKAGED else {}
     calib = model.with_suffix(".calib.npz")

@@ -60,7 +60,7 @@ def evaluate(name: str, model: Path, precision: str) -> dict:
 
     import shard
     from shard.calibration import run_each
-    from shard.compiler import CompileOptions
+    from shard.options import CompileOptions
     from shard.errors import ShardError
     from shard.runtime import random_inputs
 

@@ -106,7 +106,7 @@ def vendor_row(name: str, model: Path, calib: list[dict], test: list[dict], expe
 
 def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: list[dict], work: Path) -> dict:
     import shard
-    from shard.compiler import CompileOptions
+    from shard.options import CompileOptions
 
     started = time.monotonic()
     result = shard.compile(model, "rk3588", work / f"{precision}.shard",

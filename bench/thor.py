@@ -31,7 +31,8 @@ import onnx
 
 from shard.bundle import TensorSpec
 from shard.calibration import run_each
-from shard.compiler import CompileOptions, compile_model
+from shard.compilation import compile_model
+from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
 from shard.verifier import compare
 

@@ -7,7 +7,7 @@ nothing beyond numpy and the executor's own library.
 __version__ = "0.1.0"
 
 _API = {
-    "compile": ("shard.compiler", "compile_model"),
+    "compile": ("shard.compilation", "compile_model"),
     "CompileOptions": ("shard.options", "CompileOptions"),
     "load": ("shard.runtime", "load"),
     "verify": ("shard.verifier", "verify_bundle"),

@@ -24,7 +24,7 @@ import onnx
 import shard
 from shard.errors import ModelError
 from shard.graph import external_data_files, sha256_file
-from shard.targets.build_cache import entry_file, prune, size_limit, store_entry
+from shard.cache_folder import entry_file, prune, size_limit, store_entry
 
 VERSION = 1
 MARKER = "bundle.json"     # an entry's record, touched on each hit

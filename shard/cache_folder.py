@@ -4,19 +4,28 @@ The folder carries a cache directory tag (CACHEDIR.TAG, https://bford.info/cache
 skip it) written when shard makes the folder, finds it empty, or it is shard's default location; an
 entry is a file or folder shard marked as its own when it wrote it. `$SHARD_BUILD_CACHE` pointed at
 `~/.cache` made `shard cache clear` delete the whole folder, and eviction any folder in it.
+
+The helpers every cache shares live here too (the build cache, the bundle cache and the point cache;
+the calibration statistics keep their entries in the build cache's folder): entries written whole
+or not at all, a hit marking its entry used, eviction by least recent use under a size cap.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
-from shard.errors import ShardError
+from shard.errors import CompileError, ShardError
 
 TAG = "CACHEDIR.TAG"
 SIGNATURE = "Signature: 8a477f597d28d172789f06886806bc55"
 TAG_TEXT = f"{SIGNATURE}\n# A cache of shard: `shard cache clear` removes the entries shard wrote here, nothing else.\n"
 ENTRY = ".shard-entry"   # inside each entry folder shard wrote
+DEFAULT_SIZE = "10G"
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def mark_folder(root: Path, default: Path | None = None) -> None:
@@ -82,3 +91,78 @@ def clear(root: Path, entries: list[Path], variable: str) -> tuple[int, int]:
         (root / TAG).unlink()
         root.rmdir()
     return len(entries), removed
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SHARD_BUILD_CACHE") or Path.home() / ".cache" / "shard" / "builds")
+
+
+def size_limit() -> int:
+    """The cache's cap in bytes, from $SHARD_BUILD_CACHE_SIZE (`10G`, `500M`, `0` keeps nothing)."""
+    text = (os.environ.get("SHARD_BUILD_CACHE_SIZE") or DEFAULT_SIZE).strip().upper().removesuffix("B")
+    unit = text[-1:] if text[-1:] in UNITS else ""
+    try:
+        return int(float(text[:len(text) - len(unit)]) * UNITS[unit])
+    except ValueError:
+        raise CompileError(f"SHARD_BUILD_CACHE_SIZE={text!r}: expected bytes with an optional K, M, G or T "
+                           f"suffix, like 10G") from None
+
+
+def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
+    """Evict a cache folder's least recently used entries, none named in `keep`, until it holds at
+    most `limit` bytes; returns what was evicted (entries, bytes)."""
+    entries = []
+    for folder in entry_folders(root):   # shard's own entries only; an entry's last use: its newest file
+        try:
+            used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
+            entries.append((used, folder, disk_bytes(folder)))
+        except OSError:   # another compile evicted it first
+            continue
+    total = sum(size for _, _, size in entries)
+    evicted = [0, 0]
+    for _, folder, size in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        if folder.name in keep:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        evicted[0] += 1
+        evicted[1] += size
+    return evicted[0], evicted[1]
+
+
+def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:
+    """Write an entry whole or not at all: `write` fills a staging folder, renamed to `root/key`."""
+    mark_folder(root, default_cache_dir())
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        write(staging)
+        mark_entry(staging)
+        staging.rename(root / key)
+    except OSError:  # another compile stored the same entry first, or the disk is full: no entry
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def entry_file(root: Path, key: str, name: str) -> Path | None:
+    """A cache entry's file, marked used now (the last to be evicted); None on a miss."""
+    path = Path(root) / key / name
+    try:
+        os.utime(path)
+    except OSError:
+        return None
+    return path
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def folder_size(root: Path, entry: str) -> tuple[int, int]:
+    """(entries: files matching the glob `entry`, bytes of every file below, hard links once) of a cache."""
+    if not Path(root).is_dir():
+        return 0, 0
+    return sum(1 for _ in Path(root).glob(entry)), disk_bytes(Path(root))

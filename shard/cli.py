@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from shard.errors import ShardError
+from shard.targets.chips import DEFAULT_TARGET, targets_help
 
 app = typer.Typer(help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
@@ -70,7 +71,7 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model."),
-    target: str = typer.Option("rk3588", "--target", "-t", help="A Rockchip chip (rk3588, rk3576, rk3568, rk3566, rk3562, rk2118, rv1126b; rv1106 and rv1103 in int8), thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help=targets_help()),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
@@ -126,7 +127,8 @@ def compile_command(
                                                             "$SHARD_BUILD_CACHE)."),
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET."""
-    from shard.compiler import CompileOptions, compile_model
+    from shard.compilation import compile_model
+    from shard.options import CompileOptions
 
     fixed, buckets = parse_shapes(input_shape)
     options = CompileOptions(input_shapes=fixed, buckets=buckets, shards=shards, max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
@@ -220,10 +222,17 @@ SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one li
 
 
 def print_compile_report(report: dict) -> None:
-    from shard.compiler import cycle_note
-
     if "stages" in report["passes"]:
         return print_stage_report(report)
+    print_shards(report)
+    print_totals(report)
+    print_changes(report)
+    print_host_steps(report)
+    print_versus_vendor(report)
+    print_fallbacks(report)
+
+
+def print_shards(report: dict) -> None:
     table = Table(title="shards")
     for col in ("shard", "core", "nodes", "GMACs", "build s", "build GB", "REGTASK", "CPU ops", "1-core fallbacks",
                 "est. Mcycles"):
@@ -237,6 +246,10 @@ def print_compile_report(report: dict) -> None:
                       str(len(d.get("cpu_ops", []))), str(len(d.get("single_core_fallbacks", []))),
                       f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
     console.print(table)
+
+
+def print_totals(report: dict) -> None:
+    """The warnings, the profile, the totals, mixed precision's rounds, how partition cut, the prediction."""
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")
     t = report["totals"]
@@ -271,6 +284,12 @@ def print_compile_report(report: dict) -> None:
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")
+
+
+def print_changes(report: dict) -> None:
+    """Each shard's choice, and each pass's changes (those a choice undid marked) and the ops it left."""
+    from shard.compilation.writer import cycle_note
+
     dropped = {}
     for choice in report.get("choices", []):
         console.print(f"{choice['shard']}: {choice['what']}; {choice['line']}")
@@ -290,12 +309,18 @@ def print_compile_report(report: dict) -> None:
             ops = sorted({c["op"] for c in left[SHOWN_LEFT:]})
             console.print(f"[yellow]warning[/]: {name}: {len(left) - SHOWN_LEFT} more ops left as is ({', '.join(ops)}); "
                           f"report.json lists each under passes.{name}.not_fixed")
+
+
+def print_host_steps(report: dict) -> None:
     for when, key in (("before", "host_pre"), ("after", "host_post")):
         for step in report.get(key, []):
             console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")
     for when, key in (("before", "host_ms"), ("after", "host_post_ms")):
         if report.get(key) is not None:
             console.print(f"host steps {when} the shards: {report[key]:.3f} ms per frame on this machine")
+
+
+def print_versus_vendor(report: dict) -> None:
     versus = report.get("versus_vendor")
     if versus:
         console.print(versus["line"])
@@ -314,6 +339,9 @@ def print_compile_report(report: dict) -> None:
                           f"{held} (shard / vendor alone: equal)")
     elif report.get("vendor_alone") is None:
         console.print("shard / vendor alone: not compared (--no-vendor-baseline, or a target without a vendor compiler)")
+
+
+def print_fallbacks(report: dict) -> None:
     for s in report["shards"]:
         for op in s["diagnostics"].get("cpu_ops", []):
             console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
@@ -522,7 +550,7 @@ def verify_one(bundle: Path, reference: Path, backend, min_cosine: float, seed: 
 @app.command("inspect")
 def inspect_command(
     model: Path = typer.Argument(..., help="An ONNX model."),
-    target: str = typer.Option("rk3588", help="A Rockchip chip (rk3588, rk3576, rk3568, rk3566, rk3562, rk2118, rv1126b; rv1106 and rv1103 in int8), thor, cuda (a GPU profiled by `shard probe --target cuda`) or cpu."),
+    target: str = typer.Option(DEFAULT_TARGET, help=targets_help()),
     input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
     profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
@@ -532,7 +560,8 @@ def inspect_command(
 ) -> None:
     """List every op that breaks a limit of the target, its evidence, and what compile does about it
     (with --calib: the ranges, and where the scale sandwich would rescale, clamp or smooth)."""
-    from shard.compiler import CompileOptions, check_options
+    from shard.compilation.staging import check_options
+    from shard.options import CompileOptions
     from shard.inspection import inspect_model
 
     options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape),
@@ -598,7 +627,7 @@ def build_engines_command(bundle: Path = typer.Argument(..., help="A bundle from
 
 @app.command("probe")
 def probe_command(
-    target: str = typer.Option("rk3588", help="The chip whose compiler is probed (any Rockchip chip the toolkit "
+    target: str = typer.Option(DEFAULT_TARGET, help="The chip whose compiler is probed (any Rockchip chip the toolkit "
                                               "builds for: its peak rates, quantized dtypes and limits; int8-only "
                                               "chips in int8); cuda measures the GPU at hand (bandwidth, "
                                               "matrix-product rates) for the roofline."),
@@ -726,7 +755,7 @@ def cache_folders() -> dict[str, tuple[Path, str]]:
     """{cache: (folder, glob of one entry)}."""
     from shard.toolkit.cache import POINTS
     from shard.toolkit.cache import default_cache_dir as probe_cache
-    from shard.targets.build_cache import default_cache_dir as build_cache
+    from shard.cache_folder import default_cache_dir as build_cache
 
     return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), POINTS)}
 
@@ -735,7 +764,7 @@ def cache_folders() -> dict[str, tuple[Path, str]]:
 def cache_info() -> None:
     """Where the caches are and what they hold (vendor builds by content; probe points by toolkit and target)."""
     from shard.bundle_cache import MARKER
-    from shard.targets.build_cache import folder_size, size_limit
+    from shard.cache_folder import folder_size, size_limit
 
     table = Table(title="shard caches")
     for col in ("cache", "folder", "entries", "MB"):
@@ -770,7 +799,7 @@ def cache_clear(builds: bool = typer.Option(True, "--builds/--no-builds", help="
 
 
 @toolkit_app.command("install")
-def toolkit_install(target: str = typer.Argument("rk3588"),
+def toolkit_install(target: str = typer.Argument(DEFAULT_TARGET),
                     force: bool = typer.Option(False, help="Recreate it even if installed.")) -> None:
     """Create the vendor toolkit environment for TARGET (idempotent)."""
     from shard.toolkit.env import get_spec, install, read_marker

@@ -15,7 +15,8 @@ import onnx_graphsurgeon as gs
 from shard.graph import load_model, quiet_graphsurgeon
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
-from shard.targets import get_target
+from shard.targets.chips import DEFAULT_TARGET
+from shard.targets.registry import get_target
 
 
 @dataclass
@@ -37,8 +38,10 @@ class Inspection:
     stages: list[dict] = field(default_factory=list)   # GPU targets: each pipeline stage's roofline
 
 
-def inspect_model(model: str | Path, target: str = "rk3588", options=None) -> Inspection:
-    from shard.compiler import CompileOptions, cycle_note, run_passes
+def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None) -> Inspection:
+    from shard.compilation.stages import run_passes
+    from shard.compilation.writer import cycle_note
+    from shard.options import CompileOptions
 
     options = options or CompileOptions()
     profile = load_profile(target, options.profile)

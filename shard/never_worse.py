@@ -20,7 +20,8 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
-from shard.passes.partition import ShardPlan, estimate_macs
+from shard.macs import estimate_macs
+from shard.passes.partition import ShardPlan
 from shard.runtime.host import step_inputs, step_outputs
 from shard.toolkit.memory import build_bytes, shards_for_memory
 

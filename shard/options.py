@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CompileOptions:
-    """What `shard compile`'s flags set; shard.compiler.compile_model takes it, and every pass reads it
+    """What `shard compile`'s flags set; shard.compilation.compile_model takes it, and every pass reads it
     as PassContext.options."""
 
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -41,7 +41,7 @@ sys.exit(main([str(here / "bundle"), *sys.argv[1:]]))
 
 README = '''{name}: {source}, compiled by shard {version} for {target}.
 
-On the board (RK3588, Python 3.9+):
+On the board ({board}, Python 3.9+):
     pip install rknn-toolkit-lite2 numpy
     python run.py --input x.npy                 # one input; NAME=x.npy for several
     python run.py --input x.npy --save out/     # outputs as out/NAME.npy
@@ -96,6 +96,7 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
     files["run.py"] = RUN_PY.encode()
     files["README.txt"] = README.format(
         name=name, source=manifest.source.get("name", "?"), version=shard.__version__, target=manifest.target,
+        board=manifest.target.upper(),
         onnx_note="" if with_onnx or not manifest.rknn else " (this pack has no ONNX: pack with --with-onnx)",
         inputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.inputs),
         outputs=", ".join(f"{t.name} {t.shape} {t.dtype}" for t in manifest.outputs),

@@ -13,7 +13,7 @@ onnxruntime with the vendor's int8 arithmetic written in per linear (it gives th
 error of one linear to 3 digits; the whole mpnet bundle's cosine within 6e-4: 0.99752 against
 0.99696): each linear alone in int8, the output's loss per MAC. The replica's cosine for each
 prefix of that order says how many to move; the bundle's simulator cosine on the calibration
-samples decides, round by round (next_prefix, shard.compiler.compile_mixed).
+samples decides, round by round (next_prefix, shard.compilation.variants.compile_mixed).
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+
+from shard.calibration import graph_stats, ort_session
+from shard.compare import compare
+from shard.macs import estimate_macs
 
 LINEAR_OPS = ("MatMul", "Gemm", "Conv")
 SIDE = "/outlier/"   # in the name of an outlier split's fp16 side linears (shard.passes.scale_sandwich)
@@ -189,9 +193,6 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: i
     own int8 error is a poor guide: on all-mpnet-base-v2 the output projections' inputs lose the most,
     yet moving them and the FFN outputs (half of the linears' MACs) to fp16 took the simulator only
     from 0.9953 to 0.9977; ranked by the replica, a quarter of the MACs took it to 0.9984."""
-    from shard.calibration import graph_stats, ort_session
-    from shard.passes.partition import estimate_macs
-    from shard.verifier import compare
 
     linears = [n for n in graph.nodes if is_int8_candidate(n)]
     if not linears:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -11,19 +9,13 @@ from typing import Callable
 import numpy as np
 
 from shard.bundle import read_manifest
+from shard.compare import Comparison, compare
 from shard.errors import VerifyError
 from shard.calibration import run_each
 from shard.graph import load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
 from shard.runtime.host import load_tables, run_host
-
-
-@dataclass
-class Comparison:
-    name: str
-    cosine: float
-    max_abs_diff: float
 
 
 @dataclass
@@ -41,20 +33,6 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return all(c.cosine >= self.min_cosine for c in self.outputs)  # NaN never passes
-
-
-def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
-    """Cosine and largest difference of two arrays of one shape; another shape (or size) is NaN, never
-    a pass (flattened, a [1, 16, 8] output matched a [1, 8, 16] reference)."""
-    if np.shape(expected) != np.shape(actual):
-        return Comparison(name, math.nan, math.inf)
-    a = np.asarray(expected, dtype=np.float64).ravel()
-    b = np.asarray(actual, dtype=np.float64).ravel()
-    with np.errstate(invalid="ignore", over="ignore"):  # inf or NaN in an output: cosine NaN, never a pass
-        na, nb = np.linalg.norm(a), np.linalg.norm(b)
-        cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
-        diff = float(np.max(np.abs(a - b))) if a.size else 0.0
-    return Comparison(name, cosine, diff)
 
 
 def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -12,7 +12,8 @@ import pytest
 from conftest import cosine, shard_cli
 
 from shard.calibration import run_each
-from shard.compiler import CompileOptions, compile_model
+from shard.compilation import compile_model
+from shard.options import CompileOptions
 from shard.errors import RunError
 from shard.runtime import load
 from shard.runtime.buckets import read_buckets

@@ -5,7 +5,7 @@ from conftest import make_model, mlp_chain
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import CompileError
 from shard.targets.build_cache import structure_key
 

@@ -10,7 +10,7 @@ from onnx import numpy_helper
 
 import shard
 from shard import bundle_cache
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 
 
 def files(bundle):

@@ -6,7 +6,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper
 
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import ModelError
 from shard.passes import PassContext
 from shard.passes.canonicalize import canonicalize

@@ -13,8 +13,8 @@ from onnx import helper, numpy_helper
 
 from shard.errors import RunError
 from shard.profile import load_profile
-from shard.targets import get_target
-from shard.targets.rknn import CHIPS
+from shard.targets.registry import get_target
+from shard.targets.chips import CHIPS
 
 
 @pytest.mark.parametrize("chip", list(CHIPS))

@@ -13,7 +13,7 @@ from conftest import make_model
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.graph import infer_shapes
 from shard.passes import PassContext
 from shard.passes.fused import normalizations

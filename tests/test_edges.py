@@ -7,7 +7,7 @@ from conftest import make_model, run_ort
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.edges import relayout
 
 

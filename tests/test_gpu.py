@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from shard.compiler import CompileOptions, compile_model
+from shard.compilation import compile_model
+from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile

@@ -8,7 +8,7 @@ from conftest import run_ort
 from onnx import TensorProto, helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.runtime.host_ops import OPS, run_onnx_step
 
 I64, F32, BOOL = TensorProto.INT64, TensorProto.FLOAT, TensorProto.BOOL

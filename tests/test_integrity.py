@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import ShardError
 from shard.pack import pack_bundle
 from shard.runtime.__main__ import unpack

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shard.compiler import remove_stale_staging
+from shard.compilation.staging import remove_stale_staging
 from shard.toolkit.worker import live as alive
 
 pytestmark = pytest.mark.toolkit

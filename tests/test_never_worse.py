@@ -5,7 +5,7 @@ import onnx_graphsurgeon as gs
 from conftest import make_model, mlp_chain, run_ort
 from onnx import helper, numpy_helper
 
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.graph import infer_shapes
 from shard.never_worse import Figures, fidelity_worse, original_plans, per_axis, prune_host_steps, verdict
 from shard.passes import PassContext, run_pipeline

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.toolkit
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from shard.compiler import CompileOptions, compile_model
+    from shard.compilation import compile_model
+    from shard.options import CompileOptions
     from shard.zoo import export_model
 
     root = tmp_path_factory.mktemp("pack")

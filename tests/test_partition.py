@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.partition import choose_cuts
 from shard.graph import infer_shapes
@@ -94,7 +94,7 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
     large model is cut into the fewest shards whose builds, two at once beside the compile, are
     predicted at half of one build of the whole model; a small one is not (the toolkit's own memory
     is most of every build)."""
-    from shard.passes import PASSES
+    from shard.passes.partition import partition
     from shard.toolkit.memory import (BUILD_BYTES_PER_WEIGHT_BYTE, COMPILE_BYTES, MIN_SHARD_WEIGHT_BYTES,
                                       WORKER_BYTES, build_bytes, shards_for_memory)
 
@@ -117,7 +117,7 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
     model = make_model(nodes, [("x", [1, 8, 2560])], [("y", [1, 8, 2560])], weights)
     for build_memory, expected in ((True, 8), (False, 3)):
         ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), build_memory=build_memory)
-        _, report = PASSES["partition"](infer_shapes(gs.import_onnx(model)), ctx)
+        _, report = partition(infer_shapes(gs.import_onnx(model)), ctx)
         assert len(ctx.plan) == expected and report["weight_bytes"] == 8 * 2560 * 5120 * 4
         assert sum(report["shard_weight_bytes"]) == report["weight_bytes"]
         if build_memory:   # 13 for memory, one product (52 MB) a shard

@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper
 
 import shard
 from shard.bundle import read_manifest
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.targets import ShardJob
 from shard.targets.build_cache import BuildCache
 

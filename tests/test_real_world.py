@@ -9,7 +9,7 @@ import pytest
 from conftest import make_model, run_ort
 from onnx import TensorProto, helper, numpy_helper
 
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import ModelError
 from shard.graph import small_model
 from shard.passes import PassContext, run_pipeline
@@ -156,7 +156,7 @@ def test_quantized_one_op_samples_stay_in_the_ops_domain(tmp_path):
 
 @pytest.mark.toolkit
 def test_a_quantized_one_op_build_of_sqrt_does_not_crash():
-    from shard.targets import get_target
+    from shard.targets.registry import get_target
 
     tgt = get_target("rk3588")
     ops = tgt.pass_toolkit(load_profile("rk3588"), CompileOptions())

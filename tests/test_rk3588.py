@@ -9,7 +9,7 @@ from conftest import add_model, make_model, shard_cli
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import CompileError
 
 pytestmark = pytest.mark.toolkit

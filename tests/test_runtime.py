@@ -9,7 +9,7 @@ import pytest
 from conftest import mlp_chain, shard_cli, write_manifest
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.errors import BundleError, RunError
 
 
@@ -64,7 +64,7 @@ def test_board_backend_needs_rknnlite(bundle):
 
 def test_public_api_names_survive_importing_their_modules():
     """`import shard.x` sets the attribute shard.x; no public function may share a module's name."""
-    code = ("import shard, shard.verifier, shard.compiler, shard.runtime\n"
+    code = ("import shard, shard.verifier, shard.compilation, shard.runtime\n"
             "print(all(callable(getattr(shard, n)) for n in ('compile', 'load', 'verify')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"

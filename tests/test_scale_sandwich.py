@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from shard.calibration import collect_stats
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.graph import infer_shapes
 from shard.passes import PassContext
 from shard.passes.host_edges import host_edges

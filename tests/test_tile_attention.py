@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from onnx import helper, numpy_helper
 
 import shard
-from shard.compiler import CompileOptions
+from shard.options import CompileOptions
 from shard.graph import infer_shapes
 from shard.passes.tile_attention import TILE_MARK, find_attention, tile
 

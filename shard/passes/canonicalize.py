@@ -13,9 +13,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from shard.calibration import ort_session
 from shard.errors import ModelError
 from shard.graph import default_opset, infer_shapes, is_static, replace_uses, toposort
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 
 MIN_OPSET = 13   # Slice takes its bounds as inputs from 10, ReduceSum and Split their axes from 13
 
@@ -138,7 +139,6 @@ def remove_identities(graph: gs.Graph) -> int:
     return removed
 
 
-@register("canonicalize")
 def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     nodes_before = len(graph.nodes)
     fixed = fix_input_shapes(graph, ctx.options.input_shapes)
@@ -187,7 +187,6 @@ def infer_shapes_by_running(graph: gs.Graph) -> int:
     """Where onnx's inference gives up (custom domains, ops it cannot propagate through): run the
     model once in onnxruntime on inputs of the fixed shapes and read every tensor's shape and dtype.
     Returns how many tensors got theirs this way."""
-    from shard.calibration import ort_session
 
     missing = {t.name: t for t in unknown_shapes(graph)}
     try:

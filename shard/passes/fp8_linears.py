@@ -26,10 +26,11 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from shard.calibration import calibration_samples, collect_stats, lifted, run_each, stats_cache
+from shard.compare import compare
 from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
-from shard.passes import PassContext, register
-from shard.passes.partition import estimate_macs
+from shard.passes.context import PassContext
+from shard.macs import estimate_macs
 from shard.precision import MIXED_ROUNDS, is_linear, promote_share, weight_axis
 
 E4M3_MAX = 448.0
@@ -55,9 +56,7 @@ def fp8_variable(name: str, shape) -> gs.Variable:
     return gs.Variable(name, dtype=FP8, shape=shape)
 
 
-@register("fp8_linears")
 def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    from shard.verifier import compare   # here: every compile imports the passes, few take this one
 
     if ctx.options.precision != "fp8":
         return graph, {"skipped": f"precision {ctx.options.precision}"}

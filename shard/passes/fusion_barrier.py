@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.tile_attention import TILE_MARK
 
 MODES = ("check", "rules", "pill")
@@ -54,7 +54,6 @@ def add_pill(graph: gs.Graph, out_node: gs.Node, source: gs.Tensor, eps: float) 
                     gs.Node("Add", f"{name}/add", inputs=[inner, scaled], outputs=[out])]
 
 
-@register("fusion_barrier")
 def fusion_barrier(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     mode = ctx.options.fusion_barrier
     rules = list(ctx.options.disable_rules)

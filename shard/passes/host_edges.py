@@ -19,7 +19,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.graph import tensor_spec
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.runtime.host_ops import OPS as HOST_ONNX_OPS
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
@@ -86,7 +86,6 @@ def onnx_step(node: gs.Node, files: dict[str, np.ndarray]) -> dict | None:
             "outputs": [node.outputs[0].name], "attrs": attrs, "constants": constants}
 
 
-@register("host_edges")
 def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     ctx.model_inputs = [tensor_spec(t) for t in graph.inputs]
     ctx.model_outputs = [tensor_spec(t) for t in graph.outputs]

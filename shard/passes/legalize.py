@@ -27,7 +27,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.graph import replace_uses
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec, Verdict
 from shard.passes.rewrite import Rewriter
 
@@ -302,7 +302,6 @@ def fold_slices_of_concats(graph: gs.Graph, joins: set[str]) -> int:
     return folded
 
 
-@register("legalize")
 def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     legality = ctx.legality
     changes, stuck, noted = [], [], []

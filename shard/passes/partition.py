@@ -11,7 +11,8 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
 from shard.graph import constants, is_static, nbytes
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
+from shard.macs import estimate_macs
 from shard.passes.fused import fused_regions
 from shard.toolkit.memory import shards_for_memory
 
@@ -28,20 +29,6 @@ class ShardPlan:
     outputs: list[gs.Variable]
     macs: int
     source_nodes: list[str] = field(default_factory=list)
-
-
-def estimate_macs(node: gs.Node) -> int:
-    """Multiply-accumulates of one node (MatMul/Gemm/Conv exactly, anything else one per output element)."""
-    out = node.outputs[0] if node.outputs else None
-    if out is None or not is_static(out.shape):
-        return 0
-    out_elems = int(np.prod(out.shape, dtype=np.int64))
-    if node.op in ("MatMul", "Gemm") and is_static(node.inputs[0].shape):
-        k = node.inputs[0].shape[-1] if node.op == "MatMul" or not node.attrs.get("transA") else node.inputs[0].shape[0]
-        return out_elems * int(k)
-    if node.op == "Conv" and is_static(node.inputs[1].shape):
-        return out_elems * int(np.prod(node.inputs[1].shape[1:], dtype=np.int64))
-    return out_elems
 
 
 def build_dataflow(graph: gs.Graph) -> nx.DiGraph:
@@ -138,7 +125,6 @@ def shard_boundaries(graph: gs.Graph, cuts: list[int]) -> list[ShardPlan]:
     return plans
 
 
-@register("partition")
 def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     opts = ctx.options
     n = len(graph.nodes)

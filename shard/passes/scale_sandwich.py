@@ -53,9 +53,11 @@ from functools import partial
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from shard.calibration import calibration_samples, collect_stats, graph_stats, lifted, run_each, stats_cache
 from shard.graph import float_ranks, tensor_spec, toposort
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.fused import normalizations
+from shard.precision import SIDE, is_int8_candidate
 
 MASK_FLOOR = -1e4     # a value below this in a mask is the exporter's minus infinity, not a logit
 MINUS_INFINITY = -1e30   # a value at or below this stands for -inf (masks), never for a range to keep
@@ -76,9 +78,7 @@ HOST_TAILS = ("Softmax", "LogSoftmax")   # a model's last op the host runs where
 TO_SOFTMAX = ("Add", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")
 
 
-@register("scale_sandwich")
 def scale_sandwich(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-    from shard.calibration import calibration_samples, collect_stats, graph_stats, lifted, stats_cache
 
     safe = fp16_safe_absmax(ctx.profile)
     if safe is None:
@@ -145,7 +145,6 @@ def fp16_safe_absmax(profile) -> float | None:
 def largest_change(before: tuple, after: tuple, samples: list, outputs: list[str]) -> float:
     """The largest change of an output over the samples, relative to that output's largest value;
     before and after: lifted models with their weights (shard.calibration.lifted)."""
-    from shard.calibration import run_each
 
     def run(model, weights):
         return run_each(model, [{**s, **weights} for s in samples], outputs, optimize=False)
@@ -278,7 +277,6 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     fp16. Two linears joined by per-channel ops alone (an FFN) take the outliers of W1's output and
     of W2's input together first, in a hidden split (split_hidden): the channels I and O above are
     then what is left, the FFN's input and output."""
-    from shard.precision import SIDE
 
     changes, hidden = split_hidden(graph, stats)
     handled = {(c["node"], "out") for c in changes} | {(c["second"], "in") for c in changes}
@@ -321,15 +319,7 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
             place = np.zeros((len(outs), n_out), w.dtype)
             place[np.arange(len(outs)), outs] = 1
             parts.append((f"{node.name}{SIDE}out", [(x, w[:, outs]), (None, place)]))
-        for k, (name, chain) in enumerate(parts):
-            value = None
-            for j, (source, m) in enumerate(chain):
-                out = var(f"{name}/{j}")
-                graph.nodes.append(matmul(f"{name}/{j}", source if source is not None else value, m, out))
-                value = out
-            added = y if k == len(parts) - 1 else var(f"{name}/sum", y.shape)
-            graph.nodes.append(gs.Node("Add", name=f"{name}/add", inputs=[total, value], outputs=[added]))
-            total = added
+        add_side_linears(graph, parts, total, y, var)
         rest_in = float(np.delete(sx.channel_absmax, ins).max()) if ins else None
         named = [f"{side} channels {channels} (up to {s.channel_absmax.max():.3g})"
                  for side, channels, s in (("input", ins, sx), ("output", outs, sy)) if channels]
@@ -352,7 +342,6 @@ def channel_stats(stats: dict, tensor: gs.Tensor, width: int):
 
 
 def is_split_candidate(node: gs.Node) -> bool:
-    from shard.precision import is_int8_candidate
 
     return node.op == "MatMul" and is_int8_candidate(node) and node.inputs[1].values.ndim == 2
 
@@ -427,7 +416,6 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], list]:
     one, 7.2 % with the FFNs split this way). Returns the changes (W1's output and W2's input, which
     the per-linear splits then leave) and for each the step that adds its side FFN, run after the
     per-linear splits (whose side linears then read the main path)."""
-    from shard.precision import SIDE
 
     changes, steps, taken = [], [], set()   # taken: one split a linear (a chain of MLPs: every other pair)
     order = {id(n): k for k, n in enumerate(graph.nodes)}
@@ -478,7 +466,6 @@ def side_ffn(graph: gs.Graph, first: gs.Node, second: gs.Node, x: gs.Tensor, sta
     second linear's whole output). The side's ops go in one block right before the second linear:
     the vendor fuses an activation by walking the nodes in order, and with the two GELUs' ops
     interleaved it fused neither (all-mpnet-base-v2: every Erf on the CPU)."""
-    from shard.precision import SIDE
 
     name = f"{first.name}{SIDE}hidden"
     var = lambda suffix: gs.Variable(f"{name}/{suffix}", dtype=start.dtype)  # noqa: E731
@@ -532,144 +519,197 @@ def scaled(graph: gs.Graph, tensor: gs.Tensor, k: int, where: str) -> gs.Variabl
     return out
 
 
+def add_side_linears(graph: gs.Graph, parts: list, total: gs.Variable, y: gs.Variable, var) -> None:
+    """y = total + each part, a part being a chain of constant matmuls [(source or None: the link
+    before, matrix)] named by its name."""
+    for k, (name, chain) in enumerate(parts):
+        value = None
+        for j, (source, m) in enumerate(chain):
+            out = var(f"{name}/{j}")
+            graph.nodes.append(matmul(f"{name}/{j}", source if source is not None else value, m, out))
+            value = out
+        added = y if k == len(parts) - 1 else var(f"{name}/sum", y.shape)
+        graph.nodes.append(gs.Node("Add", name=f"{name}/add", inputs=[total, value], outputs=[added]))
+        total = added
+
+
 def rescale_ranges(graph: gs.Graph, stats: dict, safe: float, ctx: PassContext) -> tuple[list[dict], list[dict]]:
-    """Carry tensors divided by 2^k where a calibrated activation leaves the safe fp16 range."""
+    """Carry tensors divided by 2^k where a calibrated activation leaves the safe fp16 range: the
+    changes, and what no factor could keep in range."""
     if not any(needed(t, stats, safe) for t in graph.tensors().values() if isinstance(t, gs.Variable)):
         return [], []
-    k: dict[str, int] = {}
-    changes, over = [], []
+    return Rescaler(graph, stats, safe, ctx).run()
 
-    def restore_inputs(node: gs.Node, variables: list, ks: dict) -> None:
+
+JOINS = ("Add", "Sub", "Max", "Min", "Concat", "Sum")          # every side at one factor
+ELEMENTWISE = ("Add", "Sub", "Clip", "Max", "Min", "Mul", "Div")   # with one variable input
+WITH_CONSTANTS = ("Add", "Sub", "Clip", "Max", "Min")          # their constants move with the data
+
+
+class Rescaler:
+    """rescale_ranges' walk over the graph in order: `k` holds each tensor's factor (held / 2^k), and
+    each node either carries its inputs' factors on (homogeneous ops, weights and constants scaled by
+    powers of two: exact) or gets its inputs back at their true scale."""
+
+    def __init__(self, graph: gs.Graph, stats: dict, safe: float, ctx: PassContext):
+        self.graph, self.stats, self.safe, self.ctx = graph, stats, safe, ctx
+        self.k: dict[str, int] = {}
+        self.changes: list[dict] = []
+        self.over: list[dict] = []
+        # A normalization written out is scale-invariant: x held / 2^k needs its epsilon / 4^k, and what
+        # it makes carries no factor (as LayerNormalization). Its own tensors (x^2) are the fused op's.
+        self.norms = {id(n): norm for norm in normalizations(graph) for n in norm.nodes}
+
+    def run(self) -> tuple[list[dict], list[dict]]:
+        for node in list(self.graph.nodes):
+            self.visit(node)
+        for name, shift in self.k.items():
+            bounded(name, shift)
+        self.ctx.scales.update({name: (name, v) for name, v in self.k.items() if v})
+        for out in list(self.graph.outputs):
+            if self.k.get(out.name):
+                self.changes.append(restore_output(self.graph, out, self.k[out.name], self.ctx))
+        self.over += [{"node": t.inputs[0].name, "op": t.inputs[0].op, "tensor": t.name,
+                       "reason": f"{t.name} reaches {self.stats[t.name].absmax:.3g}, over the fp16 range "
+                                 f"({self.safe:g} with the profile's margin)",
+                       "action": "no factor can be folded into the op that makes it; it may overflow"}
+                      for t in self.graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs
+                      and id(t.inputs[0]) not in self.norms and self.needed(t) > self.k.get(t.name, 0)
+                      and not all(u.op == "Max" and u.name.endswith(CLAMP) for u in t.outputs)]
+        return self.changes, self.over
+
+    def needed(self, tensor: gs.Tensor) -> int:
+        return needed(tensor, self.stats, self.safe)
+
+    def visit(self, node: gs.Node) -> None:
+        variables = [(i, t) for i, t in enumerate(node.inputs) if isinstance(t, gs.Variable) and t.name]
+        ks = {i: self.k.get(t.name, 0) for i, t in variables}
+        for i, t in variables:
+            bounded(t.name, ks[i])
+        if id(node) in self.norms:
+            return self.normalization(node, self.norms[id(node)])
+        outs = [t for t in node.outputs if t.name]
+        weight = node.inputs[1] if node.op in WEIGHTED and len(node.inputs) > 1 else None
+        if node.op in WEIGHTED and isinstance(weight, gs.Constant) and len(variables) == 1 and variables[0][0] == 0:
+            return self.weighted(node, weight, ks[0], outs)
+        want = max((self.needed(t) for t in outs), default=0)   # what its own output needs
+        if not any(ks.values()) and not want:
+            return
+        single = variables[0] if len(variables) == 1 and is_float(variables[0][1]) else None
+        floats = all(is_float(t) for _, t in variables)
+        if node.op in JOINS and len(variables) >= 2 and floats:
+            self.joined(node, variables, ks, want, outs)
+        elif single and node.op == "Div" and single[0] == 1:   # c / x carries the inverse factor
+            self.k[outs[0].name] = -ks[1]
+        elif single and (node.op in ELEMENTWISE or node.op in PASS_THROUGH):
+            self.elementwise(node, single, variables, ks, want, outs)
+        elif node.op in ("Mul", "MatMul", "Div") and len(variables) == 2 and floats:
+            carried = ks[0] + ks[1] if node.op != "Div" else ks[0] - ks[1]
+            if want > carried:  # the product itself leaves the range: the first operand takes more
+                self.scale_down(node, 0, node.inputs[0], want - carried, want)
+            self.k[outs[0].name] = max(carried, want)
+        elif node.op == "BatchNormalization" and len(variables) == 1 and variables[0][0] == 0 \
+                and all(isinstance(c, gs.Constant) for c in node.inputs[1:5]) and len(outs) == 1:
+            self.batch_normalization(node, ks[0], want, outs[0])
+        elif node.op == "LayerNormalization" and variables[0][0] == 0 and len(variables) == 1:
+            if ks[0]:
+                node.attrs["epsilon"] = float(node.attrs.get("epsilon", 1e-5)) * 4.0 ** -ks[0]
+        else:
+            self.restore_inputs(node, variables, ks)
+
+    def normalization(self, node: gs.Node, norm) -> None:
+        kx = self.k.get(norm.input.name, 0)
+        if norm.eps and norm.eps[0] is node and kx:
+            node.inputs[norm.eps[1]] = times(node.inputs[norm.eps[1]], -2 * kx)
+
+    def weighted(self, node: gs.Node, weight: gs.Constant, kx: int, outs: list) -> None:
+        """A linear with a constant weight: the weight (and bias) carry the factor change."""
+        ky = max(kx, self.needed(outs[0])) if outs else kx
+        if not (kx or ky):
+            return
+        node.inputs[1] = times(weight, kx - ky)
+        if len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant):
+            node.inputs[2] = times(node.inputs[2], -ky)
+        self.k[outs[0].name] = ky
+        if ky != kx:
+            self.held(node, outs[0], ky, f"its weights carry 2^{kx - ky}")
+
+    def joined(self, node: gs.Node, variables: list, ks: dict, want: int, outs: list) -> None:
+        top = max(*ks.values(), want)       # every side at one factor, large enough for the result
+        for i, t in variables:
+            if ks[i] < top:
+                self.scale_down(node, i, t, top - ks[i], top)
+        self.k[outs[0].name] = top
+
+    def elementwise(self, node: gs.Node, single: tuple, variables: list, ks: dict, want: int, outs: list) -> None:
+        if node.op == "Pad" and len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant) \
+                and np.any(node.inputs[2].values):
+            return self.restore_inputs(node, variables, ks)
+        i, t = single
+        kx = max(ks[i], want)
+        if kx > ks[i]:
+            self.scale_down(node, i, t, kx - ks[i], kx)
+        if node.op in WITH_CONSTANTS:
+            for j, c in enumerate(node.inputs):
+                if isinstance(c, gs.Constant) and c.values.dtype.kind == "f":
+                    node.inputs[j] = times(c, -kx)
+        for t in outs:
+            self.k[t.name] = kx
+
+    def batch_normalization(self, node: gs.Node, kx: int, want: int, out: gs.Tensor) -> None:
+        # gamma (x - mean) / sqrt(var + eps) + beta, with x held / 2^kx and y / 2^ky: mean / 2^kx,
+        # gamma * 2^(kx - ky), beta / 2^ky (powers of two: exact).
+        ky = max(kx, want)
+        for j, e in ((1, kx - ky), (2, -ky), (3, -kx)):
+            if e:
+                node.inputs[j] = times(node.inputs[j], e)
+        self.k[out.name] = ky
+        if ky != kx:
+            self.held(node, out, ky, f"its scale carries 2^{kx - ky} and its bias 2^{-ky}")
+
+    def restore_inputs(self, node: gs.Node, variables: list, ks: dict) -> None:
         """Give a node its inputs at their true scale (a Mul by 2^k before it); where the true value
         is itself past the range, the model's last Softmax runs on the host in fp32 (with the Mul), and
         otherwise the report says so."""
         for i, t in variables:
             if not ks[i]:
                 continue
-            node.inputs[i] = scaled(graph, t, -ks[i], f"{node.name}/in{i}")
-            if not needed(t, stats, safe):
+            node.inputs[i] = scaled(self.graph, t, -ks[i], f"{node.name}/in{i}")
+            if not self.needed(t):
                 continue
-            tail = to_output(node, graph) if node.op in HOST_TAILS and len(variables) == 1 else None
+            tail = to_output(node, self.graph) if node.op in HOST_TAILS and len(variables) == 1 else None
+            past = (f"it takes {t.name}, which reaches {self.stats[t.name].absmax:.3g}, over the fp16 range "
+                    f"({self.safe:g} with the profile's margin)")
             if tail is not None:
-                ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name, *tail})
-                changes.append({"node": node.name, "op": node.op, "form": "range",
-                                "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
-                                          f"fp16 range ({safe:g} with the profile's margin), and ends the model",
-                                "action": f"it runs on the host in fp32 after the shards, its input multiplied "
-                                          f"back by 2^{ks[i]} there", "factor": 1.0})
+                self.ctx.host_candidates.update({node.name, node.inputs[i].inputs[0].name, *tail})
+                self.changes.append({"node": node.name, "op": node.op, "form": "range",
+                                     "reason": f"{past}, and ends the model",
+                                     "action": f"it runs on the host in fp32 after the shards, its input multiplied "
+                                               f"back by 2^{ks[i]} there", "factor": 1.0})
             else:
-                over.append({"node": node.name, "op": node.op, "tensor": node.inputs[i].name,
-                             "reason": f"it takes {t.name}, which reaches {stats[t.name].absmax:.3g}, over the "
-                                       f"fp16 range ({safe:g} with the profile's margin), at its true scale",
-                             "action": f"{node.op} is not homogeneous, so no factor can pass it; it may overflow"})
+                self.over.append({"node": node.name, "op": node.op, "tensor": node.inputs[i].name,
+                                  "reason": f"{past}, at its true scale",
+                                  "action": f"{node.op} is not homogeneous, so no factor can pass it; it may overflow"})
 
-    def held(node: gs.Node, out: gs.Tensor, total: int, how: str) -> None:
+    def held(self, node: gs.Node, out: gs.Tensor, total: int, how: str) -> None:
         """Report that `out` is now held divided by 2^total, `how` (what the node carries for it)."""
-        s = stats[out.name]
-        changes.append({"node": node.name, "op": node.op, "form": "range",
-                        "reason": f"{out.name} reaches {s.absmax:.3g}, over the fp16 range ({safe:g} with the "
-                                  f"profile's margin)", "action": f"{how}, its output is held divided by 2^{total}",
-                        "factor": 2.0 ** total, "range_before": [s.min, s.max],
-                        "range_after": [s.min / 2.0 ** total, s.max / 2.0 ** total]})
+        s = self.stats[out.name]
+        self.changes.append({"node": node.name, "op": node.op, "form": "range",
+                             "reason": f"{out.name} reaches {s.absmax:.3g}, over the fp16 range ({self.safe:g} with "
+                                       f"the profile's margin)", "action": f"{how}, its output is held divided by 2^{total}",
+                             "factor": 2.0 ** total, "range_before": [s.min, s.max],
+                             "range_after": [s.min / 2.0 ** total, s.max / 2.0 ** total]})
 
-    def times(c: gs.Constant, e: int) -> gs.Constant:
-        return gs.Constant(f"{c.name}/x2^{e}", np.asarray(c.values * c.values.dtype.type(2.0 ** e)))
-
-    def scale_down(node: gs.Node, i: int, t: gs.Tensor, e: int, total: int) -> None:
+    def scale_down(self, node: gs.Node, i: int, t: gs.Tensor, e: int, total: int) -> None:
         """A Mul by 2^-e before input i, so that the node works at a factor 2^total."""
-        node.inputs[i] = scaled(graph, t, e, f"{node.name}/in{i}")
-        if needed(node.outputs[0], stats, safe):
-            held(node, node.outputs[0], total, f"its input {t.name} is divided by 2^{e} before it (a Mul)")
+        node.inputs[i] = scaled(self.graph, t, e, f"{node.name}/in{i}")
+        if self.needed(node.outputs[0]):
+            self.held(node, node.outputs[0], total, f"its input {t.name} is divided by 2^{e} before it (a Mul)")
 
-    # A normalization written out is scale-invariant: x held / 2^k needs its epsilon / 4^k, and what
-    # it makes carries no factor (as LayerNormalization). Its own tensors (x^2) are the fused op's.
-    norms = {id(n): norm for norm in normalizations(graph) for n in norm.nodes}
-    for node in list(graph.nodes):
-        variables = [(i, t) for i, t in enumerate(node.inputs) if isinstance(t, gs.Variable) and t.name]
-        ks = {i: k.get(t.name, 0) for i, t in variables}
-        for i, t in variables:
-            bounded(t.name, ks[i])
-        if id(node) in norms:
-            norm = norms[id(node)]
-            kx = k.get(norm.input.name, 0)
-            if norm.eps and norm.eps[0] is node and kx:
-                node.inputs[norm.eps[1]] = times(node.inputs[norm.eps[1]], -2 * kx)
-            continue
-        outs = [t for t in node.outputs if t.name]
-        weight = node.inputs[1] if node.op in WEIGHTED and len(node.inputs) > 1 else None
-        if node.op in WEIGHTED and isinstance(weight, gs.Constant) and len(variables) == 1 and variables[0][0] == 0:
-            kx, ky = ks[0], max(ks[0], needed(outs[0], stats, safe)) if outs else ks[0]
-            if kx or ky:
-                node.inputs[1] = times(weight, kx - ky)
-                if len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant):
-                    node.inputs[2] = times(node.inputs[2], -ky)
-                k[outs[0].name] = ky
-                if ky != kx:
-                    held(node, outs[0], ky, f"its weights carry 2^{kx - ky}")
-            continue
-        want = max((needed(t, stats, safe) for t in outs), default=0)   # what its own output needs
-        if not any(ks.values()) and not want:
-            continue
-        single = variables[0] if len(variables) == 1 and is_float(variables[0][1]) else None
-        if node.op in ("Add", "Sub", "Max", "Min", "Concat", "Sum") and len(variables) >= 2 \
-                and all(is_float(t) for _, t in variables):
-            top = max(*ks.values(), want)       # every side at one factor, large enough for the result
-            for i, t in variables:
-                if ks[i] < top:
-                    scale_down(node, i, t, top - ks[i], top)
-            k[outs[0].name] = top
-        elif single and node.op == "Div" and single[0] == 1:   # c / x carries the inverse factor
-            k[outs[0].name] = -ks[1]
-        elif single and (node.op in ("Add", "Sub", "Clip", "Max", "Min", "Mul", "Div") or node.op in PASS_THROUGH):
-            if node.op == "Pad" and len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant) \
-                    and np.any(node.inputs[2].values):
-                restore_inputs(node, variables, ks)
-                continue
-            i, t = single
-            kx = max(ks[i], want)
-            if kx > ks[i]:
-                scale_down(node, i, t, kx - ks[i], kx)
-            if node.op in ("Add", "Sub", "Clip", "Max", "Min"):   # its constants move with the data
-                for j, c in enumerate(node.inputs):
-                    if isinstance(c, gs.Constant) and c.values.dtype.kind == "f":
-                        node.inputs[j] = times(c, -kx)
-            for t in outs:
-                k[t.name] = kx
-        elif node.op in ("Mul", "MatMul", "Div") and len(variables) == 2 and all(is_float(t) for _, t in variables):
-            carried = ks[0] + ks[1] if node.op != "Div" else ks[0] - ks[1]
-            if want > carried:  # the product itself leaves the range: the first operand takes more
-                scale_down(node, 0, node.inputs[0], want - carried, want)
-            k[outs[0].name] = max(carried, want)
-        elif node.op == "BatchNormalization" and len(variables) == 1 and variables[0][0] == 0 \
-                and all(isinstance(c, gs.Constant) for c in node.inputs[1:5]) and len(outs) == 1:
-            # gamma (x - mean) / sqrt(var + eps) + beta, with x held / 2^kx and y / 2^ky: mean / 2^kx,
-            # gamma * 2^(kx - ky), beta / 2^ky (powers of two: exact).
-            kx, ky = ks[0], max(ks[0], want)
-            for j, e in ((1, kx - ky), (2, -ky), (3, -kx)):
-                if e:
-                    node.inputs[j] = times(node.inputs[j], e)
-            k[outs[0].name] = ky
-            if ky != kx:
-                held(node, outs[0], ky, f"its scale carries 2^{kx - ky} and its bias 2^{-ky}")
-        elif node.op == "LayerNormalization" and variables[0][0] == 0 and len(variables) == 1:
-            if ks[0]:
-                node.attrs["epsilon"] = float(node.attrs.get("epsilon", 1e-5)) * 4.0 ** -ks[0]
-        else:
-            restore_inputs(node, variables, ks)
-    for name, shift in k.items():
-        bounded(name, shift)
-    ctx.scales.update({name: (name, v) for name, v in k.items() if v})
-    for out in list(graph.outputs):
-        if k.get(out.name):
-            changes.append(restore_output(graph, out, k[out.name], ctx))
-    over += [{"node": t.inputs[0].name, "op": t.inputs[0].op, "tensor": t.name,
-              "reason": f"{t.name} reaches {stats[t.name].absmax:.3g}, over the fp16 range ({safe:g} with the "
-                        f"profile's margin)",
-              "action": "no factor can be folded into the op that makes it; it may overflow"}
-             for t in graph.tensors().values() if isinstance(t, gs.Variable) and t.inputs
-             and id(t.inputs[0]) not in norms and needed(t, stats, safe) > k.get(t.name, 0)
-             and not all(u.op == "Max" and u.name.endswith(CLAMP) for u in t.outputs)]
-    return changes, over
+
+def times(c: gs.Constant, e: int) -> gs.Constant:
+    """A constant times 2^e (exact)."""
+    return gs.Constant(f"{c.name}/x2^{e}", np.asarray(c.values * c.values.dtype.type(2.0 ** e)))
 
 
 class Unscalable(Exception):

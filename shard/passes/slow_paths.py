@@ -18,7 +18,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.graph import to_toolkit_model
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec
 from shard.toolkit.log import Layer, unestimated_cost
 
@@ -156,7 +156,6 @@ def cost(point, cycles_per_kb: float | None = None) -> tuple[int, int, float | N
     return point.figures.get("estimated_cycles", 0) + extra, extra, rate
 
 
-@register("slow_paths")
 def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     limits = stride_limits(ctx.profile)
     changes, kept = [], []
@@ -192,4 +191,3 @@ def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         changes.append({**entry, "action": "patches on the host (reshape, transpose) + MatMul + bias on the NPU"
                         + (" (the input's per-channel normalisation folded into the weights)" if folded else "")})
     return graph, {"changes": changes, "not_fixed": kept}
-

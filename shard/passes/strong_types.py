@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
 from shard.graph import numpy_dtype, replace_uses
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 
 FLOAT = (np.float32, np.float64)
 KEEP_FP32 = {("Resize", 2)}   # (op, input index) that the operator defines as float32
@@ -33,7 +33,6 @@ def is_float32(tensor: gs.Tensor) -> bool:
     return dtype is not None and dtype.type in FLOAT
 
 
-@register("strong_types")
 def strong_types(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     refuse_non_tensors(graph)
     normalized = fold_batchnorm_statistics(graph)

@@ -22,7 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.graph import to_toolkit_model
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.fit import HARD_FAILURES, lone_error_lines
 from shard.passes.legalize import bounds
 from shard.passes.rewrite import Rewriter
@@ -258,7 +258,6 @@ def auto_tiles(ctx: PassContext, att: Attention) -> tuple[int | None, int | None
                         f"{MAX_TILES} tiles builds clean")
 
 
-@register("tile_attention")
 def tile_attention(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     mode = ctx.options.tile_attention
     found = find_attention(graph)

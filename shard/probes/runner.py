@@ -20,7 +20,8 @@ from shard.errors import ShardError, TargetError
 from shard.probes.families import Family, conv, conv_macs, limit_name, select
 from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
-from shard.targets.rknn import CHIPS, RknnTarget, chip_facts
+from shard.targets.chips import CHIPS, chip_facts
+from shard.targets.rknn import RknnTarget
 
 DEFAULT_SLOW_FACTOR = 4.0
 BUILD_TIMEOUT_S = 300.0
@@ -115,7 +116,7 @@ def derive_clock(facts: dict, cores: int) -> None:
 
 def starting_profile(target: str) -> Profile:
     """The shipped profile of `target` (its facts and cores; its limits are probed again), or a new one
-    from the chip's table (shard.targets.rknn.CHIPS)."""
+    from the chip's table (shard.targets.chips.CHIPS)."""
     cores, facts = chip_facts(target)
     try:
         shipped = load_profile(target)
@@ -218,4 +219,3 @@ def merge_into(path: Path, profile: Profile) -> tuple[Profile, int]:
         return profile, 0
     return Profile(profile.target, profile.cores, profile.toolkit, {**kept, **profile.limits},
                    {**old.facts, **profile.facts}), len(kept)
-

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from shard.bundle import file_record
-from shard.errors import TargetError
 
 
 @dataclass
@@ -46,45 +45,54 @@ class ShardBuild:
     built_from: dict[str, str] = field(default_factory=dict)   # ShardJob.built_from when it was built
 
 
-class Target(Protocol):
-    name: str
-    executors: tuple[str, ...]       # the runtime backends that can run its artifacts, default first
-    artifact_suffix: str | None
-    vendor: bool                     # a vendor compiler builds the shards: compile compares with it alone
-    precisions: tuple[str, ...]      # what its shards can be built in, default first
-    pipeline: tuple[str, ...]        # its passes, in order (shard.passes)
-    min_opset: int                   # the opset its shard files are lifted to, at least
-    stage_streams: bool              # shard k runs on stream ("core") k: a pipeline of stages (GPU)
-    build_memory: bool               # its shard builds' memory grows with their weights: partition sizes them
+class Target:
+    """The compile side of a target. The defaults are those of a target whose shard files are what
+    runs or what the device builds later (cpu, the GPU targets): no vendor build here to stand beside,
+    no layout of its own, nothing to ask while the passes run. A vendor target (shard.targets.rknn)
+    overrides them."""
 
-    def build_options(self, options) -> dict: ...
+    name: str
+    executors: tuple[str, ...] = ("cpu",)   # the runtime backends that can run its artifacts, default first
+    artifact_suffix: str | None = None
+    vendor = False                   # a vendor compiler builds the shards: compile compares with it alone
+    precisions: tuple[str, ...] = ("fp32",)   # what its shards can be built in, default first
+    pipeline: tuple[Callable, ...] = ()      # its passes, in order (shard.passes.NPU_PIPELINE, ...)
+    min_opset = 0                    # the opset its shard files are lifted to, at least
+    stage_streams = False            # shard k runs on stream ("core") k: a pipeline of stages (GPU)
+    build_memory = False             # its shard builds' memory grows with their weights: partition sizes them
+    build_note = "the shard ONNX file is what runs"   # the build log of a target that builds nothing here
+
+    def build_options(self, options) -> dict:
+        """The options every shard is built with (the manifest's `build`)."""
+        return {}
 
     def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
         """The build options of one shard: the compile's `build` at the shard's precision (mixed: with
         the ops kept in fp16)."""
-        ...
+        return build
 
-    def check_environment(self) -> None: ...
+    def check_environment(self) -> None:
+        """Fail early, in one line, where what builds its shards is missing."""
 
     def toolchain(self) -> str:
         """What builds its shards here, with its version ("rknn-toolkit2 2.5.0"; "" where nothing
         does): part of every cache key."""
-        ...
+        return ""
 
     def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> Builds:
         """Builds of this target's shards, `workers` at a time (a context manager: see Builds).
         cache: a build cache directory (shard.targets.build_cache), or None to build everything."""
-        ...
+        return LogsOnly(f"{self.name}: {self.build_note}")
 
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
                      ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """From a shard's build log: the inputs and outputs the compiler reshaped into its own layout
-        on the CPU, with that layout's shape (shard.edges)."""
-        ...
+        on the CPU, with that layout's shape (shard.edges). None here: any shape runs as it is."""
+        return {}, {}
 
     def pass_toolkit(self, profile, options):
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""
-        ...
+        return None
 
 
 class Builds(Protocol):
@@ -147,15 +155,3 @@ class LogsOnly:
 
     def __exit__(self, *exc) -> None:
         pass
-
-
-def get_target(name: str) -> Target:
-    from shard.targets.cpu import CpuTarget
-    from shard.targets.gpu import GpuTarget
-    from shard.targets.rknn import CHIPS, RknnTarget
-
-    targets = {t.name: t for t in (*map(RknnTarget, CHIPS), GpuTarget("thor"), GpuTarget("cuda"), CpuTarget())}
-    try:
-        return targets[name]
-    except KeyError:
-        raise TargetError(f"unknown target {name!r}; known targets: {', '.join(targets)}") from None

@@ -24,18 +24,15 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from shard.bundle import file_record
-from shard.cache_folder import disk_bytes, entry_folders, mark_entry, mark_folder
-from shard.errors import CompileError
+from shard.cache_folder import prune, size_limit, store_entry
 from shard.graph import sha256_file
 from shard.targets import ShardBuild, ShardJob
 
@@ -45,25 +42,6 @@ FIGURES = "f"   # the prefix of an entry kept by structure (figures, no artifact
 WEIGHT_ELEMENTS = 16   # a float initializer this large is a weight: only weight_kind of its values decides a build
 FP16_MAX = 65504.0
 FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-
-
-DEFAULT_SIZE = "10G"
-UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("SHARD_BUILD_CACHE") or Path.home() / ".cache" / "shard" / "builds")
-
-
-def size_limit() -> int:
-    """The cache's cap in bytes, from $SHARD_BUILD_CACHE_SIZE (`10G`, `500M`, `0` keeps nothing)."""
-    text = (os.environ.get("SHARD_BUILD_CACHE_SIZE") or DEFAULT_SIZE).strip().upper().removesuffix("B")
-    unit = text[-1:] if text[-1:] in UNITS else ""
-    try:
-        return int(float(text[:len(text) - len(unit)]) * UNITS[unit])
-    except ValueError:
-        raise CompileError(f"SHARD_BUILD_CACHE_SIZE={text!r}: expected bytes with an optional K, M, G or T "
-                           f"suffix, like 10G") from None
 
 
 class BuildCache:
@@ -179,63 +157,3 @@ def weight_kind(tensor: onnx.TensorProto) -> str:
     if (values == 1).all():
         return "ones"
     return "values" if np.isfinite(values).all() and np.abs(values).max() <= FP16_MAX else "past fp16"
-
-
-def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
-    """Evict a cache folder's least recently used entries, none named in `keep`, until it holds at
-    most `limit` bytes; returns what was evicted (entries, bytes)."""
-    entries = []
-    for folder in entry_folders(root):   # shard's own entries only; an entry's last use: its newest file
-        try:
-            used = max((f.stat().st_mtime for f in folder.iterdir()), default=0.0)
-            entries.append((used, folder, disk_bytes(folder)))
-        except OSError:   # another compile evicted it first
-            continue
-    total = sum(size for _, _, size in entries)
-    evicted = [0, 0]
-    for _, folder, size in sorted(entries, key=lambda e: e[0]):
-        if total <= limit:
-            break
-        if folder.name in keep:
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        total -= size
-        evicted[0] += 1
-        evicted[1] += size
-    return evicted[0], evicted[1]
-
-
-def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:
-    """Write an entry whole or not at all: `write` fills a staging folder, renamed to `root/key`."""
-    mark_folder(root, default_cache_dir())
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    try:
-        write(staging)
-        mark_entry(staging)
-        staging.rename(root / key)
-    except OSError:  # another compile stored the same entry first, or the disk is full: no entry
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def entry_file(root: Path, key: str, name: str) -> Path | None:
-    """A cache entry's file, marked used now (the last to be evicted); None on a miss."""
-    path = Path(root) / key / name
-    try:
-        os.utime(path)
-    except OSError:
-        return None
-    return path
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-
-
-def folder_size(root: Path, entry: str) -> tuple[int, int]:
-    """(entries: files matching the glob `entry`, bytes of every file below, hard links once) of a cache."""
-    if not Path(root).is_dir():
-        return 0, 0
-    return sum(1 for _ in Path(root).glob(entry)), disk_bytes(Path(root))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from shard.errors import ShardError, ToolkitMissing
+from shard.targets.chips import CHIPS
 
 MARKER = "shard-toolkit.json"
 
@@ -26,7 +27,7 @@ MARKER = "shard-toolkit.json"
 class ToolkitSpec:
     """How to build one toolkit environment: pip steps run in order, then an import check."""
 
-    targets: tuple[str, ...]          # the chips it builds for (its support list; shard.targets.rknn.CHIPS)
+    targets: tuple[str, ...]          # the chips it builds for (its support list; shard.targets.chips.CHIPS)
     package: str
     version: str
     steps: tuple[tuple[str, ...], ...]
@@ -40,7 +41,7 @@ class ToolkitSpec:
 # The wheel's own pins pull a multi-GB CUDA torch and numpy<=1.26; this order installs the CPU
 # torch first, then the toolkit without its pins, then the pins it really needs.
 RKNN_TOOLKIT2 = ToolkitSpec(
-    targets=("rk3588", "rk3576", "rk3568", "rk3566", "rk3562", "rk2118", "rv1126b", "rv1106", "rv1103"),
+    targets=tuple(CHIPS),
     package="rknn-toolkit2",
     version="2.5.0",
     steps=(

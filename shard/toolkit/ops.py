@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from shard import scratch
+from shard.compare import compare
 from shard.errors import RunError
 from shard.profile import Profile
 from shard.toolkit.worker import infer
@@ -178,7 +179,6 @@ class RknnProber:
             return Point(point.size, False, "crash", f"simulator: {exc}", point.figures)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        from shard.verifier import compare
 
         want = reference_outputs(model, inputs)[0]
         return classify_numeric(point, compare("out", want, got.reshape(want.shape)).cosine)
@@ -199,11 +199,9 @@ class RknnProber:
             return Point(point.size, False, "board", f"{type(exc).__name__}: {exc}", point.figures)
         finally:
             rt.release()
-        from shard.verifier import compare
 
         want = reference_outputs(model, inputs)[0]
         checked = classify_numeric(point, compare("out", want, np.asarray(outs[0]).reshape(want.shape)).cosine)
         if not checked.ok:
             checked.failure = "board"
         return checked
-

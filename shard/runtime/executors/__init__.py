@@ -1,6 +1,13 @@
-"""Executors run shards on one core each. They never import the compile side; vendor SDKs load lazily."""
+"""Executors run shards on one core each. They never import the compile side; vendor SDKs load lazily.
+
+A backend is a module of this package found by name (MODULES), imported when a session first asks
+for it: a board with only rknn-toolkit-lite2 never imports torch, a GPU host never imports the
+toolkit's client.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from pathlib import Path
 from typing import Protocol
@@ -10,7 +17,9 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import TargetError
 
-BACKENDS = ("cpu", "sim", "board", "cuda", "tensorrt")
+# backend -> the module of this package that runs it; each exports make(bundle, manifest, placements)
+MODULES = {"cpu": "cpu", "sim": "rknn_sim", "board": "rknn_board", "cuda": "cuda", "tensorrt": "tensorrt"}
+BACKENDS = tuple(MODULES)
 STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
 
 
@@ -24,38 +33,15 @@ class Executor(Protocol):
 
 def make_executors(backend: str, bundle: Path, manifest: Manifest,
                    placements: dict[int, list[ShardSpec]]) -> dict[int, Executor]:
-    """One executor per core holding the shards that core may run.
-
-    cpu: one onnxruntime session per shard and core, one thread each (a core of the host stands in
-    for an NPU core). sim: the simulator is a single process, so all cores share it and take turns.
-    board: one RKNNLite runtime per shard and core, bound with that core's mask. cuda, tensorrt: a
-    CUDA stream per core (pipeline stage), its stages captured as CUDA graphs.
-    """
-    if backend == "cpu":
-        from shard.runtime.executors.cpu import CpuExecutor
-        return _each_core(placements, lambda core, shards: CpuExecutor(bundle, shards, threads=1))
-    if backend == "sim":
-        from shard.runtime.executors.rknn_sim import RknnSimExecutor
-        shared = RknnSimExecutor(bundle, manifest)
-        return {core: shared for core in placements}
-    if backend == "board":
-        from shard.runtime.executors.rknn_board import RknnBoardExecutor
-        cores = manifest.profile.get("cores", 3)   # bundles made before profiles named it were RK3588's
-        return _each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core, manifest.target, cores))
-    if backend in STAGE_BACKENDS:
-        from shard.runtime.host import step_inputs, step_outputs
-
-        leaving = {t.name for t in manifest.outputs} | {n for step in manifest.host_post for n in step_inputs(step)}
-        entering = {t.name for t in manifest.inputs} | {n for step in manifest.host_pre for n in step_outputs(step)}
-        if backend == "cuda":
-            from shard.runtime.executors.cuda import CudaExecutor
-            return _each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
-        from shard.runtime.executors.tensorrt import TensorRTExecutor
-        return _each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering))
-    raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    """One executor per core holding the shards that core may run: the backend's module (MODULES),
+    imported only now, makes them (its `make`)."""
+    if backend not in MODULES:
+        raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    module = importlib.import_module(f"{__name__}.{MODULES[backend]}")
+    return module.make(bundle, manifest, placements)
 
 
-def _each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Executor]:
+def each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Executor]:
     made: dict[int, Executor] = {}
     try:
         for core, shards in placements.items():

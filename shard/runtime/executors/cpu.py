@@ -6,9 +6,15 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.bundle import ShardSpec
+from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
-from shard.runtime.executors import edge_input, outputs_by_name
+from shard.runtime.executors import each_core, edge_input, outputs_by_name
+
+
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+    """One onnxruntime session per shard and core, one thread each (a core of the host stands in for
+    an NPU core)."""
+    return each_core(placements, lambda core, shards: CpuExecutor(bundle, shards, threads=1))
 
 
 class CpuExecutor:

@@ -9,9 +9,16 @@ from pathlib import Path
 
 import onnx
 
-from shard.bundle import ShardSpec
-from shard.runtime.executors.gpu import StreamExecutor, require_cuda
+from shard.bundle import Manifest, ShardSpec
+from shard.runtime.executors import each_core
+from shard.runtime.executors.gpu import StreamExecutor, require_cuda, stage_edges
 from shard.runtime.executors.torch_graph import TorchGraph
+
+
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+    """A CUDA stream per core (pipeline stage), its stages captured as CUDA graphs, run by torch."""
+    leaving, entering = stage_edges(manifest)
+    return each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
 
 
 class CudaExecutor(StreamExecutor):

@@ -16,11 +16,19 @@ from typing import Callable
 
 import numpy as np
 
-from shard.bundle import ShardSpec
+from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
 from shard.runtime.executors import edge_input, to_host
+from shard.runtime.host import step_inputs, step_outputs
 
 Stage = Callable[[list], list]   # fixed input buffers -> output tensors (the same buffers every call)
+
+
+def stage_edges(manifest: Manifest) -> tuple[set[str], set[str]]:
+    """(the tensors that leave the stages for the host, those that enter them from it)."""
+    leaving = {t.name for t in manifest.outputs} | {n for step in manifest.host_post for n in step_inputs(step)}
+    entering = {t.name for t in manifest.inputs} | {n for step in manifest.host_pre for n in step_outputs(step)}
+    return leaving, entering
 
 
 @dataclass
@@ -119,4 +127,3 @@ class StreamExecutor:
 def to_numpy(value, spec) -> np.ndarray:
     """A copy in numpy, in the manifest's shape and type (a page-locked buffer is reused by the next frame)."""
     return np.array(to_host(value)).reshape(spec.shape).astype(spec.dtype, copy=False)
-

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.bundle import ShardSpec
+from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError, TargetError
-from shard.runtime.executors import npu_inputs, outputs_by_name
+from shard.runtime.executors import each_core, npu_inputs, outputs_by_name
 
 
 def import_rknnlite():
@@ -31,8 +31,14 @@ def core_mask(rknnlite, chip: str, cores: int, core: int):
     return [rknnlite.NPU_CORE_0, rknnlite.NPU_CORE_1, rknnlite.NPU_CORE_2][core]
 
 
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+    """One RKNNLite runtime per shard and core, bound with that core's mask."""
+    cores = manifest.profile.get("cores", 3)   # bundles made before profiles named it were RK3588's
+    return each_core(placements, lambda core, shards: RknnBoardExecutor(bundle, shards, core, manifest.target, cores))
+
+
 class RknnBoardExecutor:
-    def __init__(self, bundle: Path, shards: list[ShardSpec], core: int, chip: str = "rk3588", cores: int = 3):
+    def __init__(self, bundle: Path, shards: list[ShardSpec], core: int, chip: str, cores: int):
         RKNNLite = import_rknnlite()
         mask = core_mask(RKNNLite, chip, cores, core)
         self.core = core

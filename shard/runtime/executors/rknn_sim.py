@@ -23,6 +23,12 @@ from shard.toolkit.env import find_python
 from shard.toolkit.worker import ToolkitWorker, WorkerFailed, infer
 
 
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+    """The simulator is a single process: all cores share it and take turns."""
+    shared = RknnSimExecutor(bundle, manifest)
+    return {core: shared for core in placements}
+
+
 class RknnSimExecutor:
     def __init__(self, bundle: Path, manifest: Manifest, timeout: float = 1800.0,
                  on_ready: Callable[[str], None] = lambda name: None):
@@ -71,4 +77,3 @@ class RknnSimExecutor:
     def close(self) -> None:
         self.worker.close()
         scratch.remove(self.scratch)
-

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shard.bundle import ShardSpec
+from shard.bundle import Manifest, ShardSpec
+from shard.runtime.executors import each_core
 from shard.errors import RunError
-from shard.runtime.executors.gpu import StreamExecutor, require_cuda
+from shard.runtime.executors.gpu import StreamExecutor, require_cuda, stage_edges
 
 
 def import_tensorrt(who: str = "the tensorrt backend"):
@@ -21,6 +22,12 @@ def import_tensorrt(who: str = "the tensorrt backend"):
         raise RunError(f"{who} needs TensorRT's Python package (on Thor: JetPack's python3-libnvinfer; elsewhere "
                        f"NVIDIA's tensorrt wheel); without it run the bundle with --backend cuda") from None
     return tensorrt
+
+
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+    """A CUDA stream per core (pipeline stage), each stage a TensorRT engine built on this device."""
+    leaving, entering = stage_edges(manifest)
+    return each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering))
 
 
 class TensorRTExecutor(StreamExecutor):

@@ -11,14 +11,18 @@ profile what `shard probe --target cuda` measured on the GPU at hand (shard.prob
 
 from __future__ import annotations
 
-from shard.targets import LogsOnly
+from shard.passes import canonicalize, fp8_linears, strong_types
+from shard.targets import Target
+from shard.targets.gpu import stages
 
-PIPELINE = ("canonicalize", "strong_types", "fp8_linears", "stages")
+# Its passes, in order: strongly typed stages of equal predicted time.
+PIPELINE = (canonicalize.canonicalize, strong_types.strong_types, fp8_linears.fp8_linears, stages.stages)
+
 MIN_OPSET = 19            # QuantizeLinear takes FP8 from opset 19
 WORKSPACE_BYTES = 4 << 30
 
 
-class GpuTarget:
+class GpuTarget(Target):
     executors = ("cuda", "tensorrt", "cpu")
     artifact_suffix = None     # engines are built on the device: shard build-engines
     vendor = False             # no vendor build at compile time to stand beside
@@ -27,6 +31,9 @@ class GpuTarget:
     min_opset = MIN_OPSET
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
     build_memory = False       # engines are built on the device, one at a time
+    # compiling needs no TensorRT (check_environment, toolchain: none); building engines does
+    build_note = ("stage ONNX written; its TensorRT engine is built on the device by `shard build-engines` "
+                  "with the recipe in the manifest")
 
     def __init__(self, name: str):
         self.name = name
@@ -40,22 +47,3 @@ class GpuTarget:
                 "tensorrt": {"strongly_typed": True, "workspace_bytes": WORKSPACE_BYTES,
                              "timing_cache": "engines/timing.cache", "profiling_verbosity": "DETAILED",
                              "weakly_typed_flags": ["FP16", "FP8"] if precision == "fp8" else ["FP16"]}}
-
-    def build_for(self, build: dict, precision: str, float16=None) -> dict:
-        return build
-
-    def check_environment(self) -> None:
-        pass   # compiling needs no TensorRT; building engines does (shard build-engines says so)
-
-    def toolchain(self) -> str:
-        return ""   # engines are built on the device
-
-    def pass_toolkit(self, profile, options):
-        return None
-
-    def edge_layouts(self, log, inputs, outputs) -> tuple[dict, dict]:
-        return {}, {}
-
-    def builds(self, workers: int, timeout: float, cache, log_dir) -> LogsOnly:
-        return LogsOnly(f"{self.name}: stage ONNX written; its TensorRT engine is built on the device by "
-                        f"`shard build-engines` with the recipe in the manifest")

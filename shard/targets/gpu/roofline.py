@@ -21,7 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.graph import is_static, numpy_dtype
-from shard.passes.partition import estimate_macs
+from shard.macs import estimate_macs
 
 PRODUCTS = ("MatMul", "Gemm", "Conv")
 VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")

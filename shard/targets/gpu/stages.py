@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
 from shard.graph import numpy_dtype
-from shard.passes import PassContext, register
+from shard.passes.context import PassContext
 from shard.passes.partition import build_dataflow, choose_cuts, live_bytes_after, shard_boundaries
 from shard.targets.gpu.roofline import node_cost, stage_cost
 
@@ -33,7 +33,6 @@ def cuttable(tensor: gs.Tensor) -> bool:
     return dtype is not None and dtype.kind in "fiub"
 
 
-@register("stages")
 def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if not graph.nodes:
         raise ModelError("the model has no operators left after constant folding")

@@ -1,0 +1,199 @@
+"""Which build each shard keeps, and the whole beside the vendor alone: never worse on the measured axes
+(never_worse.py), and on the simulator's fidelity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from shard.bundle import Manifest, read_manifest
+from shard.calibration import calibration_samples, domain_samples
+from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.edges import SUFFIX as EDGES
+from shard.errors import CompileError
+from shard.graph import tensor_spec
+from shard.macs import estimate_macs
+from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, per_axis,
+                               prune_host_steps, verdict)
+from shard.passes import PassContext
+from shard.passes.partition import ShardPlan
+from shard.targets import ShardBuild
+from shard.verifier import verify_bundle
+
+
+def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
+                           progress: Progress, samples: list | None = None,
+                           spent_for_fidelity: bool = False) -> tuple[Manifest, dict]:
+    """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
+    inputs (`samples`, or seeded ones); where shard's worst cosine is lower, the vendor's becomes the
+    staging bundle. `spent_for_fidelity`: shard was judged without the cycle axes, its cycles spent
+    for fidelity (range rescales, mixed precision's fp16 ops); where that bought nothing (both NaN),
+    they count again. Returns the staging bundle's manifest and report, `versus` updated in both."""
+    progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
+    ours = simulator_cosine(staging, model, samples)
+    progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
+    theirs = simulator_cosine(vendor_dir, model, samples)
+    versus["fidelity"] = {"shard": ours, "vendor": theirs}
+    worse = fidelity_worse(ours, theirs)
+    if spent_for_fidelity and ours != ours and theirs != theirs:
+        versus["judged_on"] = list(AXES)
+        versus["line"] += "; both NaN on the simulator, so the cycles count"
+        worse = verdict(Figures(**versus["shard"]), Figures(**versus["vendor"])) == "worse"
+    if worse:
+        versus.update(bundle=versus["vendor_alone"], rewritten=versus["shard"], shard=versus["vendor"], verdict="equal",
+                      axes=dict.fromkeys(versus["axes"], "equal"))
+        shutil.rmtree(staging)
+        vendor_dir.rename(staging)
+    else:
+        shutil.rmtree(vendor_dir)
+    report = json.loads((staging / "report.json").read_text())
+    report["versus_vendor"] = versus
+    return read_manifest(staging), report
+
+
+def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], versus: dict | None
+               ) -> tuple[list[dict], list[dict]]:
+    """The host steps the bundle keeps; a CompileError if a kept build is unusable."""
+    if versus and versus["bundle"] == "vendor alone":
+        return [], []
+    failed = next((builds[name].error for name, _ in chosen if builds[name].error), None)
+    if failed:
+        raise CompileError(failed)
+    return prune_host_steps(ctx.host_pre, ctx.host_post, consumed={t.name for _, p in chosen for t in p.inputs},
+                            produced={t.name for _, p in chosen for t in p.outputs},
+                            outputs={t.name for t in ctx.model_outputs})
+
+
+def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> float:
+    """The worst output cosine of a bundle against onnxruntime on the simulator (the samples, or
+    one seeded input)."""
+
+    return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
+
+
+def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
+                    axes: tuple[str, ...] = AXES, in_range: set[str] = frozenset(),
+                    best: dict[str, str] | None = None) -> tuple[list, list[dict]]:
+    """[(build name, plan)] with each shard's better build, and why: a rewritten shard is kept unless
+    its build is worse than its unrewritten twin's on the measured `axes`. A shard holding a node
+    of `in_range` (scale_sandwich's range rescales) is judged without the cycle axes: its twin would
+    leave fp16's range, which no build figure shows. `best`: {build: a better build of the same
+    shard} (edges in the vendor's layout), which stands for it."""
+    best = best or {}
+    chosen, choices = [], []
+    for plan, original in zip(plans, originals):
+        ours = best.get(plan.name, plan.name)
+        if original is None:
+            chosen.append((ours, plan))
+            continue
+        twin = best.get(f"{plan.name}{UNREWRITTEN}", f"{plan.name}{UNREWRITTEN}")
+        rewritten, unrewritten = Figures.of([builds[ours]]), Figures.of([builds[twin]])
+        judged = HARD_AXES if in_range & {n.name for n in plan.nodes} else axes
+        keep = verdict(rewritten, unrewritten, judged) != "worse"
+        chosen.append((ours, plan) if keep else (twin, original))
+        choices.append({"shard": plan.name, "kept": "rewritten" if keep else "unrewritten",
+                        "what": f"kept the {'rewritten' if keep else 'unrewritten'} build",
+                        "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
+                        "dropped_nodes": [] if keep else sorted(set(original.source_nodes)),
+                        "line": comparison_line(rewritten, unrewritten, "rewritten / unrewritten")})
+    return chosen, choices
+
+
+def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
+                         canonical: gs.Graph) -> tuple[list, dict | None]:
+    """The kept shards beside the vendor alone's build of the model as it came: where shard is
+    worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build. Returns the shards to bundle and
+    the comparison for the report (None without a vendor build)."""
+    vendor = builds.get(VENDOR_ALONE)
+    if vendor is None:
+        return chosen, None
+    if vendor_only and vendor.error:
+        raise CompileError(vendor.error)
+    ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
+    fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
+    versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
+    return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
+
+
+def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict[str, ShardBuild],
+                        axes: tuple[str, ...]) -> tuple[list, dict]:
+    """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
+    made: each shard built without its rewrites (its twin where the passes changed it, else its own
+    build), which is also the bundle where shard is worse."""
+    unrewritten = unrewritten_versions(plans, originals)
+    ours, theirs = (Figures.of([builds[name] for name, _ in kept]) for kept in (chosen, unrewritten))
+    fall_back = verdict(ours, theirs, axes) == "worse"
+    versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD)
+    return (unrewritten if fall_back else chosen), versus
+
+
+def fidelity_baseline(versus: dict | None, builds: dict[str, ShardBuild], chosen: list, vendor: list) -> list | None:
+    """The vendor alone's (build, plan) list that shard's bundle is checked against on the simulator:
+    `vendor` (its whole build, or each shard without its rewrites), where it built and differs from
+    the bundle; else None."""
+    if not versus or versus["bundle"] != "shard" or any(name not in builds for name, _ in vendor):
+        return None
+    usable = Figures.of([builds[name] for name, _ in vendor])
+    if not usable.builds or usable.regtask_lines:   # nothing to run: shard is better by construction
+        return None
+    return None if [b for b, _ in vendor] == [b for b, _ in chosen] else vendor
+
+
+def unrewritten_versions(plans: list, originals: list) -> list:
+    """(build, plan) of each shard as the vendor alone would take its region: its twin where the
+    passes changed it, else its own build."""
+    return [(f"{plan.name}{UNREWRITTEN}", original) if original is not None else (plan.name, plan)
+            for plan, original in zip(plans, originals)]
+
+
+def fidelity_samples(ctx: PassContext, graph: gs.Graph, quantized: bool) -> list[dict[str, np.ndarray]]:
+    """What shard's bundle and the vendor alone's are compared on: the first calibration samples where
+    the user gave them (or the compile quantizes from them), else seeded inputs of the model's own
+    domain (shard.calibration.domain_samples: token ids from its vocabulary, masks of ones)."""
+
+    inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
+    if quantized or ctx.options.calib:
+        return calibration_samples(ctx, inputs)[:FIDELITY_SAMPLES]
+    return domain_samples(graph, inputs, FIDELITY_SAMPLES)
+
+
+def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back: bool, vendor: str) -> dict:
+    """versus_vendor of the report: shard's figures (the vendor's where the bundle fell back to its
+    builds) beside the vendor alone's (`vendor`: how it was built), the verdict and the printed line."""
+    bundled = theirs if fall_back else ours
+    line = comparison_line(ours, theirs, f"shard / {vendor}") + (
+        "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
+                                "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
+    return {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
+            "verdict": verdict(bundled, theirs), "line": line, "vendor_alone": vendor,
+            "bundle": vendor if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
+
+
+def vendor_plan(graph: gs.Graph) -> ShardPlan:
+    """The whole model as one shard: the bundle of the vendor alone (its build is VENDOR_ALONE's)."""
+    return ShardPlan(name=VENDOR_ALONE, nodes=list(graph.nodes), inputs=list(graph.inputs),
+                     outputs=list(graph.outputs), macs=sum(estimate_macs(n) for n in graph.nodes),
+                     source_nodes=[n.name for n in graph.nodes])
+
+
+def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[str, ...]
+                      ) -> tuple[dict[str, str], list[dict]]:
+    """{build: its relaid build} where the relaid one is better on the measured axes, and why."""
+    better, choices = {}, []
+    for job, _ in relaid:
+        first = job.name[: -len(EDGES)]
+        ours, theirs = Figures.of([builds[job.name]]), Figures.of([builds[first]])
+        keep = verdict(ours, theirs, axes) == "better"
+        if keep:
+            better[first] = job.name
+        choices.append({"shard": first.removesuffix(UNREWRITTEN), "build": first, "relaid": job.name,
+                        "kept": "relaid edges" if keep else "edges as they were",
+                        "what": "kept the build with its edges in the vendor's 4-D layout" if keep
+                        else "kept its edges as they were", "dropped_nodes": [],
+                        "line": comparison_line(ours, theirs, "edges relaid / as they were")})
+    return better, choices

@@ -1,0 +1,128 @@
+"""The state of one compile (Compilation) and the names its stages share."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from shard.bundle import Manifest
+from shard.options import CompileOptions
+from shard.passes import PassContext
+from shard.passes.partition import ShardPlan
+from shard.profile import Profile
+from shard.targets import Builds, ShardBuild, ShardJob, Target
+
+if TYPE_CHECKING:   # the stages' rooms, which read this module's names
+    from shard.compilation.jobs import Datasets
+    from shard.compilation.writer import BundleWriter
+
+Progress = Callable[[str, int, int], None]  # (step, done, total)
+
+
+@dataclass
+class CompileResult:
+    bundle: Path
+    manifest: Manifest
+    report: dict
+    rank: Callable[[], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
+
+PRECISIONS = ("fp16", "int8", "mixed", "fp8")
+
+QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
+
+VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
+
+SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made
+
+UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+
+FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
+
+LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
+
+
+@dataclass
+class Compilation:
+    """What one compile knows, filled in stage by stage (shard.compilation.stages): set by start,
+    load, start_vendor_alone, rewrite, build_shards, choose, stand_beside_vendor, write_bundle and
+    check_fidelity, in that order."""
+
+    model: Path
+    target: str
+    tgt: Target
+    output: Path
+    options: CompileOptions
+    progress: Progress
+    profile: Profile
+    staging: Path                    # the bundle being written, beside the output
+    logs: Path                       # every build's log, outside it: a failure keeps those it names
+    started: float
+    quantized: bool
+    # load: the model, and how the vendor alone stands beside it
+    proto: onnx.ModelProto | None = None
+    source: dict = field(default_factory=dict)
+    build: dict = field(default_factory=dict)         # the toolkit options every shard builds with
+    vendor_build: dict = field(default_factory=dict)  # the vendor alone's: without the passes' config
+    cache: Path | None = None        # the build cache's folder (None: --no-cache)
+    whole: bool = False              # the vendor alone's build of the whole model is made
+    per_shard: bool = False          # else, stood beside shard by shard (each shard's unrewritten build)
+    why: str = ""                    # why the whole build is or is not made
+    # the vendor alone's build
+    builder: Builds | None = None
+    vendor_inputs: list | None = None
+    vendor_job: ShardJob | None = None
+    stand_in: ShardBuild | None = None   # an earlier build's figures, the same model with other weights
+    early: list[Future] = field(default_factory=list)
+    # rewrite
+    graph: gs.Graph | None = None
+    ctx: PassContext | None = None
+    opset: int = 0
+    plans: list[ShardPlan] = field(default_factory=list)
+    canonical: gs.Graph | None = None    # the graph as the vendor would take it: each shard's twin
+    originals: list[ShardPlan | None] = field(default_factory=list)
+    values: dict | None = None           # quantized: every shard input's value on each sample
+    feeds: list | None = None
+    rank: Callable[[], dict] | None = None
+    seconds: dict = field(default_factory=dict)
+    # build_shards
+    datasets: Datasets | None = None
+    jobs: list[ShardJob] = field(default_factory=list)
+    done: list[ShardBuild] = field(default_factory=list)
+    builds: dict[str, ShardBuild] = field(default_factory=dict)
+    # choose, stand_beside_vendor
+    axes: tuple[str, ...] = ()
+    in_range: set[str] = field(default_factory=set)   # nodes scale_sandwich rescaled for fp16's range
+    relaid: list = field(default_factory=list)
+    own: list = field(default_factory=list)           # [(build, plan)]: each shard's better build
+    chosen: list = field(default_factory=list)        # what the bundle holds
+    choices: list[dict] = field(default_factory=list)
+    versus: dict | None = None
+    measure: bool = False                             # fidelity checked on the simulator
+    # write_bundle, check_fidelity
+    writer: BundleWriter | None = None
+    baseline: list | None = None
+    manifest: Manifest | None = None
+    report: dict = field(default_factory=dict)
+
+    @property
+    def vendor_dir(self) -> Path:
+        """Where the vendor alone's bundle is written for the fidelity check."""
+        return self.staging.with_name(f"{self.staging.name}-vendor")
+
+    def compile_jobs(self, batch: list[ShardJob], step: str, under_way: list = (), config: dict | None = None
+                     ) -> dict[str, ShardBuild]:
+        """Build `batch` (with the builds `under_way`) and wait for all: {name: build}."""
+        self.progress(step, len(self.done), len(self.jobs))
+        submitted = self.builder.submit(batch, config or self.build, self.on_done(step))
+        return {b.name: b for b in self.builder.results([*under_way, *submitted])}
+
+    def on_done(self, step: str) -> Callable[[ShardBuild], None]:
+        def done_one(result: ShardBuild) -> None:
+            self.done.append(result)
+            self.progress(step, len(self.done), len(self.jobs))
+        return done_one

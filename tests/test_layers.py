@@ -1,0 +1,121 @@
+"""The layers of shard/ as its imports draw them: no import loop crosses from one subpackage (or
+top-level module) into another, counting the imports made inside functions and the package
+__init__ that every import of a submodule runs first; no Rockchip chip is named outside
+shard/targets/."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent / "shard"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(node: ast.AST, package: str) -> list[str]:
+    """The modules an import statement names (a `from` import's names too: they may be modules)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:   # relative: from its package up
+        up = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([node.module] if node.module else []))
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def import_graph() -> nx.DiGraph:
+    """shard's modules, an edge for each import anywhere in a file (functions included), and from each
+    module to the packages above what it imports (Python runs their __init__ first)."""
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = nx.DiGraph()
+    for name, path in files.items():
+        graph.add_node(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in imported(node, package):
+                while target and target not in files:   # a name inside a module: the module
+                    target = target.rpartition(".")[0]
+                parents = target.split(".")
+                for k in range(2, len(parents) + 1):
+                    dotted = ".".join(parents[:k])
+                    if dotted != name and dotted in files and not name.startswith(dotted + "."):
+                        graph.add_edge(name, dotted)
+    return graph
+
+
+def layer(module: str) -> str:
+    """shard.passes.partition -> passes; shard.calibration -> calibration."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def crossing_loops(graph: nx.DiGraph) -> list[str]:
+    """One cycle of each import loop whose modules lie in more than one layer."""
+    crossing = []
+    for loop in nx.strongly_connected_components(graph):
+        if len({layer(m) for m in loop}) > 1:
+            cycle = nx.find_cycle(graph.subgraph(loop))
+            crossing.append(" -> ".join([a for a, _ in cycle] + [cycle[0][0]]))
+    return crossing
+
+
+def test_no_import_loop_crosses_a_subpackage():
+    graph = import_graph()
+    assert graph.number_of_nodes() > 50 and graph.has_edge("shard.compilation.stages", "shard.passes")
+    loops = crossing_loops(graph)
+    assert not loops, "import loops across subpackages:\n" + "\n".join(loops)
+
+
+def test_the_check_finds_a_loop_made_in_a_function_or_through_a_package(tmp_path, monkeypatch):
+    # The check itself, on a small tree: a loop held apart only by an import inside a function counts,
+    # and so does one through the __init__ of the package a submodule import runs first.
+    tree = tmp_path / "shard"
+    (tree / "a").mkdir(parents=True)
+    (tree / "__init__.py").write_text("")
+    (tree / "a" / "__init__.py").write_text("def f():\n    from shard import c\n")
+    (tree / "a" / "x.py").write_text("from shard.b import y\n")
+    (tree / "b.py").write_text("def f():\n    from shard.a.x import g\n")
+    (tree / "c.py").write_text("")
+    (tree / "d.py").write_text("from shard.a.x import g\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tree)
+    assert crossing_loops(import_graph()) == ["shard.a.x -> shard.b -> shard.a.x"] or \
+        crossing_loops(import_graph()) == ["shard.b -> shard.a.x -> shard.b"]
+    (tree / "c.py").write_text("import shard.d\n")   # a.x -> a (its package) -> c -> d -> a.x
+    assert len(crossing_loops(import_graph())) == 1 and "shard.d" in crossing_loops(import_graph())[0]
+
+
+CHIPS = re.compile(r"\b(rk|rv)\d{4}[a-z]?\b", re.IGNORECASE)
+
+
+def literals(path: Path):
+    """The string constants of a file that are not docstrings, with their line numbers."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_no_chip_is_named_outside_the_targets():
+    named = [f"{path.relative_to(ROOT.parent)}:{line}: {text!r}"
+             for path in sorted(ROOT.rglob("*.py")) if "targets" not in path.relative_to(ROOT).parts
+             for line, text in literals(path) if CHIPS.search(text)]
+    assert not named, "chip names outside shard/targets/:\n" + "\n".join(named)
+
+
+def test_no_function_is_over_80_lines():
+    long = [f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert not long, "\n".join(long)
