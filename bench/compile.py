@@ -12,7 +12,7 @@ comes from the cache, shard.bundle_cache), the model with one linear's weights c
 warm: only the shard holding it builds again), cold with the whole model built by the vendor alone
 beside (--vendor-alone whole), cold with one shard per NPU core (--shards 3: larger builds than the
 default's, which sizes a large model's shards for half of the whole model's build memory,
-shard.toolkit.memory.shards_for_memory), and cold without the vendor-alone comparison
+shard.targets.rknn.memory.shards_for_memory), and cold without the vendor-alone comparison
 (--no-vendor-baseline). Memory is sampled over the whole process tree (shard plus its toolkit
 workers) every 50 ms, two ways: the sum of each process's RSS, and the sum of each process's PSS.
 RSS counts a page once in every process that maps it, so the toolkit's libraries, mapped by both
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
                        check=True, capture_output=True)
     print(f"machine: {os.cpu_count()} cores; model: {model} ({model.stat().st_size / 1e6:.0f} MB)")
 
-    from shard.toolkit.env import find_python
+    from shard.targets.rknn.env import find_python
 
     def vendor_build() -> tuple[float, Memory]:
         wall, memory, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),

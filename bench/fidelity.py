@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trained import mpnet  # noqa: E402
 
-from shard.toolkit.worker import infer  # noqa: E402
-from shard.toolkit.log import macs_by_dtype, parse_build_log  # noqa: E402
-from shard.toolkit.env import find_python  # noqa: E402
-from shard.toolkit.worker import ToolkitWorker  # noqa: E402
+from shard.targets.rknn.worker import infer  # noqa: E402
+from shard.targets.rknn.log import macs_by_dtype, parse_build_log  # noqa: E402
+from shard.targets.rknn.env import find_python  # noqa: E402
+from shard.targets.rknn.worker import ToolkitWorker  # noqa: E402
 from shard.verifier import compare  # noqa: E402
 
 BASE = {"target_platform": "rk3588"}

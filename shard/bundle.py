@@ -59,6 +59,7 @@ class Manifest:
     # last: tensors at the model's edges that no shard could take whole (see shard.runtime.host).
     host_pre: list[dict] = field(default_factory=list)
     host_post: list[dict] = field(default_factory=list)
+    executors: list[str] = field(default_factory=list)   # the backends its target runs it on, default first
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
     files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads

@@ -653,7 +653,7 @@ def probe_command(
                                                            "thor/cuda bundle on the GPU (added to --out)."),
 ) -> None:
     """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
-    from shard.toolkit.cache import default_cache_dir
+    from shard.targets.rknn.cache import default_cache_dir
     from shard.probes.families import FAMILIES
     from shard.probes.runner import merge_into, probe
 
@@ -753,8 +753,8 @@ def probe_gpu(out: Path, ops: Path | None) -> None:
 
 def cache_folders() -> dict[str, tuple[Path, str]]:
     """{cache: (folder, glob of one entry)}."""
-    from shard.toolkit.cache import POINTS
-    from shard.toolkit.cache import default_cache_dir as probe_cache
+    from shard.targets.rknn.cache import POINTS
+    from shard.targets.rknn.cache import default_cache_dir as probe_cache
     from shard.cache_folder import default_cache_dir as build_cache
 
     return {"builds": (build_cache(), "*/build.json"), "probes": (probe_cache(), POINTS)}
@@ -802,7 +802,7 @@ def cache_clear(builds: bool = typer.Option(True, "--builds/--no-builds", help="
 def toolkit_install(target: str = typer.Argument(DEFAULT_TARGET),
                     force: bool = typer.Option(False, help="Recreate it even if installed.")) -> None:
     """Create the vendor toolkit environment for TARGET (idempotent)."""
-    from shard.toolkit.env import get_spec, install, read_marker
+    from shard.targets.rknn.env import get_spec, install, read_marker
 
     spec = get_spec(target)
     if read_marker(target) and not force:
@@ -816,7 +816,7 @@ def toolkit_install(target: str = typer.Argument(DEFAULT_TARGET),
 @toolkit_app.command("status")
 def toolkit_status() -> None:
     """What toolkit environments are installed, their versions, and where."""
-    from shard.toolkit.env import status
+    from shard.targets.rknn.env import status
 
     table = Table(title="vendor toolkits")
     for col in ("target", "toolkit", "installed", "packages", "path"):

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 from shard.macs import estimate_macs
 from shard.passes.partition import ShardPlan
 from shard.runtime.host import step_inputs, step_outputs
-from shard.toolkit.memory import build_bytes, shards_for_memory
+from shard.targets.rknn.memory import build_bytes, shards_for_memory
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a
 # build that returned 0 ("Unkown op target: 0") come last: the vendor's own DPT build logs 4 and runs.

@@ -12,7 +12,7 @@ class CompileOptions:
 
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     shards: int | None = None       # default: one per NPU core, more for a large model's build memory
-                                    # (shard.toolkit.memory.shards_for_memory)
+                                    # (shard.targets.rknn.memory.shards_for_memory)
     max_ops: int | None = None      # more shards if any would hold more ops than this
     jobs: int = 2                   # vendor builds in parallel
     timeout: float = 1800.0         # seconds one vendor build may take

@@ -17,7 +17,7 @@ class Limit:
     """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
 
     value: int
-    failure: str                   # how the first size past it fails (see shard.toolkit.classify); none
+    failure: str                   # how the first size past it fails (see shard.targets.rknn.classify); none
     evidence: str
     source: str
     toolkit: str = ""              # the toolkit version it was measured with

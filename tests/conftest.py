@@ -41,7 +41,7 @@ def pytest_unconfigure(config):
 
 
 def toolkit_ready() -> bool:
-    from shard.toolkit.env import read_marker
+    from shard.targets.rknn.env import read_marker
 
     return read_marker("rk3588") is not None
 

@@ -48,7 +48,7 @@ def test_a_derived_clock_follows_the_probed_peak_and_a_sourced_one_stays():
 
 
 def test_the_chip_table_is_the_toolkit_support_list():
-    from shard.toolkit.env import RKNN_TOOLKIT2, get_spec
+    from shard.targets.rknn.env import RKNN_TOOLKIT2, get_spec
 
     assert list(CHIPS) == list(RKNN_TOOLKIT2.targets)
     assert all(get_spec(chip) is RKNN_TOOLKIT2 for chip in CHIPS)   # one environment for every chip

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shard.compilation.staging import remove_stale_staging
-from shard.toolkit.worker import live as alive
+from shard.targets.rknn.worker import live as alive
 
 pytestmark = pytest.mark.toolkit
 
@@ -128,7 +128,7 @@ def test_a_worker_interrupted_while_it_starts_or_dropped_unheld_leaves_nothing(t
     import gc
     import tempfile
 
-    from shard.toolkit import worker as workers
+    from shard.targets.rknn import worker as workers
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
@@ -157,7 +157,7 @@ def test_the_passes_toolkit_folder_goes_when_its_start_is_interrupted(tmp_path, 
     import tempfile
 
     from shard.profile import load_profile
-    from shard.toolkit import ops
+    from shard.targets.rknn import ops
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
@@ -174,7 +174,7 @@ def test_the_passes_toolkit_folder_goes_when_its_start_is_interrupted(tmp_path, 
 def test_a_pool_started_ahead_serves_its_requests_from_those_workers_and_kills_them(tmp_path):
     """A compile starts its build workers before the passes (they load the toolkit meanwhile): the
     builds reuse exactly those, and a compile stopped before any build still ends them."""
-    from shard.toolkit.worker import WorkerPool
+    from shard.targets.rknn.worker import WorkerPool
 
     pool = WorkerPool(Path(sys.executable), tmp_path / "logs", 2)
     pool.start()

@@ -79,7 +79,7 @@ def test_verdicts_go_by_the_axes_in_order():
 
 def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_compile():
     from shard.never_worse import weight_bytes, whole_build_fits
-    from shard.toolkit.memory import build_bytes
+    from shard.targets.rknn.memory import build_bytes
 
     predicted_build_bytes = lambda model: build_bytes(weight_bytes(model))  # noqa: E731
 

@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 import shard
 from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
+from shard.targets.registry import get_target
 from shard.passes.partition import choose_cuts
 from shard.graph import infer_shapes
 from shard.profile import load_profile
@@ -90,12 +91,12 @@ def test_shards_predicted_over_the_job_limit_are_split():
 
 
 def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models():
-    """A vendor build's memory grows with the weights it holds (shard.toolkit.memory): by default a
+    """A vendor build's memory grows with the weights it holds (shard.targets.rknn.memory): by default a
     large model is cut into the fewest shards whose builds, two at once beside the compile, are
     predicted at half of one build of the whole model; a small one is not (the toolkit's own memory
     is most of every build)."""
     from shard.passes.partition import partition
-    from shard.toolkit.memory import (BUILD_BYTES_PER_WEIGHT_BYTE, COMPILE_BYTES, MIN_SHARD_WEIGHT_BYTES,
+    from shard.targets.rknn.memory import (BUILD_BYTES_PER_WEIGHT_BYTE, COMPILE_BYTES, MIN_SHARD_WEIGHT_BYTES,
                                       WORKER_BYTES, build_bytes, shards_for_memory)
 
     def compile_bytes(weights, shards, jobs=2):
@@ -116,7 +117,8 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
              for k in range(8)]
     model = make_model(nodes, [("x", [1, 8, 2560])], [("y", [1, 8, 2560])], weights)
     for build_memory, expected in ((True, 8), (False, 3)):
-        ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), build_memory=build_memory)
+        sizing = get_target("rk3588" if build_memory else "cpu").shards_for_memory   # builds that grow, or none
+        ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), shards_for_memory=sizing)
         _, report = partition(infer_shapes(gs.import_onnx(model)), ctx)
         assert len(ctx.plan) == expected and report["weight_bytes"] == 8 * 2560 * 5120 * 4
         assert sum(report["shard_weight_bytes"]) == report["weight_bytes"]

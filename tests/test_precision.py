@@ -73,7 +73,7 @@ def test_mixed_runs_every_linear_with_its_exported_bias_in_int8(tmp_path):
     and with the bias Add marked fp16 it also fused the residual Add after it (ConvAdd), the whole in
     fp16: two layers of vit-tiny, 4 of 12 linears in fp16, 57 % of the MACs in int8. The bias goes
     with its linear (precision.int8_owner): every linear int8."""
-    from shard.toolkit.log import parse_build_log
+    from shard.targets.rknn.log import parse_build_log
 
     model = tmp_path / "vit.onnx"
     out = shard_cli("zoo", "export", "vit-tiny", "--layers", "2", "-o", model)

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shard.probes.search import Point, find_boundary, sweep
-from shard.toolkit.cache import PointCache
-from shard.toolkit.classify import classify_build, classify_numeric
-from shard.toolkit.log import parse_build_log
+from shard.targets.rknn.cache import PointCache
+from shard.targets.rknn.classify import classify_build, classify_numeric
+from shard.targets.rknn.log import parse_build_log
 
 
 def oracle(boundary: int, calls: list[int]):

@@ -144,7 +144,7 @@ class CpuPieces:
 def test_quantized_one_op_samples_stay_in_the_ops_domain(tmp_path):
     """A one-op build in int8 is calibrated on seeded samples; Sqrt's normal samples gave NaN ranges
     and the toolkit's quantizer crashed (`cannot convert float NaN to integer`)."""
-    from shard.toolkit.ops import write_samples
+    from shard.targets.rknn.ops import write_samples
 
     for op, negative in (("Sqrt", False), ("Relu", True)):
         model = small_model([helper.make_node(op, ["in0"], ["out0"])], [("in0", [1, 4, 8])], [("out0", [1, 4, 8])])

@@ -103,8 +103,8 @@ def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
     import time
 
     from shard.targets.rknn import RknnTarget
-    from shard.toolkit.env import find_python
-    from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+    from shard.targets.rknn.env import find_python
+    from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed
 
     build = RknnTarget("rk3588").build_options(None)
     worker = ToolkitWorker(find_python("rk3588"), tmp_path / "worker.log")
@@ -139,8 +139,8 @@ def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_
     from pathlib import Path
 
     from shard.targets.rknn import RknnTarget
-    from shard.toolkit.env import find_python
-    from shard.toolkit.worker import ToolkitWorker, WorkerFailed
+    from shard.targets.rknn.env import find_python
+    from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed
 
     build = RknnTarget("rk3588").build_options(None)
     first = ToolkitWorker(find_python("rk3588"), tmp_path / "w0.log", [tmp_path / "w1.log"])
@@ -187,8 +187,8 @@ def test_a_forked_worker_is_watched_through_proc_where_the_kernel_has_no_pidfd(t
     import os
     import signal
 
-    from shard.toolkit import worker as workers
-    from shard.toolkit.env import find_python
+    from shard.targets.rknn import worker as workers
+    from shard.targets.rknn.env import find_python
 
     def no_pidfd(pid):
         raise OSError(errno.ENOSYS, "Function not implemented")
@@ -211,9 +211,9 @@ def test_the_worker_skips_the_check_dumps_and_the_build_logs_the_same(save, tmp_
     with them skipped the toolkit's verbose build logs the same layers, ops and cycles."""
     import subprocess
 
-    from shard.toolkit.env import find_python
-    from shard.toolkit.log import parse_build_log
-    from shard.toolkit.worker import WORKER_SCRIPT
+    from shard.targets.rknn.env import find_python
+    from shard.targets.rknn.log import parse_build_log
+    from shard.targets.rknn.worker import WORKER_SCRIPT
 
     model = save(make_model([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
                             [("x", [1, 64, 96])], [("y", [1, 64, 32])],
@@ -281,9 +281,9 @@ def test_each_build_log_holds_its_own_layer_table(tmp_path):
 
     from shard.probes.families import FAMILIES
     from shard.targets.rknn import RknnTarget
-    from shard.toolkit.log import parse_build_log
-    from shard.toolkit.env import find_python
-    from shard.toolkit.worker import ToolkitWorker
+    from shard.targets.rknn.log import parse_build_log
+    from shard.targets.rknn.env import find_python
+    from shard.targets.rknn.worker import ToolkitWorker
 
     build = RknnTarget("rk3588").build_options(None)
     conv = FAMILIES["conv-stride"].build  # stride > 7 lowers to a Conv_split + a Conv_select

@@ -2,7 +2,7 @@
 
 from conftest import DATA
 
-from shard.toolkit.log import edge_reshapes, parse_build_log
+from shard.targets.rknn.log import edge_reshapes, parse_build_log
 
 
 def test_regtask_lines_are_counted_and_quoted():
@@ -37,7 +37,7 @@ def test_cpu_ops_and_colour_codes():
 
 
 def test_ops_the_estimate_leaves_at_zero_are_costed_by_the_bytes_they_move():
-    from shard.toolkit.log import unestimated_cost
+    from shard.targets.rknn.log import unestimated_cost
 
     diag = parse_build_log((DATA / "siglip-512-layer-table.txt").read_text())
     reshape = next(layer for layer in diag.layers if layer.op == "Reshape")

@@ -10,7 +10,7 @@ from conftest import mlp_chain, shard_cli, write_manifest
 
 import shard
 from shard.options import CompileOptions
-from shard.errors import BundleError, RunError
+from shard.errors import BundleError, RunError, TargetError
 
 
 @pytest.fixture
@@ -55,9 +55,11 @@ def test_unknown_schema_is_refused(bundle):
 
 @pytest.mark.skipif(__import__("importlib.util").util.find_spec("rknnlite") is not None,
                     reason="rknn-toolkit-lite2 is installed (on a board)")
-def test_board_backend_needs_rknnlite(bundle):
+@pytest.mark.toolkit
+def test_board_backend_needs_rknnlite(tmp_path, save):
     from shard.errors import TargetError
 
+    bundle = shard.compile(save(mlp_chain(1)), "rk3588", tmp_path / "m.shard").bundle   # a board runs rk3588's
     with pytest.raises(TargetError, match="rknn-toolkit-lite2"):
         shard.load(bundle, backend="board")
 
@@ -215,3 +217,14 @@ def test_a_recorded_file_that_is_gone_is_refused_in_one_line(bundle):
     (bundle / "profile.json").unlink()
     with pytest.raises(BundleError, match="profile.json is missing"):
         shard.load(bundle, backend="cpu")
+
+
+def test_a_bundle_runs_on_the_backends_its_target_names(bundle):
+    # The target names its executors (Target.executors) and the manifest carries them: the first is the
+    # default, and another backend is refused in one line before anything loads.
+    with shard.load(bundle) as session:
+        assert session.manifest.executors == ["cpu"] and session.backend == "cpu"
+    with pytest.raises(TargetError, match="a cpu bundle runs on cpu; not on sim"):
+        shard.load(bundle, backend="sim")
+    res = shard_cli("run", bundle, "--backend", "cuda")
+    assert res.returncode == 1 and "runs on cpu; not on cuda" in res.stderr and "Traceback" not in res.stderr

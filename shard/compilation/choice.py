@@ -72,7 +72,6 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
 def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> float:
     """The worst output cosine of a bundle against onnxruntime on the simulator (the samples, or
     one seeded input)."""
-
     return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
 
 
@@ -155,7 +154,6 @@ def fidelity_samples(ctx: PassContext, graph: gs.Graph, quantized: bool) -> list
     """What shard's bundle and the vendor alone's are compared on: the first calibration samples where
     the user gave them (or the compile quantizes from them), else seeded inputs of the model's own
     domain (shard.calibration.domain_samples: token ids from its vocabulary, masks of ones)."""
-
     inputs = ctx.model_inputs or [tensor_spec(t) for t in graph.inputs]
     if quantized or ctx.options.calib:
         return calibration_samples(ctx, inputs)[:FIDELITY_SAMPLES]

@@ -28,7 +28,6 @@ def quantization_values(ctx: PassContext, graph: gs.Graph, canonical: gs.Graph |
     (after the host's steps) for the shards, the canonical one for inputs only the unrewritten twins
     have; the model's inputs themselves for the vendor alone. Also the rewritten graph's inputs per
     sample (the host's steps run), which mixed precision ranks its linears on."""
-
     samples = calibration_samples(ctx, ctx.model_inputs or [tensor_spec(t) for t in graph.inputs])
     progress("calibration values of the shards' inputs", 0, 1)
     values = {name: [s[name] for s in samples] for name in samples[0]}

@@ -252,7 +252,7 @@ def write_bundle(c: Compilation) -> None:
                             dict(c.seconds), c.versus, {job.name: job for job in c.jobs})
     kept = {name for name, _ in c.chosen}
     undone = {node for choice in c.choices for node in choice["dropped_nodes"]}
-    confirm_tiles_in_logs(ctx.reports, [job for job in c.jobs if job.name in kept], undone)
+    confirm_tiles_in_logs(c.tgt, ctx.reports, [job for job in c.jobs if job.name in kept], undone)
     c.manifest, c.report = c.writer.write(c.staging, c.chosen, host_pre, host_post)
 
 
@@ -284,7 +284,7 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     ops = None
     try:
         ops = tgt.pass_toolkit(profile, options)
-        ctx = PassContext(profile=profile, options=options, ops=ops, build_memory=tgt.build_memory,
+        ctx = PassContext(profile=profile, options=options, ops=ops, shards_for_memory=tgt.shards_for_memory,
                           legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(name, 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)
@@ -299,7 +299,6 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
 
 def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress) -> dict:
     """The replica's ranking of a compiled graph's int8 linears (shard.precision.rank_linears)."""
-
     progress("mixed precision: each linear's loss in int8", 0, 1)
     ranked, every = rank_linears(graph, feeds)
     progress("mixed precision: each linear's loss in int8", 1, 1)

@@ -63,7 +63,6 @@ def save_onnx(model, path: Path) -> bool:
 def check_output_path(output: Path, model: Path | None = None) -> None:
     """Refuse to replace anything at `output` that is not a bundle, or that holds the model; make sure
     its folder exists; remove what compiles of the same output that no longer run left beside it."""
-
     if model is not None and model.resolve().is_relative_to(output.resolve()):
         raise ShardError(f"{model} lies inside the output {output}, which the bundle replaces; choose another -o")
     if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output)):

@@ -25,8 +25,7 @@ from shard.passes.tile_attention import confirm_tiles
 from shard.runtime import random_inputs
 from shard.runtime.host import load_tables, run_host, step_files, step_inputs
 from shard.runtime.scheduler import predict_stream
-from shard.targets import ShardBuild, ShardJob
-from shard.toolkit.log import parse_build_log
+from shard.targets import ShardBuild, ShardJob, Target
 
 
 @dataclass
@@ -74,7 +73,7 @@ class BundleWriter:
             profile={"file": "profile.json", "target": self.profile.target, "toolkit": self.profile.toolkit,
                      "cores": self.profile.cores},
             build=self.build, inputs=inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in self.graph.outputs],
-            host_pre=host_pre, host_post=host_post, shards=specs)
+            host_pre=host_pre, host_post=host_post, shards=specs, executors=list(self.tgt.executors))
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
         report["predicted"] = npu_prediction(manifest, report["shards"], self.profile)
@@ -100,7 +99,6 @@ class BundleWriter:
 def time_host_steps(steps: list[dict], tensors: list, bundle: Path, before: bool = True) -> float | None:
     """Milliseconds the runtime spends on host steps (before the shards, or after them), on seeded
     values of the `tensors` they read (best of 3)."""
-
     if not steps:
         return None
     read = {name for step in steps for name in step_inputs(step)}
@@ -182,15 +180,13 @@ def relocate_weights(path: Path, built_from: dict[str, str]) -> None:
         built_from["onnx"] = sha256_file(path)
 
 
-def confirm_tiles_in_logs(reports: dict, jobs: list[ShardJob], undone: set[str]) -> None:
+def confirm_tiles_in_logs(tgt: Target, reports: dict, jobs: list[ShardJob], undone: set[str]) -> None:
     """Read the kept shard builds' layer tables: did the attention tiles stay apart? (Tilings undone
     in favour of an unrewritten shard have nothing to confirm.)"""
-
     changes = [c for c in reports.get("tile_attention", {}).get("changes", []) if c["node"] not in undone]
     if not changes:
         return
-    names = [layer.name for job in jobs if job.log.exists()
-             for layer in parse_build_log(job.log.read_text(errors="replace")).layers]
+    names = [name for job in jobs if job.log.exists() for name in tgt.layer_names(job.log)]
     if names:  # targets without a layer table (cpu) have nothing to confirm
         confirm_tiles(changes, names)
 
@@ -232,7 +228,6 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
     """One frame's NPU time and run_stream's frames/s on 1..cores cores, from each shard's estimated
     cycles at the NPU clock (its MACs at the fp16 peak where the vendor gives none), through the
     scheduler's own policy (shard.runtime.scheduler.predict_stream). Host steps not counted."""
-
     clock, per_mac = profile.facts.get("npu_clock_hz"), npu_seconds_per_mac(profile.facts)
     if not clock or not manifest.shards:
         return None

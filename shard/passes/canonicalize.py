@@ -187,7 +187,6 @@ def infer_shapes_by_running(graph: gs.Graph) -> int:
     """Where onnx's inference gives up (custom domains, ops it cannot propagate through): run the
     model once in onnxruntime on inputs of the fixed shapes and read every tensor's shape and dtype.
     Returns how many tensors got theirs this way."""
-
     missing = {t.name: t for t in unknown_shapes(graph)}
     try:
         session = ort_session(gs.export_onnx(graph.copy(), do_type_check=False), list(missing))

@@ -4,15 +4,31 @@ its function's name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from shard.options import CompileOptions
+from shard.passes.fit import Legality
 from shard.profile import Profile
 
+if TYPE_CHECKING:   # partition makes the plans and reads this module
+    from shard.passes.partition import ShardPlan
+
 PassFn = Callable[[gs.Graph, "PassContext"], tuple[gs.Graph, dict]]
+
+
+class VendorBuilds(Protocol):
+    """What the passes may ask of a vendor target while they run: small builds, kept by content
+    (shard.targets.rknn.ops.ToolkitOps). A build's point says `ok`, its `failure` and its `figures`."""
+
+    def build(self, model: onnx.ModelProto, macs: int | None = None, build: dict | None = None) -> Any: ...
+
+    def cost(self, point: Any, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
+        """(total cycles, the part costed by bytes, DDR cycles per KB) of a build."""
+        ...
 
 
 @dataclass
@@ -21,8 +37,8 @@ class PassContext:
 
     profile: Profile
     options: CompileOptions = field(default_factory=CompileOptions)
-    legality: object = None          # shard.passes.fit.Legality; None where the target has no limits
-    ops: object = None               # small vendor builds (shard.toolkit.ops.ToolkitOps) or None
+    legality: Legality | None = None   # None where the target has no limits
+    ops: VendorBuilds | None = None    # None where the target has no vendor compiler
     reports: dict[str, dict] = field(default_factory=dict)
     host_candidates: set[str] = field(default_factory=set)   # layout nodes that may run on the host
     host_pre: list[dict] = field(default_factory=list)       # set by host_edges
@@ -35,5 +51,7 @@ class PassContext:
     samples: list[dict[str, np.ndarray]] | None = None       # calibration samples (shard.calibration)
     scales: dict[str, tuple[str, int]] = field(default_factory=dict)   # tensor: (the reference's, k), held / 2^k
     warnings: list[str] = field(default_factory=list)         # for the user, in the report and the summary
-    plan: object = None  # set by partition
-    build_memory: bool = False   # the target's builds' memory grows with their weights: partition sizes them
+    plan: list[ShardPlan] | None = None   # set by partition
+    # The shards a model of so many weight bytes needs for its builds, `jobs` at once, to fit in memory
+    # (Target.shards_for_memory; 0: its builds do not grow with their weights).
+    shards_for_memory: Callable[[int, int], int] = lambda weight_bytes, jobs: 0

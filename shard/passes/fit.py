@@ -160,7 +160,7 @@ class OnCpu:
 
 
 class OneOpBuilds:
-    """Verdicts from one-op vendor builds (`ops`: shard.toolkit.ops.ToolkitOps) where the profile
+    """Verdicts from one-op vendor builds (`ops`: shard.targets.rknn.ops.ToolkitOps) where the profile
     cannot decide: only a hard failure makes an op illegal."""
 
     def __init__(self, ops):

@@ -412,7 +412,6 @@ def rewrite_softmax_rows(graph: gs.Graph, node: gs.Node) -> None:
 def input_spans(graph: gs.Graph, ctx: PassContext, nodes: list[gs.Node]) -> dict[str, float]:
     """max - min of each node's first input over the calibration samples (seeded random without
     --calib); empty where onnxruntime cannot run the model."""
-
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     try:
         stats = graph_stats(graph, samples, [n.inputs[0].name for n in nodes], cache=stats_cache(ctx))

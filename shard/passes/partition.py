@@ -11,10 +11,9 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ModelError
 from shard.graph import constants, is_static, nbytes
-from shard.passes.context import PassContext
 from shard.macs import estimate_macs
+from shard.passes.context import PassContext
 from shard.passes.fused import fused_regions
-from shard.toolkit.memory import shards_for_memory
 
 
 MIN_SHARD_MACS = 100_000_000  # about 0.2 ms of one core at its fp16 peak (512 MACs a cycle, 1 GHz)
@@ -134,9 +133,9 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # By default one shard per core, but none under MIN_SHARD_MACS: every cut adds a dispatch and
     # edges the vendor may reshape on the CPU, which a small model never wins back. More where the
     # target's builds grow with their weights and that many keep the compile within half of the
-    # whole model's build (shard.toolkit.memory: a large model only).
+    # whole model's build (the target's shards_for_memory: a large RKNN model only).
     weights = sum(nbytes(t) for t in constants(graph))
-    for_memory = shards_for_memory(weights, opts.jobs) if ctx.build_memory else 0
+    for_memory = ctx.shards_for_memory(weights, opts.jobs)
     shards = max(1, getattr(opts, "shards", None)
                  or min(max(ctx.profile.cores, for_memory), sum(costs) // MIN_SHARD_MACS))
     max_ops = getattr(opts, "max_ops", None)

@@ -145,7 +145,6 @@ def fp16_safe_absmax(profile) -> float | None:
 def largest_change(before: tuple, after: tuple, samples: list, outputs: list[str]) -> float:
     """The largest change of an output over the samples, relative to that output's largest value;
     before and after: lifted models with their weights (shard.calibration.lifted)."""
-
     def run(model, weights):
         return run_each(model, [{**s, **weights} for s in samples], outputs, optimize=False)
 
@@ -277,7 +276,6 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     fp16. Two linears joined by per-channel ops alone (an FFN) take the outliers of W1's output and
     of W2's input together first, in a hidden split (split_hidden): the channels I and O above are
     then what is left, the FFN's input and output."""
-
     changes, hidden = split_hidden(graph, stats)
     handled = {(c["node"], "out") for c in changes} | {(c["second"], "in") for c in changes}
     picked: dict[str, tuple[gs.Variable, gs.Variable]] = {}   # input tensor: (xi, xm)
@@ -416,7 +414,6 @@ def split_hidden(graph: gs.Graph, stats: dict) -> tuple[list[dict], list]:
     one, 7.2 % with the FFNs split this way). Returns the changes (W1's output and W2's input, which
     the per-linear splits then leave) and for each the step that adds its side FFN, run after the
     per-linear splits (whose side linears then read the main path)."""
-
     changes, steps, taken = [], [], set()   # taken: one split a linear (a chain of MLPs: every other pair)
     order = {id(n): k for k, n in enumerate(graph.nodes)}
     for first in [n for n in graph.nodes if is_split_candidate(n)]:
@@ -466,7 +463,6 @@ def side_ffn(graph: gs.Graph, first: gs.Node, second: gs.Node, x: gs.Tensor, sta
     second linear's whole output). The side's ops go in one block right before the second linear:
     the vendor fuses an activation by walking the nodes in order, and with the two GELUs' ops
     interleaved it fused neither (all-mpnet-base-v2: every Erf on the CPU)."""
-
     name = f"{first.name}{SIDE}hidden"
     var = lambda suffix: gs.Variable(f"{name}/{suffix}", dtype=start.dtype)  # noqa: E731
     value = var("in")

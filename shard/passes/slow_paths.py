@@ -20,7 +20,6 @@ import onnx_graphsurgeon as gs
 from shard.graph import to_toolkit_model
 from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec
-from shard.toolkit.log import Layer, unestimated_cost
 
 
 def stride_limits(profile) -> dict:
@@ -148,14 +147,6 @@ def region_model(node: gs.Node, k: int):
     return to_toolkit_model(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17), 17)
 
 
-def cost(point, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
-    """(total, part costed by bytes, DDR cycles per KB): the compiler's estimate, plus the ops it
-    leaves at 0 costed by the bytes they move at the DDR rate of the ops it does estimate."""
-    layers = [Layer(0, op, target, "", cycles, "", ddr, rw) for op, target, cycles, ddr, rw in point.figures.get("layers", [])]
-    extra, rate = unestimated_cost(layers, cycles_per_kb)
-    return point.figures.get("estimated_cycles", 0) + extra, extra, rate
-
-
 def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     limits = stride_limits(ctx.profile)
     changes, kept = [], []
@@ -172,8 +163,8 @@ def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         if ctx.ops is not None:  # judge both forms by the compiler's own estimate
             before = ctx.ops.build(OpSpec.of(node).model())
             after = ctx.ops.build(region_model(node, k))
-            before_cost, _, rate = cost(before)
-            after_cost, unestimated, _ = cost(after, rate)
+            before_cost, _, rate = ctx.ops.cost(before)
+            after_cost, unestimated, _ = ctx.ops.cost(after, rate)
             entry.update(before_cycles=before.figures.get("estimated_cycles"), after_cycles=after.figures.get("estimated_cycles"),
                          before_cost=before_cost, after_cost=after_cost, unestimated_cycles=unestimated,
                          ddr_cycles_per_kb=rate and round(rate, 1), after_class=after.failure)

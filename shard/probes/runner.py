@@ -56,7 +56,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
 
         board = import_rknnlite()
     base = base or starting_profile(target)
-    from shard.toolkit.ops import ToolkitOps
+    from shard.targets.rknn.ops import ToolkitOps
 
     ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board)
     searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]

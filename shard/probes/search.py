@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from shard.toolkit.classify import Point
+from shard.targets.rknn.classify import Point
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
-from shard.errors import RunError
+from shard.errors import RunError, TargetError
 from shard.runtime.executors import STAGE_BACKENDS, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
@@ -51,6 +51,9 @@ class Session:
         self.host_seconds = 0.0   # all frames' host steps, before and after the shards
         self.frames_run = 0
         self.backend = backend or default_backend(self.manifest)
+        if self.manifest.executors and self.backend not in self.manifest.executors:
+            raise TargetError(f"{self.bundle}: a {self.manifest.target} bundle runs on "
+                              f"{', '.join(self.manifest.executors)}; not on {self.backend}")
         self.cores = check_cores(cores if cores is not None else default_cores(self.manifest, self.backend))
         # GPU stages keep a stream each (each loaded once); NPU shards go to any free core by default
         self.schedule = schedule or ("round-robin" if self.backend in STAGE_BACKENDS else DEFAULT_SCHEDULE)
@@ -187,7 +190,10 @@ def default_cores(manifest: Manifest, backend: str) -> list[int]:
 
 
 def default_backend(manifest: Manifest) -> str:
-    return {"cpu": "cpu", "thor": "cuda", "cuda": "cuda"}.get(manifest.target, "sim")
+    """The first backend the bundle's target names (its executors)."""
+    if manifest.executors:
+        return manifest.executors[0]
+    return {"cpu": "cpu", "thor": "cuda", "cuda": "cuda"}.get(manifest.target, "sim")   # written before they were named
 
 
 def load(bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,

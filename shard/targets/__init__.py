@@ -59,7 +59,6 @@ class Target:
     pipeline: tuple[Callable, ...] = ()      # its passes, in order (shard.passes.NPU_PIPELINE, ...)
     min_opset = 0                    # the opset its shard files are lifted to, at least
     stage_streams = False            # shard k runs on stream ("core") k: a pipeline of stages (GPU)
-    build_memory = False             # its shard builds' memory grows with their weights: partition sizes them
     build_note = "the shard ONNX file is what runs"   # the build log of a target that builds nothing here
 
     def build_options(self, options) -> dict:
@@ -89,6 +88,15 @@ class Target:
         """From a shard's build log: the inputs and outputs the compiler reshaped into its own layout
         on the CPU, with that layout's shape (shard.edges). None here: any shape runs as it is."""
         return {}, {}
+
+    def shards_for_memory(self, weight_bytes: int, jobs: int) -> int:
+        """The fewest shards whose builds, `jobs` at once, fit in memory beside the compile; 0 where a
+        build's memory does not grow with its weights (nothing is built here)."""
+        return 0
+
+    def layer_names(self, log: Path) -> list[str]:
+        """The layers a shard's build log lists (the vendor's layer table); none where it has none."""
+        return []
 
     def pass_toolkit(self, profile, options):
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""

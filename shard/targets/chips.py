@@ -1,5 +1,5 @@
 """The chips shard compiles for, as data: the one place a chip is named. The CLI's help, the vendor
-toolkit's environment (shard.toolkit.env) and the Rockchip target read this table; a new Rockchip
+toolkit's environment (shard.targets.rknn.env) and the Rockchip target read this table; a new Rockchip
 chip is one row here and a probe run (`shard probe --target CHIP`). Standard library only: every
 layer may read it.
 """

@@ -11,4 +11,4 @@ class CpuTarget(Target):
     name = "cpu"
     pipeline = NPU_PIPELINE
     min_opset = MIN_OPSET
-    build_note = "the shard ONNX file is run as is by onnxruntime"   # nothing to build: build_memory stays off
+    build_note = "the shard ONNX file is run as is by onnxruntime"

@@ -19,8 +19,8 @@ from shard import scratch
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
 from shard.runtime.executors import npu_inputs, outputs_by_name
-from shard.toolkit.env import find_python
-from shard.toolkit.worker import ToolkitWorker, WorkerFailed, infer
+from shard.targets.rknn.env import find_python
+from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_request, infer
 
 
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
@@ -40,10 +40,9 @@ class RknnSimExecutor:
             for shard in manifest.shards:
                 log = self.scratch / f"{shard.name}.build.log"
                 build = shard.build_options or manifest.build  # int8 shards: quantized from their samples again
-                answer = self._ask(shard, op="build", onnx=str((bundle / shard.onnx).resolve()), rknn=None,
-                                   log=str(log), config=build["config"], build=build["build"], keep=shard.name,
-                                   dataset=[[str((bundle / p).resolve()) for p in sample] for sample in shard.dataset],
-                                   float16=build.get("float16"))
+                dataset = [[(bundle / p).resolve() for p in sample] for sample in shard.dataset]
+                answer = build_request(lambda **req: self._ask(shard, **req), (bundle / shard.onnx).resolve(), log,
+                                       build, keep=shard.name, dataset=dataset, timeout=self.timeout)
                 if not answer["ok"]:
                     raise RunError(f"{shard.name}: the simulator build failed ({answer.get('error') or answer['rc']}); "
                                    f"log: {log}")
@@ -54,7 +53,7 @@ class RknnSimExecutor:
 
     def _ask(self, shard: ShardSpec, **req) -> dict:
         try:
-            return self.worker.request(timeout=self.timeout, **req)
+            return self.worker.request(**{"timeout": self.timeout, **req})
         except WorkerFailed as exc:
             raise RunError(f"{shard.name}: simulator {exc}; log: {exc.log}") from None
 

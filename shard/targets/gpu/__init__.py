@@ -30,7 +30,6 @@ class GpuTarget(Target):
     pipeline = PIPELINE
     min_opset = MIN_OPSET
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
-    build_memory = False       # engines are built on the device, one at a time
     # compiling needs no TensorRT (check_environment, toolchain: none); building engines does
     build_note = ("stage ONNX written; its TensorRT engine is built on the device by `shard build-engines` "
                   "with the recipe in the manifest")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shard.toolkit.log import BuildDiagnostics
+from shard.targets.rknn.log import BuildDiagnostics
+from shard.targets.rknn.worker import build_failure
 
 MIN_COSINE = 0.999
 
@@ -37,10 +38,9 @@ def classify_build(size: int, answer: dict, diag: BuildDiagnostics, macs: int | 
     """A point from one build's answer and its parsed log."""
     figures = {"estimated_cycles": diag.estimated_cycles}
     if not answer.get("ok"):
-        if "error" in answer:
-            last = [line for line in answer["error"].splitlines() if line.strip()][-1].strip()
-            return Point(size, False, "crash", last, figures)
-        stage, rc = next(((k, v) for k, v in answer.get("rc", {}).items() if v != 0), ("build", "?"))
+        stage, rc, raised = build_failure(answer)
+        if raised:
+            return Point(size, False, "crash", raised, figures)
         return Point(size, False, "build-error", f"{stage}() returned {rc}: {diag.first_error or 'no error line'}",
                      figures)
     if diag.regtask_lines:

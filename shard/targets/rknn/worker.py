@@ -312,6 +312,32 @@ class WorkerPool:
             worker.close()
 
 
+def build_request(request: Callable[..., dict], onnx: Path, log: Path, options: dict, rknn: Path | None = None,
+                  keep: str | None = None, dataset=(), timeout: float | None = None) -> dict:
+    """One vendor build in a worker, the one request every builder sends (compile, the passes' and the
+    probe's small builds, the simulator): `request` is a worker's request method or a wrapper of it;
+    `options` as Target.build_for gives them ({"config", "build"} and, mixed, "float16"); `rknn`: where
+    the artifact goes, if anywhere; `keep`: the built model stays loaded in the worker under this key
+    (to run it); `dataset`: the quantization samples, per sample one .npy file per input."""
+    return request(op="build", onnx=str(onnx), rknn=str(rknn) if rknn else None, log=str(log),
+                   config=options["config"], build=options["build"], keep=keep,
+                   dataset=[[str(path) for path in sample] for sample in dataset], float16=options.get("float16"),
+                   timeout=timeout)
+
+
+BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")
+
+
+def build_failure(answer: dict) -> tuple[str, object, str | None]:
+    """Where a failed build's answer says it stopped: the first stage that returned non-zero or never
+    ran, what it returned ("?" where it never did), and the toolkit's last error line where it raised
+    (the exception's own line). The one reader of a failed build, for compile and probe alike."""
+    rc = answer.get("rc", {})
+    stage = next((s for s in BUILD_STAGES if rc.get(s, 0) != 0 or s not in rc), "build")
+    lines = [line.strip() for line in (answer.get("error") or "").splitlines() if line.strip()]
+    return stage, rc.get(stage, "?"), lines[-1] if lines else None
+
+
 def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path) -> list[np.ndarray]:
     """Run the model a toolkit worker keeps under `key` on `arrays`, handed over as .npy files in
     `workdir`; RunError if the simulator fails."""

@@ -1,9 +1,14 @@
-"""Rockchip NPUs: shards compiled by rknn-toolkit2 in worker processes of the toolkit environment.
+"""Rockchip NPUs: everything rknn-toolkit2. One target class for every chip the toolkit builds for;
+what differs between chips is data (shard.targets.chips: the facts no probe measures, each with its
+source; the chip's profile: the limits and peak rates `shard probe --target CHIP` measured).
 
-One class for every chip the toolkit builds for. What differs between chips is data: the facts
-below that no probe can measure (core count, the marketed int8 rate, whether fp16 builds at all),
-each with its source, and the limits and peak rates in the chip's profile, which `shard probe
---target CHIP` measures through the same toolkit (shard.probes.runner).
+    env.py          the toolkit's own virtual environment (it pins old numpy/onnx/torch)
+    worker.py       the client of a toolkit worker process (standard library only: the simulator
+                    executor uses it too); rknn_worker.py, the script the toolkit's interpreter runs
+    log.py          the build log: its layer table, REGTASK and error lines, what runs on the CPU
+    classify.py     a build's failure classes; cache.py, the probe points kept by content
+    memory.py       how much memory a build takes (how many shards a large model needs)
+    ops.py          small builds the passes and `shard probe` ask for (ToolkitOps)
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Callable
 from shard.passes import NPU_PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
 from shard.targets import ShardBuild, ShardJob, Target
-from shard.targets.chips import CHIPS
 from shard.targets.build_cache import BuildCache
-from shard.toolkit.env import find_python, installed_label
-from shard.toolkit.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
-from shard.toolkit.worker import ToolkitWorker, WorkerFailed, WorkerPool
+from shard.targets.chips import CHIPS
+from shard.targets.rknn.env import find_python, installed_label
+from shard.targets.rknn.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
+from shard.targets.rknn.memory import shards_for_memory
+from shard.targets.rknn.ops import ToolkitOps
+from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, WorkerPool, build_failure, build_request
 
 
 class RknnTarget(Target):
@@ -30,7 +37,6 @@ class RknnTarget(Target):
     pipeline = NPU_PIPELINE
     min_opset = MIN_OPSET
     stage_streams = False
-    build_memory = True    # the toolkit's build memory grows with a shard's weights (shard.toolkit.memory)
 
     def __init__(self, chip: str):
         self.name = chip
@@ -68,9 +74,14 @@ class RknnTarget(Target):
         """Edges the vendor reshaped on the CPU, with the 4-D shape it wanted (shard.edges)."""
         return edge_reshapes(parse_build_log(log.read_text(errors="replace")).layers, inputs, outputs)
 
-    def pass_toolkit(self, profile, options):
-        from shard.toolkit.ops import ToolkitOps
+    def shards_for_memory(self, weight_bytes: int, jobs: int) -> int:
+        """The toolkit's build memory grows with a shard's weights (memory.py)."""
+        return shards_for_memory(weight_bytes, jobs)
 
+    def layer_names(self, log: Path) -> list[str]:
+        return [layer.name for layer in parse_build_log(log.read_text(errors="replace")).layers]
+
+    def pass_toolkit(self, profile, options):
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
                           timeout=options.timeout)
 
@@ -134,9 +145,6 @@ class ToolkitBuilds:
             self.store.prune()
 
 
-BUILD_STAGES = ("config", "load_onnx", "build", "export_rknn")
-
-
 def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: float) -> ShardBuild:
     """One vendor build and what its log says; `error` set if it failed, crashed, timed out, or logged
     REGTASK errors (the caller decides whether that ends the compile)."""
@@ -147,10 +155,8 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
         name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error,
         peak_bytes=answer.get("peak_bytes"))
     try:
-        answer = worker.request(op="build", onnx=str(job.onnx), rknn=str(job.artifact) if job.artifact else None,
-                                log=str(job.log), config=build["config"], build=build["build"], keep=None,
-                                dataset=[[str(p) for p in sample] for sample in job.dataset or []],
-                                float16=build.get("float16"), timeout=timeout)
+        answer = build_request(worker.request, job.onnx, job.log, build, job.artifact, dataset=job.dataset or [],
+                               timeout=timeout)
     except WorkerFailed as exc:
         return done({}, f"{job.name}: the vendor build {exc}; log: {job.log}")
     parsed = parse_build_log(job.log.read_text(errors="replace"))
@@ -159,13 +165,11 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
     if not answer["ok"]:
         with open(job.log, "a") as log:
             log.write(answer.get("traceback") or "")
-        rc = answer.get("rc", {})
-        stage = next((s for s in BUILD_STAGES if rc.get(s, 0) != 0 or s not in rc), "build")
-        if "error" in answer:  # the toolkit raised: its last line names the exception
-            last = [line for line in answer["error"].splitlines() if line.strip()][-1].strip()
-            return done(diag, f"{job.name}: the vendor build crashed in {stage}() ({last}); log: {job.log}")
+        stage, returned, raised = build_failure(answer)
+        if raised:  # the toolkit raised: its last line names the exception
+            return done(diag, f"{job.name}: the vendor build crashed in {stage}() ({raised}); log: {job.log}")
         detail = parsed.first_error or "no error line in the log"
-        return done(diag, f"{job.name}: the vendor build failed ({stage}() returned {rc[stage]}): {detail}; "
+        return done(diag, f"{job.name}: the vendor build failed ({stage}() returned {returned}): {detail}; "
                           f"log: {job.log}")
     if parsed.regtask_lines:
         return done(diag, f"{job.name}: the vendor build returned 0 but logged {parsed.regtask_lines} REGTASK errors "

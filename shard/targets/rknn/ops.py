@@ -23,12 +23,11 @@ from shard import scratch
 from shard.compare import compare
 from shard.errors import RunError
 from shard.profile import Profile
-from shard.toolkit.worker import infer
-from shard.toolkit.cache import PointCache, default_cache_dir
-from shard.toolkit.classify import Point, classify_build, classify_numeric
-from shard.toolkit.env import find_python, installed_label
-from shard.toolkit.log import HOST_OPS, parse_build_log
-from shard.toolkit.worker import WorkerFailed, WorkerPool
+from shard.targets.rknn.cache import PointCache, default_cache_dir
+from shard.targets.rknn.classify import Point, classify_build, classify_numeric
+from shard.targets.rknn.env import find_python, installed_label
+from shard.targets.rknn.log import HOST_OPS, Layer, parse_build_log, unestimated_cost
+from shard.targets.rknn.worker import WorkerFailed, WorkerPool, build_request, infer
 
 MODELS = "by-model"
 MODELS_VERSION = 2  # points carry each layer's DDR cycles and bytes
@@ -50,6 +49,15 @@ class ToolkitOps:
         self.pool = WorkerPool(find_python(target), self.scratch, jobs)
         slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
         self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)
+
+    @staticmethod
+    def cost(point: Point, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
+        """(total, part costed by bytes, DDR cycles per KB) of a build: the compiler's estimate, plus the
+        ops it leaves at 0 costed by the bytes they move at the DDR rate of the ops it does estimate."""
+        layers = [Layer(0, op, target, "", cycles, "", ddr, rw)
+                  for op, target, cycles, ddr, rw in point.figures.get("layers", [])]
+        extra, rate = unestimated_cost(layers, cycles_per_kb)
+        return point.figures.get("estimated_cycles", 0) + extra, extra, rate
 
     def build(self, model: onnx.ModelProto, macs: int | None = None, build: dict | None = None) -> Point:
         """What the compiler says of this model (cycles in figures), built with `build` (else the
@@ -148,9 +156,8 @@ class RknnProber:
         try:
             with self.pool.worker() as worker:
                 try:
-                    answer = worker.request(op="build", onnx=str(onnx_path), rknn=artifact and str(artifact),
-                                            log=str(log), config=build["config"], build=build["build"],
-                                            keep=key, dataset=dataset, timeout=self.timeout)
+                    answer = build_request(worker.request, onnx_path, log, build, artifact, key, dataset,
+                                           self.timeout)
                 except WorkerFailed as exc:
                     return Point(size, False, "timeout" if exc.timed_out else "crash", f"the build {exc}")
                 diag = parse_build_log(log.read_text(errors="replace"))
