@@ -22,6 +22,13 @@ if TYPE_CHECKING:   # the stages' rooms, which read this module's names
     from shard.compilation.writer import BundleWriter
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
+PRECISIONS = ("fp16", "int8", "mixed", "fp8")
+QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
+VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
+SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made
+UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
+FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
+LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
 
 
 @dataclass
@@ -30,20 +37,6 @@ class CompileResult:
     manifest: Manifest
     report: dict
     rank: Callable[[], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
-
-PRECISIONS = ("fp16", "int8", "mixed", "fp8")
-
-QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
-
-VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
-
-SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made
-
-UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
-
-FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
-
-LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
 
 
 @dataclass

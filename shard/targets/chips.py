@@ -21,15 +21,13 @@ class Chip:
     source: str
     fp16: bool = True             # False: the toolkit builds this chip only quantized
 
-TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
 
+TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
 INT8_ONLY = ("seen here with rknn-toolkit2 2.5.0: build() logs `Current target_platform(rv1106) not support "
              "do_quantization = False!`")
-
 FP16_RANGE_MARGIN = ("scale_sandwich keeps activations under the probed fp16 range (add-magnitude: the largest "
                      "output the NPU holds) divided by this: rounding inside an op (a sum, a LayerNorm's variance) "
                      "and the board's own conversions may reach past what the simulator shows")
-
 CHIPS = {
     "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8"),
     "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
