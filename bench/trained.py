@@ -88,12 +88,27 @@ def smollm2_file() -> Path:
     return path
 
 
+def smollm2_model():
+    """SmolLM2-135M-Instruct in transformers (fp32, eager attention), its weights dequantized from the
+    GGUF. from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not."""
+    import torch
+    import transformers as tf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf = smollm2_file()
+    config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    return model
+
+
 def smollm2(path: Path, seq: int = 64) -> tuple[Path, dict[str, np.ndarray]]:
     """Export SmolLM2-135M-Instruct's full-sequence forward at `seq` tokens; returns the model and the
     chat prompts' samples (input_ids and attention_mask, [N, 1, seq] int64)."""
     import torch
     import transformers as tf
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     gguf = smollm2_file()
     tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -102,12 +117,7 @@ def smollm2(path: Path, seq: int = 64) -> tuple[Path, dict[str, np.ndarray]]:
     enc = tokenizer(texts, padding="max_length", max_length=seq, truncation=True, return_tensors="np")
     samples = {k: enc[k].astype(np.int64)[:, None, :] for k in ("input_ids", "attention_mask")}
     if not path.is_file():
-        # from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not.
-        config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-        weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-        model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
-        model.tie_weights()
+        model = smollm2_model()
 
         class Logits(torch.nn.Module):
             def __init__(self):

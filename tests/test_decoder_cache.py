@@ -1,0 +1,77 @@
+"""A decoder as fixed-shape steps over a static KV cache (shard.zoo.decoder, shard.runtime.generate):
+in onnxruntime fp32, prefill in chunks and decode one token a step give transformers' own greedy
+tokens and logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers as tf
+
+from shard.errors import RunError
+from shard.runtime.generate import Cache, advance, generate, prefill
+from shard.zoo.decoder import export_step, step_names
+
+CAPACITY = 32
+PROMPT = [5, 17, 3, 88, 41, 9, 60]   # 7 tokens: one full prefill chunk of 4 and one of 3
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """A 2-layer Llama with grouped-query attention (4 heads, 2 of keys and values), seeded weights;
+    its prefill (4 tokens) and decode (1) steps as onnxruntime sessions."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True, attn_implementation="eager",
+                            initializer_range=0.2)   # larger than the default: attention far from uniform
+    model = tf.LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("decoder")
+    sessions = {width: ort.InferenceSession(str(export_step(model, folder / f"step{width}.onnx", width, CAPACITY)))
+                for width in (4, 1)}
+    names = step_names(config.num_hidden_layers)[1]
+
+    def run(feeds):
+        return dict(zip(names, sessions[feeds["input_ids"].shape[1]].run(None, feeds)))
+
+    return model, run
+
+
+def empty_cache(model) -> Cache:
+    config = model.config
+    return Cache.empty(config.num_hidden_layers, config.num_key_value_heads, CAPACITY,
+                       config.hidden_size // config.num_attention_heads)
+
+
+def test_greedy_tokens_are_transformers_own(decoder):
+    model, run = decoder
+    ours = generate(run, PROMPT, empty_cache(model), max_new=16, chunk=4)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert ours == theirs and len(ours) == 16
+
+
+def test_teacher_forced_logits_match_the_full_forward(decoder):
+    # The same 23 tokens three ways: transformers' one forward, prefill in chunks of 4 (the last one
+    # padded), and the prompt's prefill followed by one-token steps.
+    model, run = decoder
+    ids = PROMPT + list(range(20, 36))
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    chunked = prefill(run, empty_cache(model), ids, 4)
+    cache = empty_cache(model)
+    stepped = np.concatenate([prefill(run, cache, PROMPT, 4)] + [advance(run, cache, [t], 1) for t in ids[len(PROMPT):]])
+    for got in (chunked, stepped):
+        assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
+    assert cache.length == len(ids)
+
+
+def test_a_context_past_the_capacity_stops_in_one_line(decoder):
+    model, run = decoder
+    cache = empty_cache(model)
+    prefill(run, cache, list(range(28)), 4)
+    with pytest.raises(RunError, match="reaches 33 tokens, past the cache's capacity of 32"):
+        prefill(run, cache, [1, 2, 3, 4, 5], 4)
