@@ -34,6 +34,8 @@ CASES = [
     ("Sub", {}, [FLOATS], [np.full((1, 6), 2.0, np.float32)], 17),
     ("Mul", {}, [MASK], [np.array(7, np.int64)], 17),
     ("Neg", {}, [FLOATS], [], 17),
+    ("Cos", {}, [FLOATS], [], 17),   # rotary positions: cos and sin of positions times frequencies
+    ("Sin", {}, [FLOATS], [], 17),
     ("Min", {}, [FLOATS], [np.array(0.5, np.float32)], 17),
     ("Max", {}, [FLOATS], [np.array(0.5, np.float32)], 17),
     ("Unsqueeze", {}, [MASK], [np.array([1, -1], np.int64)], 17),
@@ -98,7 +100,7 @@ def test_each_host_op_matches_onnxruntime(op, attrs, inputs, constants, opset):
     tensors = dict(zip(names, inputs))
     run_onnx_step(step, tensors, {})
     assert tensors["y"].dtype == want.dtype and tensors["y"].shape == want.shape
-    if op in ("Softmax", "LogSoftmax"):   # exp and log: numpy's float64 against onnxruntime's float32
+    if op in ("Softmax", "LogSoftmax", "Cos", "Sin"):   # exp, log, cos, sin: numpy's against onnxruntime's
         np.testing.assert_allclose(tensors["y"], want, rtol=1e-5, atol=1e-7)
     else:
         np.testing.assert_array_equal(tensors["y"], want)

@@ -133,6 +133,8 @@ OPS = {
     "Mul": lambda a, b, attrs: np.multiply(a, b),
     "Div": div,
     "Neg": lambda x, attrs: np.negative(x),
+    "Cos": lambda x, attrs: np.cos(x),
+    "Sin": lambda x, attrs: np.sin(x),
     "Min": lambda *xs, attrs: np.minimum.reduce(np.broadcast_arrays(*xs)),
     "Max": lambda *xs, attrs: np.maximum.reduce(np.broadcast_arrays(*xs)),
     "Unsqueeze": unsqueeze,
