@@ -561,8 +561,8 @@ def inspect_command(
     """List every op that breaks a limit of the target, its evidence, and what compile does about it
     (with --calib: the ranges, and where the scale sandwich would rescale, clamp or smooth)."""
     from shard.compilation.staging import check_options
-    from shard.options import CompileOptions
     from shard.inspection import inspect_model
+    from shard.options import CompileOptions
 
     options = CompileOptions(input_shapes=dict(parse_shape(s) for s in input_shape),
                              profile=str(profile) if profile else None, disable=tuple(disable),
