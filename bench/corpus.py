@@ -314,7 +314,7 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--target", default="rk3588", help="any Rockchip chip with fp16 (shard.targets.rknn.CHIPS)")
+    parser.add_argument("--target", default="rk3588", help="any Rockchip chip with fp16 (shard.targets.chips.CHIPS)")
     args = parser.parse_args()
     from shard.graph import quiet_graphsurgeon
 

@@ -70,9 +70,9 @@ def check_reference(reference: str | Path, model, manifest) -> None:
                           f"{[t.name for t in manifest.outputs]}")
     for spec in manifest.inputs:
         dims = takes[spec.name].type.tensor_type.shape.dim
-        if len(dims) != len(spec.shape) or any(d.HasField("dim_value") and d.dim_value != n
-                                               for d, n in zip(dims, spec.shape)):
-            shape = [d.dim_value if d.HasField("dim_value") else d.dim_param or "?" for d in dims]
+        # a dimension of 0 or less is as dynamic as a named one (exporters write -1)
+        if len(dims) != len(spec.shape) or any(d.dim_value > 0 and d.dim_value != n for d, n in zip(dims, spec.shape)):
+            shape = [d.dim_value if d.dim_value > 0 else d.dim_param or "?" for d in dims]
             raise VerifyError(f"{reference}: input {spec.name} has shape {shape}; the bundle's is {list(spec.shape)}")
 
 

@@ -237,3 +237,18 @@ def test_run_save_onto_a_file_is_refused_before_the_run(tmp_path):
     assert_one_line_error(res, "a file is there; --save names a folder")
     assert "ms per run" not in res.stdout
     assert (tmp_path / "out").read_text() == "the user's file"
+
+
+def test_verify_takes_a_reference_whose_dynamic_dimension_is_minus_one(tmp_path):
+    # PP-OCR's classifier declares x as [-1, 3, ?, ?]: the -1 is as dynamic as a name, and the check of
+    # the reference against the bundle refused it (seen on the packaged corpus).
+    from conftest import make_model
+    from onnx import helper
+
+    import onnx
+
+    onnx.save(make_model([helper.make_node("Relu", ["x"], ["y"])], [("x", [-1, 8])], [("y", [-1, 8])]),
+              tmp_path / "m.onnx")
+    assert shard_cli("compile", tmp_path / "m.onnx", "--target", "cpu", "--input-shape", "x=1,8").returncode == 0
+    res = shard_cli("verify", tmp_path / "m.shard", "--reference", tmp_path / "m.onnx", "--backend", "cpu")
+    assert res.returncode == 0 and "PASS" in res.stdout, res.stdout + res.stderr
