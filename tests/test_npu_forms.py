@@ -348,14 +348,18 @@ def with_width_limit(model, width: int):
 @given(lead=st.sampled_from([[], [1], [2, 3]]), m=st.integers(1, 9), k=st.integers(1, 16), seed=st.integers(0, 100))
 def test_a_too_wide_output_linear_becomes_the_transposed_product_and_a_host_transpose(lead, m, k, seed):
     """An LM head: x [.., M, K] @ W [K, N], a graph output whose N passes the limit (40 > 32 here;
-    gpt2's 50257 rows on RK3588): W^T @ x^T on the NPU, the Transpose back marked for the host."""
+    gpt2's 50257 rows on RK3588): W^T @ x^T on the NPU, the Transpose back marked for the host; a
+    single row as a 1x1 Conv and a Reshape on the host."""
     model = output_linear_model(lead, m, k, 40, seed)
     out, report, ctx = with_width_limit(model, 32)
     ops = [n.op_type for n in out.graph.node]
-    assert ops == ["Transpose", "MatMul", "Transpose"] and report["changes"][0]["op"] == "MatMul"
-    product = out.graph.node[1]
-    weights = {t.name: t for t in out.graph.initializer}[product.input[0]]
-    assert list(weights.dims) == [40, k]                                   # the constant comes first
+    weights = {t.name: t for t in out.graph.initializer}
+    if m == 1 and np.prod(lead) == 1:   # one row (a decode step's head): a 1x1 Conv, reshaped on the host
+        assert ops == ["Reshape", "Conv", "Reshape"] and list(weights[out.graph.node[1].input[1]].dims) == [40, k, 1, 1]
+    else:
+        assert ops == ["Transpose", "MatMul", "Transpose"]
+        assert list(weights[out.graph.node[1].input[0]].dims) == [40, k]    # the constant comes first
+    assert report["changes"][0]["op"] == "MatMul"
     assert out.graph.node[2].name in ctx.host_candidates and out.graph.node[2].output[0] == "y"
     x = np.random.default_rng(seed).standard_normal([*lead, m, k]).astype(np.float32)
     np.testing.assert_allclose(run_ort(out, {"x": x})[0], run_ort(model, {"x": x})[0], rtol=1e-5, atol=1e-5)
@@ -368,6 +372,23 @@ def test_an_output_linear_is_left_where_it_fits_feeds_more_ops_or_its_transposed
         out, report, ctx = with_width_limit(model, width)
         assert [n.op_type for n in out.graph.node] == [n.op_type for n in model.graph.node] and not ctx.host_candidates
     assert "the transposed product too" in report["not_fixed"][0]["reason"]
+
+
+@pytest.mark.toolkit
+def test_a_decode_steps_head_of_one_row_runs_on_the_rk3588_npu(tmp_path):
+    """A decode step's LM head, x [1, 1, 64] @ W [64, 97]: the compiler reshapes its result on the
+    CPU, and its op fusion stalls on the transposed product of one row (the compile sat in a one-op
+    build for the whole build timeout); as a 1x1 Conv, 0 ops on the CPU."""
+    rng = np.random.default_rng(0)
+    model = make_model([helper.make_node("Mul", ["x", "g"], ["n"]), helper.make_node("MatMul", ["n", "w"], ["y"])],
+                       [("x", [1, 1, 64])], [("y", [1, 1, 97])],
+                       [numpy_helper.from_array(rng.uniform(0.5, 1.5, 64).astype(np.float32), "g"),
+                        numpy_helper.from_array(rng.standard_normal((64, 97)).astype(np.float32) / 8, "w")])
+    path = tmp_path / "head.onnx"
+    path.write_bytes(model.SerializeToString())
+    report = compiled_and_verified(path, "rk3588")
+    assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+    assert "1x1 Conv" in report["passes"]["npu_forms"]["changes"][0]["action"]
 
 
 @pytest.mark.toolkit

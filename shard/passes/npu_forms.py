@@ -46,7 +46,8 @@ size):
 Three patterns, where the op that starts them lands on the CPU alone: a flatten before a linear
 (rewrite_flat_linears), a reciprocal that Muls read (rewrite_reciprocals), and a linear whose
 product is a graph output, such as an LM head, whose build fails or transposes its result back on
-the CPU (rewrite_output_linears: the transposed product on the NPU, the Transpose on the host).
+the CPU (rewrite_output_linears: the transposed product on the NPU, the Transpose on the host; a single
+row as a 1x1 Conv, the Reshape on the host).
 One where a small model of its context does: attention's value product, head by head
 (rewrite_value_products; RK2118 transposes V on the CPU from 512 tokens).
 
@@ -603,7 +604,7 @@ def rewrite_output_linears(graph: gs.Graph, legality, host: set[str]) -> tuple[l
     whose result is [1, N, 1, M] and transposes that back on the CPU, N = 50257 rows (gpt2) or
     151936 (Qwen2) wide; the transposed product ends with the Conv's own layout (gpt2's head on
     RK3588 against its unrewritten twin: 0 CPU ops and 0 `E` lines against 1 and 5, 5.1 M costed
-    cycles against 5.4 M)."""
+    cycles against 5.4 M). A single row (a decode step's head) takes row_form instead."""
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op == "MatMul"]:
         w = output_linear(node, graph)
@@ -612,26 +613,56 @@ def rewrite_output_linears(graph: gs.Graph, legality, host: set[str]) -> tuple[l
         verdict = legality.check(OpSpec.of(node))
         if verdict.ok and verdict.failure != "cpu-fallback":
             continue
-        e, x, y = Emit(graph, node), node.inputs[0], node.outputs[0]
-        rank, (m, k), n = len(x.shape), x.shape[-2:], w.shape[1]
-        perm = [*range(rank - 2), rank - 1, rank - 2]
-        xt, yt = e.var("x_t", [*x.shape[:-2], k, m]), e.var("y_t", [*x.shape[:-2], n, m])
-        product = gs.Node("MatMul", f"{e.base}/npu/MatMul", {}, [e.const("weights_t", w.T.copy()), xt], [yt])
-        transposed = legality.check(OpSpec.of(product))
-        label = node.name or y.name
-        if not transposed.ok or transposed.failure == "cpu-fallback":
-            left.append({"node": label, "op": "MatMul", "reason": f"{verdict.reason}; the transposed product too: "
-                                                                 f"{transposed.reason}", "action": "left to the compiler"})
+        label, shape = node.name or node.outputs[0].name, list(node.outputs[0].shape)
+        form = row_form if int(np.prod(node.inputs[0].shape[:-1])) == 1 else transposed_form
+        placed, described = form(graph, node, w, legality, host)
+        if not placed:
+            left.append({"node": label, "op": "MatMul", "reason": f"{verdict.reason}; {described}",
+                         "action": "left to the compiler"})
             continue
-        node.outputs.clear()
-        e.op("Transpose", "Transpose_in", [x], [xt], perm=perm)
-        graph.nodes.append(product)
-        e.op("Transpose", "Transpose_out", [yt], [y], perm=perm)
-        host.add(graph.nodes[-1].name)
-        changes.append({"node": label, "op": "MatMul", "shape": list(y.shape), "reason": verdict.reason,
-                        "action": f"the transposed product W^T @ x^T ({[*x.shape[:-2], n, m]}) on the NPU, "
-                                  f"transposed back on the host"})
+        changes.append({"node": label, "op": "MatMul", "shape": shape, "reason": verdict.reason,
+                        "action": described})
     return changes, left
+
+
+def transposed_form(graph: gs.Graph, node: gs.Node, w: np.ndarray, legality, host: set[str]) -> tuple[bool, str]:
+    """x [..., M, K] @ W as W^T @ x^T on the NPU and a Transpose back on the host; (placed, what)."""
+    e, x, y = Emit(graph, node), node.inputs[0], node.outputs[0]
+    rank, (m, k), n = len(x.shape), x.shape[-2:], w.shape[1]
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    xt, yt = e.var("x_t", [*x.shape[:-2], k, m]), e.var("y_t", [*x.shape[:-2], n, m])
+    product = gs.Node("MatMul", f"{e.base}/npu/MatMul", {}, [e.const("weights_t", w.T.copy()), xt], [yt])
+    fits = legality.check(OpSpec.of(product))
+    if not fits.ok or fits.failure == "cpu-fallback":
+        return False, f"the transposed product too: {fits.reason}"
+    node.outputs.clear()
+    e.op("Transpose", "Transpose_in", [x], [xt], perm=perm)
+    graph.nodes.append(product)
+    e.op("Transpose", "Transpose_out", [yt], [y], perm=perm)
+    host.add(graph.nodes[-1].name)
+    return True, f"the transposed product W^T @ x^T ({[*x.shape[:-2], n, m]}) on the NPU, transposed back on the host"
+
+
+def row_form(graph: gs.Graph, node: gs.Node, w: np.ndarray, legality, host: set[str]) -> tuple[bool, str]:
+    """One row, x [1.., 1, K] @ W (a decode step's LM head), as a 1x1 Conv of x [1, K, 1, 1] with
+    W^T [N, K, 1, 1] on the NPU and a Reshape of its [1, N, 1, 1] on the host: the same bytes in the
+    same order. The compiler's own lowering of the MatMul ends in that Reshape on the CPU, and the
+    transposed product of one row stalls its op fusion (rknn-toolkit2 2.5.0: no answer in 120 s on a
+    [97, 64] x [64, 1] product that it builds in 1 s at two rows)."""
+    e, x, y = Emit(graph, node), node.inputs[0], node.outputs[0]
+    k, n = w.shape
+    x4, y4 = e.var("x_1k11", [1, k, 1, 1]), e.var("y_1n11", [1, n, 1, 1])
+    conv = gs.Node("Conv", f"{e.base}/npu/Conv", {"kernel_shape": [1, 1]},
+                   [x4, e.const("weights_t", w.T.reshape(n, k, 1, 1).copy())], [y4])
+    fits = legality.check(OpSpec.of(conv))
+    if not fits.ok or fits.failure == "cpu-fallback":
+        return False, f"the 1x1 Conv of the row too: {fits.reason}"
+    node.outputs.clear()
+    e.op("Reshape", "Reshape_in", [x, e.const("shape_in", [1, k, 1, 1], np.int64)], [x4])
+    graph.nodes.append(conv)
+    e.op("Reshape", "Reshape_out", [y4, e.const("shape_out", y.shape, np.int64)], [y])
+    host.add(graph.nodes[-1].name)
+    return True, f"the row as a 1x1 Conv ([1, {n}, 1, 1]) on the NPU, reshaped on the host"
 
 
 def value_product(node: gs.Node) -> tuple[gs.Node, gs.Node] | None:

@@ -29,6 +29,8 @@ from shard.targets.rknn.memory import shards_for_memory
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, WorkerPool, build_failure, build_request
 
+ONE_OP_TIMEOUT = 300.0   # seconds a pass's small build may take (the whole model's builds: --timeout)
+
 
 class RknnTarget(Target):
     executors = ("sim", "cpu", "board")
@@ -82,8 +84,10 @@ class RknnTarget(Target):
         return [layer.name for layer in parse_build_log(log.read_text(errors="replace")).layers]
 
     def pass_toolkit(self, profile, options):
+        # The passes' builds are of one op or a few: seconds each. One the compiler stalls on
+        # is a failed build after ONE_OP_TIMEOUT, not a compile held for a whole build's timeout.
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
-                          timeout=options.timeout)
+                          timeout=min(options.timeout, ONE_OP_TIMEOUT))
 
     def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> ToolkitBuilds:
         return ToolkitBuilds(self, workers, timeout, cache, log_dir)
