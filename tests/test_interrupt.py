@@ -211,3 +211,39 @@ def test_a_stop_that_a_finalizer_swallowed_still_leaves_no_bundle(tmp_path):
         shard.compile(model, "cpu", tmp_path / "m.shard", CompileOptions(build_cache=False), progress=stop_at_the_end)
     assert steps[-1] == "write the bundle" and "write shards" in steps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+STALLED_BUILD = """
+import numpy as np, onnx, sys
+from onnx import TensorProto, helper, numpy_helper
+from shard.options import CompileOptions
+from shard.profile import load_profile
+from shard.targets.registry import get_target
+w = numpy_helper.from_array(np.ones((97, 64), np.float32), "w")
+graph = helper.make_graph([helper.make_node("MatMul", ["w", "x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 97, 1])], [w])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+ops = get_target("rk3588").pass_toolkit(load_profile("rk3588"), CompileOptions())
+ops.cache.read = False
+print("building", flush=True)
+ops.build(model)
+"""
+
+
+def test_a_worker_stalled_in_a_build_ends_with_its_killed_client(tmp_path):
+    """rknn-toolkit2 2.5.0's op fusion spins without end on the one-row product W [97, 64] @ x [64, 1];
+    a worker in that build reads no request, so a client killed meanwhile (SIGKILL, OOM) left it
+    holding a core until reboot. It now exits within seconds of its client."""
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_BUILD], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path), "SHARD_BUILD_CACHE": str(tmp_path / "cache")})
+    assert proc.stdout.readline() == "building\n"
+    time.sleep(5)   # the worker started and inside the build
+    workers = descendants_running(proc.pid, "rknn_worker")
+    assert workers and proc.poll() is None
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)]

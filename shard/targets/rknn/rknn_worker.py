@@ -35,6 +35,7 @@ import traceback
 
 answer = os.fdopen(os.dup(1), "w", buffering=1)
 kept = {}
+CLIENT = os.getppid()   # the shard process: siblings, forked later, keep its number
 libc = ctypes.CDLL(None)
 
 
@@ -254,6 +255,7 @@ def main():
 
 
 def serve():
+    threading.Thread(target=end_with_client, daemon=True).start()
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "exit":   # at once: the toolkit's interpreter takes most of a second to tear down,
@@ -264,6 +266,20 @@ def serve():
         except Exception as exc:  # reported to the client, which decides what it means
             res = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         answer.write(json.dumps(res) + "\n")
+
+
+def end_with_client():
+    """Exit once the client is gone: a worker whose client was killed while the toolkit sat in a build
+    (its op fusion can spin without end) would otherwise hold a core and its memory until reboot. The
+    client started the first worker; a sibling outlives the worker that forked it, not the client."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(CLIENT, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except PermissionError:   # another user's process took the number: the client is gone
+            os._exit(3)
 
 
 def fork_siblings(siblings):
