@@ -90,18 +90,10 @@ def smollm2_file() -> Path:
 
 def smollm2_model():
     """SmolLM2-135M-Instruct in transformers (fp32, eager attention), its weights dequantized from the
-    GGUF. from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not."""
-    import torch
-    import transformers as tf
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    GGUF."""
+    from shard.zoo.decoder import load_causal_lm
 
-    gguf = smollm2_file()
-    config = tf.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    weights = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
-    model.tie_weights()
-    return model
+    return load_causal_lm(smollm2_file())[0]
 
 
 def smollm2(path: Path, seq: int = 64) -> tuple[Path, dict[str, np.ndarray]]:

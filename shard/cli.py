@@ -70,7 +70,8 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
 
 @app.command("compile")
 def compile_command(
-    model: Path = typer.Argument(..., help="The ONNX model."),
+    model: Path = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers folder) "
+                                          "for a generative bundle (`shard generate`)."),
     target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help=targets_help()),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
@@ -121,6 +122,8 @@ def compile_command(
                                                   "the whole build the vendor alone is each shard unrewritten. Costs "
                                                   "a simulator build of both [default: on wherever the vendor alone "
                                                   "is compared]."),
+    max_context: int = typer.Option(512, help="A decoder: the KV cache's tokens, prompt and answer together."),
+    chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
                                                             "the bundle of an unchanged compile and the builds of "
                                                             "identical shards (~/.cache/shard/builds or "
@@ -137,6 +140,10 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
+    from shard.zoo.decoder import is_causal_lm
+
+    if is_causal_lm(model):
+        return compile_decoder(model, target, output, options, max_context, chunk)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     if "buckets" in result.report:
@@ -148,6 +155,37 @@ def compile_command(
     else:
         print_compile_report(result.report)
     console.print(f"bundle: {result.bundle}")
+
+
+def compile_decoder(model: Path, target: str, output: Path | None, options, capacity: int, chunk: int) -> None:
+    """A GGUF checkpoint or transformers folder: a generative bundle, a program per step width."""
+    from shard.compilation.generative import compile_generative
+
+    with progress_bar() as progress:
+        result = compile_generative(model, target, output or model.with_suffix(".shard"), options, capacity, chunk,
+                                    progress)
+    for program in result.spec.programs:
+        console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
+                     f"cache of {result.spec.capacity}")
+        print_compile_report(result.reports[program.name])
+    if result.predicted["decode_tokens_per_s"]:
+        print_generative_prediction(result.predicted)
+    console.print(f"bundle: {result.bundle}")
+
+
+def print_generative_prediction(p: dict) -> None:
+    """Predicted prefill and decode speed beside the bandwidth bound and rknn-llm's figures."""
+    table = Table(title="predicted speed (fp16)")
+    for col in ("", "prefill 128 tokens ms", "decode tokens/s"):
+        table.add_column(col, justify="left" if not col else "right")
+    table.add_row("shard, from the vendor's cycle estimates", f"{p['prefill_128_ms']:.1f}", f"{p['decode_tokens_per_s']}")
+    if "bandwidth_tokens_per_s" in p:
+        table.add_row(f"DRAM bound: {(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
+                      f"{p['dram_gbs']} GB/s", "", f"{p['bandwidth_tokens_per_s']}")
+    if "rknn_llm" in p:
+        table.add_row("rknn-llm, SmolVLM-256M w8a8 (published)", f"{p['rknn_llm']['prefill_128_ms']:.0f}",
+                      f"{p['rknn_llm']['decode_tokens_per_s']:.0f}")
+    console.print(table)
 
 
 def bucket_title(bucket) -> str:
@@ -470,6 +508,56 @@ def parse_cores(text: str | None) -> list[int] | None:
         return [int(c) for c in text.split(",")]
     except ValueError:
         raise ShardError(f"--cores {text!r}: expected core numbers such as 0,1,2") from None
+
+
+@app.command("generate")
+def generate_command(
+    bundle: Path = typer.Argument(..., help="A generative bundle: `shard compile` of a decoder."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as text."),
+    ids: Optional[str] = typer.Option(None, help="The prompt as token ids, comma-separated, instead of text."),
+    chat: bool = typer.Option(False, help="Wrap the prompt in the model's own chat template."),
+    max_new_tokens: int = typer.Option(32, help="Stop after this many new tokens (or at a stop token)."),
+    temperature: float = typer.Option(0.0, help="0: greedy; above 0: sampled at this temperature."),
+    top_p: float = typer.Option(1.0, help="Sample from the most likely tokens whose probability reaches this."),
+    seed: int = typer.Option(0, help="Seed of the sampling."),
+    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board, cuda "
+                                                     "[default: the bundle's target's first]."),
+    timeout: Optional[float] = typer.Option(None, help="Stop with an error if one shard runs longer (seconds)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the prompt's and the answer's token ids, "
+                                                                 "the text and every step's time here."),
+) -> None:
+    """Generate text with a decoder's bundle: the prompt in chunks, then a token a step, streamed."""
+    from shard.runtime.generate import GenerativeSession, is_generative
+
+    if (prompt is None) == (ids is None):
+        raise ShardError("give the prompt as --prompt TEXT or as --ids 1,2,3 (one of the two)")
+    if not is_generative(bundle):
+        raise ShardError(f"{bundle} is not a generative bundle (compile a decoder: a GGUF file or a transformers "
+                         f"folder); run it with `shard run`")
+    given = prompt if ids is None else parse_ids(ids)
+    with GenerativeSession(bundle, backend=backend, timeout=timeout) as session:
+        show = (lambda text: print(text, end="", flush=True)) if prompt is not None else None
+        out = session.generate(given, max_new_tokens, chat, temperature, top_p, seed, on_text=show)
+    if prompt is None:
+        console.print(" ".join(map(str, out.tokens)))
+    else:
+        print()
+    summary = out.to_json()
+    err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; prefill {sum(summary['prefill_ms']):.1f} ms "
+              f"in {len(summary['prefill_ms'])} steps, decode {summary['decode_tokens_per_s']} tokens/s "
+              f"({session.backend})")
+    if json_out:
+        json_out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ShardError(f"--ids {text!r}: expected token ids such as 1,2,3") from None
+    if not ids or min(ids) < 0:
+        raise ShardError(f"--ids {text!r}: expected at least one non-negative token id")
+    return ids
 
 
 @app.command("verify")

@@ -200,9 +200,13 @@ def load(bundle: str | Path, backend: str | None = None, cores: list[int] | None
          schedule: str | None = None, timeout: float | None = None) -> Session:
     """Open a bundle for running; backend is cpu, sim (rknn simulator), board (on an RK3588), cuda (any
     NVIDIA GPU with torch) or tensorrt (engines from `shard build-engines`). A bundle of shape buckets
-    gives a BucketedSession (shard.runtime.buckets): each input runs on the smallest bucket it fits."""
+    gives a BucketedSession (shard.runtime.buckets): each input runs on the smallest bucket it fits; a
+    decoder's bundle a GenerativeSession (shard.runtime.generate), whose generate() writes text."""
     from shard.runtime.buckets import BucketedSession, is_bucketed
+    from shard.runtime.generate import GenerativeSession, is_generative
 
+    if is_generative(bundle):
+        return GenerativeSession(bundle, backend=backend, cores=cores, schedule=schedule, timeout=timeout)
     if is_bucketed(bundle):
         return BucketedSession(bundle, backend=backend, cores=cores, schedule=schedule, timeout=timeout)
     return Session(bundle, backend, cores, schedule, timeout)

@@ -1,22 +1,34 @@
-"""Greedy generation over fixed-shape steps and a static KV cache (the form of shard.zoo.decoder): the
-prompt in chunks of the prefill step's width, then one token a step. Each step's new keys and values
-are written into the cache in place; nothing grows. numpy only.
+"""Generation over fixed-shape steps and a static KV cache (the form of shard.zoo.decoder): the prompt
+in chunks of the prefill step's width, then one token a step. Each step's new keys and values are
+written into the cache in place; nothing grows. numpy only.
 
     cache = Cache.empty(layers=30, kv_heads=3, capacity=512, head_dim=64)
     tokens = generate(run, prompt_ids, cache, max_new=32, chunk=64, stop={2})
 
 `run(feeds) -> outputs` runs the step whose width is feeds["input_ids"].shape[1] (an onnxruntime
 session per width, or a bundle per program) and names its outputs: logits, key.i, value.i.
+
+A generative bundle holds one ordinary bundle per step width, and the model's tokenizer:
+
+    lm.shard/generative.json   the cache's shape, each program's folder and width, the stop tokens
+    lm.shard/prefill/          the step of N tokens (the prompt, N at a time)
+    lm.shard/decode/           the step of 1 token
+    lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers)
+
+GenerativeSession opens it: shard.load("lm.shard").generate("What is ...?", chat=True).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from shard.errors import RunError
+from shard.errors import BundleError, RunError
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
@@ -87,14 +99,198 @@ def prefill(run: Step, cache: Cache, prompt: list[int], chunk: int) -> np.ndarra
     return np.concatenate([advance(run, cache, prompt[k:k + chunk], chunk) for k in range(0, len(prompt), chunk)])
 
 
-def generate(run: Step, prompt: list[int], cache: Cache, max_new: int, chunk: int,
-             stop: set[int] = frozenset()) -> list[int]:
-    """Greedy: the prompt's last logits pick the first new token, each new token's the next; stops
-    after `max_new` tokens or at a token of `stop` (kept)."""
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))
+
+
+def sampler(temperature: float, top_p: float = 1.0, seed: int = 0) -> Callable[[np.ndarray], int]:
+    """Greedy at temperature 0; else a token drawn from softmax(logits / temperature) cut to the
+    smallest set of most likely tokens whose probability reaches top_p, from a generator seeded once."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise RunError(f"temperature must be at least 0 and top-p in (0, 1]; got {temperature} and {top_p}")
+    if temperature == 0:
+        return greedy
+    rng = np.random.default_rng(seed)
+
+    def pick(logits: np.ndarray) -> int:
+        z = logits.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        kept = order[:int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1]
+        return int(rng.choice(kept, p=p[kept] / p[kept].sum()))
+
+    return pick
+
+
+def generate(run: Step, prompt: list[int], cache: Cache, max_new: int, chunk: int, stop: set[int] = frozenset(),
+             choose: Callable[[np.ndarray], int] = greedy, on_token: Callable[[int], None] | None = None) -> list[int]:
+    """The prompt's last logits pick the first new token (greedy unless `choose` says otherwise), each
+    new token's the next; stops after `max_new` tokens or at a token of `stop` (kept)."""
+    if max_new < 1:
+        raise RunError(f"max new tokens must be at least 1, got {max_new}")
     logits = prefill(run, cache, prompt, chunk)[-1]
     tokens: list[int] = []
     while True:
-        tokens.append(int(np.argmax(logits)))
+        tokens.append(choose(logits))
+        if on_token:
+            on_token(tokens[-1])
         if tokens[-1] in stop or len(tokens) == max_new:
             return tokens
         logits = advance(run, cache, tokens[-1:], 1)[-1]
+
+
+GENERATIVE = "generative.json"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Program:
+    name: str    # its folder in the bundle: an ordinary bundle
+    width: int   # new tokens a step
+
+
+@dataclass
+class GenerativeSpec:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    capacity: int                  # the cache's tokens: prompt and answer together
+    vocab: int
+    programs: list[Program]        # widest first: the first prefills, the one of width 1 decodes
+    stop: list[int]                # tokens that end an answer
+    source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @property
+    def chunk(self) -> int:
+        return self.programs[0].width
+
+
+def is_generative(bundle: str | Path) -> bool:
+    return (Path(bundle) / GENERATIVE).is_file()
+
+
+def read_generative(bundle: str | Path) -> GenerativeSpec:
+    path = Path(bundle) / GENERATIVE
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise BundleError(f"{path}: generative schema {data.get('schema_version')!r}, this shard reads "
+                              f"{SCHEMA_VERSION}; recompile the model")
+        spec = GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]})
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BundleError(f"{path}: unreadable generative file ({exc})") from None
+    if not spec.programs or spec.programs[-1].width != 1:
+        raise BundleError(f"{path}: no program of width 1 to decode with")
+    return spec
+
+
+@dataclass
+class Generation:
+    prompt: list[int]                 # the prompt's token ids, chat template applied
+    tokens: list[int]                 # the new ones
+    text: str                         # the new tokens as text ("" without a tokenizer)
+    steps: list[tuple[int, float]]    # (width, seconds) of every step run, in order
+
+    def to_json(self) -> dict:
+        prefill = [s for w, s in self.steps if w > 1] or [s for w, s in self.steps[:1]]
+        decode = [s for w, s in self.steps[len(prefill):]]
+        return {"prompt_ids": self.prompt, "ids": self.tokens, "text": self.text,
+                "prefill_ms": [round(1e3 * s, 3) for s in prefill], "decode_ms": [round(1e3 * s, 3) for s in decode],
+                "decode_tokens_per_s": round(len(decode) / sum(decode), 2) if decode else None}
+
+
+class GenerativeSession:
+    """A generative bundle ready to run: a Session per program (shard.runtime), the cache in numpy."""
+
+    def __init__(self, bundle: str | Path, **session_args):
+        from shard.runtime import Session
+
+        self.bundle = Path(bundle)
+        self.spec = read_generative(self.bundle)
+        self.sessions: dict[int, Session] = {}
+        try:
+            for program in self.spec.programs:
+                self.sessions[program.width] = Session(self.bundle / program.name, **session_args)
+        except BaseException:
+            self.close()
+            raise
+        self.backend = self.sessions[1].backend
+        self._tokenizer = None
+        self.steps: list[tuple[int, float]] = []
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        width = feeds["input_ids"].shape[1]
+        started = time.perf_counter()
+        outputs = self.sessions[width].run(feeds)
+        self.steps.append((width, time.perf_counter() - started))
+        return outputs
+
+    def cache(self) -> Cache:
+        s = self.spec
+        return Cache.empty(s.layers, s.kv_heads, s.capacity, s.head_dim)
+
+    @property
+    def tokenizer(self):
+        """The model's own tokenizer, from the bundle (transformers)."""
+        if self._tokenizer is None:
+            try:
+                import transformers
+            except ImportError:
+                raise RunError("text prompts need transformers (pip install transformers); or give token ids") from None
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.bundle / "tokenizer")
+        return self._tokenizer
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False))
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None,
+                 on_text: Callable[[str], None] | None = None) -> Generation:
+        """New tokens after `prompt` (text, with the chat template if `chat`, or token ids): greedy at
+        temperature 0, else sampled (seeded); until a stop token or max_new_tokens. on_text gets the
+        text as it grows, piece by piece."""
+        ids = self.encode(prompt, chat)
+        if max(ids, default=-1) >= self.spec.vocab or not ids:
+            raise RunError(f"a prompt of 1 or more token ids below the vocabulary's {self.spec.vocab}; got {ids[:8]}")
+        choose = sampler(temperature, top_p, seed)
+        self.steps = []
+        shown: list[str] = [""]
+        tokens: list[int] = []
+
+        def on_token(token: int) -> None:
+            tokens.append(token)
+            if on_text:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                if text.startswith(shown[0]) and len(text) > len(shown[0]):
+                    on_text(text[len(shown[0]):])
+                    shown[0] = text
+
+        stops = set(self.spec.stop) if stop is None else stop
+        out = generate(self.run, ids, self.cache(), max_new_tokens, self.spec.chunk, stops, choose, on_token)
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
+        return Generation(ids, out, text, list(self.steps))
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""
+        return prefill(self.run, self.cache(), list(ids), self.spec.chunk)
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
+
+    def __enter__(self) -> GenerativeSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -20,6 +20,8 @@ class Chip:
     int8_tops: float | None       # marketed dense int8 rate, all cores (None: no public figure found)
     source: str
     fp16: bool = True             # False: the toolkit builds this chip only quantized
+    dram_gbs: float | None = None   # peak DRAM bandwidth, GB/s: what bounds a decoder's tokens/s
+    dram_source: str = ""
 
 
 TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
@@ -29,7 +31,9 @@ FP16_RANGE_MARGIN = ("scale_sandwich keeps activations under the probed fp16 ran
                      "output the NPU holds) divided by this: rounding inside an op (a sum, a LayerNorm's variance) "
                      "and the board's own conversions may reach past what the simulator shows")
 CHIPS = {
-    "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8"),
+    "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8", dram_gbs=33.8,
+                   dram_source="RK3588 datasheet: a 64-bit bus (4 x 16-bit LPDDR4X or LPDDR5); at "
+                   "LPDDR4X's 4224 MT/s, as most boards run it, a peak of 33.8 GB/s"),
     "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
     "rk3568": Chip(1, 0.8, "RK3568 datasheet: 1-core NPU, 0.8 TOPS int8"),
     "rk3566": Chip(1, 0.8, "RK3566 datasheet: 1-core NPU, 0.8 TOPS int8 (the RK3568's NPU)"),

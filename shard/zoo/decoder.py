@@ -17,7 +17,53 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers as tf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+from shard.errors import ShardError
+
+# Pre-norm layers, rotary positions, q/k/v/o projections and a gated MLP: what CachedStep writes out.
+FAMILY = ("llama", "mistral", "qwen2")
+
+
+def is_causal_lm(source: Path) -> bool:
+    """A GGUF checkpoint, or a transformers folder (a config.json): what compile takes as a decoder."""
+    return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file()
+
+
+def load_causal_lm(source: Path):
+    """(model, tokenizer) of a GGUF file (dequantized to float32) or a transformers folder, eager
+    attention; ShardError where it is not a decoder of the Llama family."""
+    gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
+    folder = source.parent if gguf else source
+    try:
+        config = tf.AutoConfig.from_pretrained(folder, **gguf)
+        tokenizer = tf.AutoTokenizer.from_pretrained(folder, **gguf)
+    except (OSError, ValueError) as exc:
+        raise ShardError(f"{source}: not a model transformers reads ({str(exc).splitlines()[0]})") from None
+    if config.model_type not in FAMILY:
+        raise ShardError(f"{source}: a {config.model_type} model; shard compiles decoders of the Llama family "
+                         f"({', '.join(FAMILY)})")
+    if not gguf:
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+        return model.eval(), tokenizer
+    # from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    weights = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
+    model.tie_weights()
+    return model, tokenizer
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """The tokens that end an answer: the tokenizer's end of sequence and the model's own."""
+    ids = {tokenizer.eos_token_id}
+    for source in (model.config, getattr(model, "generation_config", None)):
+        found = getattr(source, "eos_token_id", None)
+        ids.update(found if isinstance(found, list) else [found])
+    return sorted(i for i in ids if i is not None)
 
 
 class CachedStep(torch.nn.Module):

@@ -1,0 +1,125 @@
+"""A decoder compiled into a generative bundle (shard.runtime.generate): its step of `chunk` tokens
+(the prompt) and its step of one token (the answer), each over a KV cache of `capacity` tokens,
+exported from the checkpoint (shard.zoo.decoder) and compiled as any model is, each into its own
+bundle; beside them the model's tokenizer, and what a step costs per chip.
+
+    compile_generative(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), "rk3588", Path("lm.shard"))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from shard import scratch
+from shard.compilation.staging import check_output_path, replace_dir, staging_folder
+from shard.compilation.state import Progress
+from shard.errors import ShardError
+from shard.options import CompileOptions
+from shard.runtime.generate import GENERATIVE, GenerativeSpec, Program
+from shard.targets.chips import CHIPS
+
+DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
+DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
+# rknn-llm's published RK3588 figures for SmolVLM-256M, whose decoder is SmolLM2-135M (w8a8; its
+# model zoo's benchmark table): what a user of the vendor's closed runtime gets.
+RKNN_LLM = {"source": "rknn-llm, RK3588, SmolVLM-256M in w8a8: vision 842 ms at 512x512, prefill 77 ms for "
+                      "128 tokens, decode 78 tokens/s",
+            "prefill_128_ms": 77.0, "decode_tokens_per_s": 78.0}
+PREFILL_TOKENS = 128   # the prompt length rknn-llm states its prefill time at
+
+
+@dataclass
+class GenerativeResult:
+    bundle: Path
+    spec: GenerativeSpec
+    reports: dict[str, dict]   # each program's compile report
+    predicted: dict
+
+
+def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
+                       capacity: int = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
+                       progress: Progress = lambda *a: None) -> GenerativeResult:
+    """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
+    at `output`: a program per step width; nothing left at `output` on failure."""
+    from shard.compilation import compile_model
+    from shard.zoo.decoder import export_step, load_causal_lm, stop_ids
+
+    options = options or CompileOptions()
+    if not 1 <= chunk <= capacity:
+        raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to --max-context ({capacity}) tokens")
+    check_output_path(output, source)
+    progress("read the checkpoint", 0, 1)
+    model, tokenizer = load_causal_lm(source)
+    config = model.config
+    widths = {"prefill": chunk, "decode": 1} if chunk > 1 else {"decode": 1}
+    staging, exports = staging_folder(output), scratch.folder("export")
+    reports = {}
+    try:
+        for name, width in widths.items():
+            progress(f"{name}: export the step of {width} token{'s' * (width > 1)}", 0, 1)
+            step = export_step(model, exports / f"{name}.onnx", width, capacity)
+            result = compile_model(step, target, staging / name, options,
+                                   lambda what, *a, n=name: progress(f"{name}: {what}", *a))
+            reports[name] = result.report
+            (exports / f"{name}.onnx").unlink()
+        tokenizer.save_pretrained(staging / "tokenizer")
+        heads = config.num_attention_heads
+        spec = GenerativeSpec(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
+                              head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                              capacity=capacity, vocab=config.vocab_size,
+                              programs=[Program(name, width) for name, width in widths.items()],
+                              stop=stop_ids(model, tokenizer), source=checkpoint_record(source))
+        predicted = predict(spec, reports, decoder_bytes(model), target)
+        (staging / GENERATIVE).write_text(spec.to_json())
+        (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
+        replace_dir(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        scratch.remove(exports)
+    return GenerativeResult(output, spec, reports, predicted)
+
+
+def checkpoint_record(source: Path) -> dict:
+    """The checkpoint's name and the sha256 of its weights (a GGUF file, or a folder's files)."""
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(source.parent if source.is_file() else source).as_posix().encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return {"name": source.name, "sha256": digest.hexdigest()}
+
+
+def decoder_bytes(model) -> int:
+    """Weight bytes a step reads in fp16: every layer, the final norm and the LM head (the embedding
+    is a lookup of one row on the host)."""
+    body = model.model
+    params = sum(p.numel() for p in body.layers.parameters()) + sum(p.numel() for p in body.norm.parameters())
+    return 2 * (params + model.lm_head.weight.numel())
+
+
+def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> dict:
+    """Prefill time for PREFILL_TOKENS and decode tokens/s: from the vendor's cycle estimates (each
+    program's predicted latency, shards and hand-offs included) and, for decode, from DRAM
+    bandwidth (the fp16 weights and the cache read once a token: decode at batch 1 is bound by it)."""
+    chip = CHIPS.get(target)
+    latency = {name: (report.get("predicted") or {}).get("latency_s") for name, report in reports.items()}
+    decode, prefill = latency["decode"], latency.get("prefill", latency["decode"])
+    cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * spec.capacity * 2   # keys and values, fp16
+    out = {"prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
+           "decode_tokens_per_s": round(1 / decode, 1) if decode else None,
+           "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
+           "from": "the vendor's cycle estimates of each program's shards (prefill: ceil(128 / chunk) steps)"}
+    if chip is not None and chip.dram_gbs:
+        bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
+        out.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs, dram_source=chip.dram_source,
+                   decode_over_bound=round(decode / bound, 2) if decode else None)
+    if target == "rk3588":
+        out["rknn_llm"] = RKNN_LLM
+    return out

@@ -1,0 +1,142 @@
+"""A decoder compiled into a generative bundle (shard.compilation.generative) and run by
+GenerativeSession / `shard generate`: the tokens and logits are transformers' own, on onnxruntime
+(cpu) and on the rknn simulator."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from conftest import cosine, shard_cli
+
+from shard.compilation.generative import compile_generative
+from shard.errors import RunError, ShardError
+from shard.runtime import load
+from shard.runtime.generate import GenerativeSession, sampler
+
+WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPT = [5, 17, 3, 88, 41, 9, 60]   # 7 tokens: a full chunk of 4 and one of 3
+
+
+def tiny_tokenizer() -> tf.PreTrainedTokenizerFast:
+    """A word-level tokenizer over WORDS, with a chat template: built here, nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    core = Tokenizer(models.WordLevel({w: k for k, w in enumerate(WORDS)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                      unk_token="<pad>", chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A 2-layer Llama with grouped-query attention (4 heads, 2 of keys and values), seeded weights,
+    saved as a transformers folder with its tokenizer."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(WORDS), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            tie_word_embeddings=True, initializer_range=0.2, eos_token_id=2, bos_token_id=1)
+    model = tf.LlamaForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder, model
+
+
+def transformers_greedy(model, ids: list[int], new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cpu_bundle(checkpoint, tmp_path_factory):
+    folder, _ = checkpoint
+    return compile_generative(folder, "cpu", tmp_path_factory.mktemp("cpu") / "lm.shard", capacity=32, chunk=4)
+
+
+def test_a_cpu_bundle_generates_transformers_own_tokens_and_logits(checkpoint, cpu_bundle):
+    _, model = checkpoint
+    assert [(p.name, p.width) for p in cpu_bundle.spec.programs] == [("prefill", 4), ("decode", 1)]
+    assert cpu_bundle.spec.stop == [2]
+    with load(cpu_bundle.bundle) as session:
+        assert isinstance(session, GenerativeSession)
+        out = session.generate(PROMPT, max_new_tokens=16, stop=set())
+        assert out.tokens == transformers_greedy(model, PROMPT, 16)
+        assert [w for w, _ in out.steps] == [4, 4] + [1] * 15   # the prompt in 2 chunks, then 15 decode steps
+        ids = PROMPT + list(range(20, 36))
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(session.logits(ids) - want).max() < 1e-4
+
+
+def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):
+    _, model = checkpoint
+    ids = tiny_tokenizer().apply_chat_template([{"role": "user", "content": "w3 w7 w9"}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+    want = transformers_greedy(model, ids, 6)
+    res = shard_cli("generate", str(cpu_bundle.bundle), "--prompt", "w3 w7 w9", "--chat", "--max-new-tokens", "6",
+                    "--json", str(tmp_path / "out.json"))
+    assert res.returncode == 0, res.stderr
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert written["prompt_ids"] == ids
+    assert written["ids"] == want[:len(written["ids"])] and (len(written["ids"]) == 6 or written["ids"][-1] == 2)
+    assert written["text"] in res.stdout and len(written["decode_ms"]) == len(written["ids"]) - 1
+    assert "prompt tokens" in res.stderr and "tokens/s (cpu)" in res.stderr
+    res = shard_cli("generate", str(cpu_bundle.bundle), "--ids", "5,17,3", "--max-new-tokens", "4")
+    assert res.returncode == 0 and res.stdout.split() == [str(t) for t in transformers_greedy(model, [5, 17, 3], 4)][
+        :len(res.stdout.split())]
+
+
+def test_sampling_is_seeded_and_top_p_narrows_it_to_greedy():
+    logits = np.random.default_rng(0).standard_normal(97).astype(np.float32)
+    draws = lambda seed, p=1.0: [sampler(1.0, p, seed)(logits) for _ in range(20)]  # noqa: E731
+    assert draws(3) == draws(3) and draws(3) != draws(4)
+    assert set(draws(5, 1e-6)) == {int(np.argmax(logits))}
+    with pytest.raises(RunError, match="top-p"):
+        sampler(1.0, 0.0)
+
+
+def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
+    with load(cpu_bundle.bundle) as session:
+        with pytest.raises(RunError, match="past the cache's capacity of 32"):
+            session.generate(list(range(5, 35)), max_new_tokens=8, stop=set())
+        with pytest.raises(RunError, match="below the vocabulary's 97"):
+            session.generate([5, 400])
+    for args, says in ((["--ids", "1,x"], "expected token ids"), ([], "one of the two"),
+                       (["--ids", "1", "--top-p", "0"], "top-p")):
+        res = shard_cli("generate", str(cpu_bundle.bundle), *args)
+        assert res.returncode == 1 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
+    folder, _ = checkpoint
+    res = shard_cli("generate", str(folder), "--ids", "1")
+    assert res.returncode == 1 and "not a generative bundle" in res.stderr
+    gpt2 = tmp_path / "gpt2"
+    tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(WORDS)).save_pretrained(gpt2)
+    tiny_tokenizer().save_pretrained(gpt2)
+    with pytest.raises(ShardError, match="a gpt2 model; shard compiles decoders of the Llama family"):
+        compile_generative(gpt2, "cpu", tmp_path / "g.shard")
+
+
+@pytest.mark.toolkit
+def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(checkpoint, tmp_path):
+    """Prefill in chunks of 4, decode, the cache written in place: on the simulator, greedy tokens
+    as transformers', logits at cosine >= 0.999, and no op on the CPU in either program."""
+    folder, model = checkpoint
+    result = compile_generative(folder, "rk3588", tmp_path / "lm.shard", capacity=32, chunk=4)
+    for name, report in result.reports.items():
+        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
+    assert result.predicted["decode_tokens_per_s"] > 0 and result.predicted["bandwidth_tokens_per_s"] > 0
+    with load(result.bundle, backend="sim") as session:
+        out = session.generate(PROMPT, max_new_tokens=12, stop=set())
+        assert out.tokens == transformers_greedy(model, PROMPT, 12)
+        ids = PROMPT + out.tokens
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        got = session.logits(ids)
+        assert min(cosine(got[k], want[k]) for k in range(len(ids))) >= 0.999
