@@ -1,11 +1,11 @@
-"""SmolLM2-135M-Instruct (trained, from the index) as fixed-shape steps over a static KV cache
-(shard.zoo.decoder): greedy tokens of the chat prompts from the prefill and decode steps in
-onnxruntime fp32, beside transformers' own greedy generate, and the teacher-forced logits of each
-prompt and its answer beside one full forward.
+"""SmolLM2-135M-Instruct (trained, from the index) as fixed-shape steps over a static KV cache, beside
+transformers fp32: the first greedy tokens of 8 chat prompts, and teacher-forced logits (the prompt,
+then transformers' own answer fed one token a step) against transformers' one full forward.
 
-    python bench/decoder.py [--chunk 16] [--capacity 128] [--new 32]
+    python bench/decoder.py                                   # the steps in onnxruntime fp32
+    python bench/decoder.py --bundle lm.shard --backend sim   # a generative bundle (shard compile of the GGUF)
 
-Ends with: RESULT prompts=... same_tokens=... min_cosine=... max_abs_diff=...
+Ends with: RESULT prompts=... same_tokens=... forced_steps=... top1=... min_cosine=... mean_cosine=...
 """
 
 from __future__ import annotations
@@ -16,59 +16,71 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
 from trained import PROMPTS, smollm2_file, smollm2_model  # noqa: E402
 
+# Two beyond the corpus's six (whose samples stay as they were).
+CHAT = PROMPTS + ["Name a planet with rings.", "What is two plus three?"]
 
-def main() -> None:
+
+def onnxruntime_steps(model, folder: Path, chunk: int, capacity: int):
+    """(run, new cache) of the model's steps in onnxruntime fp32."""
     import onnxruntime as ort
-    import torch
-    import transformers as tf
 
-    from shard.compare import compare
-    from shard.runtime.generate import Cache, generate, prefill
+    from shard.runtime.generate import Cache
     from shard.zoo.decoder import export_step, step_names
 
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    names = step_names(config.num_hidden_layers)[1]
+    sessions = {w: ort.InferenceSession(str(export_step(model, folder / f"step{w}.onnx", w, capacity)))
+                for w in (chunk, 1)}
+    run = lambda feeds: dict(zip(names, sessions[feeds["input_ids"].shape[1]].run(None, feeds)))  # noqa: E731
+    return run, lambda: Cache.empty(config.num_hidden_layers, config.num_key_value_heads, capacity, head_dim)
+
+
+def main() -> None:
+    import transformers as tf
+
+    from shard.runtime.generate import GenerativeSession
+    from shard.verifier import check_prompt
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--chunk", type=int, default=16, help="the prefill step's width")
-    ap.add_argument("--capacity", type=int, default=128, help="the KV cache's capacity")
-    ap.add_argument("--new", type=int, default=32, help="tokens to generate per prompt")
+    ap.add_argument("--bundle", type=Path, help="a generative bundle of the GGUF [default: its steps in onnxruntime]")
+    ap.add_argument("--backend", help="the bundle's backend [default: its target's first]")
+    ap.add_argument("--chunk", type=int, default=16, help="onnxruntime: the prefill step's width")
+    ap.add_argument("--capacity", type=int, default=256, help="onnxruntime: the KV cache's capacity")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens to compare per prompt")
+    ap.add_argument("--forced", type=int, default=16, help="teacher-forced decode steps per prompt")
+    ap.add_argument("--prompts", type=int, default=len(CHAT), help="how many of the chat prompts")
     args = ap.parse_args()
     gguf = smollm2_file()
     tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = smollm2_model()
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    names = step_names(config.num_hidden_layers)[1]
     with tempfile.TemporaryDirectory() as tmp:
-        started = time.perf_counter()
-        sessions = {w: ort.InferenceSession(str(export_step(model, Path(tmp) / f"step{w}.onnx", w, args.capacity)))
-                    for w in (args.chunk, 1)}
-        print(f"exported the {args.chunk}-token and 1-token steps in {time.perf_counter() - started:.1f} s")
-        run = lambda feeds: dict(zip(names, sessions[feeds["input_ids"].shape[1]].run(None, feeds)))  # noqa: E731
-        cache = lambda: Cache.empty(config.num_hidden_layers, config.num_key_value_heads, args.capacity, head_dim)  # noqa: E731
-        same, cosines, diffs = 0, [], []
-        for prompt in PROMPTS:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-            ids = tokenizer(text)["input_ids"]
-            ours = generate(run, ids, cache(), args.new, args.chunk)
-            with torch.no_grad():
-                theirs = model.generate(torch.tensor([ids]), max_new_tokens=args.new, min_new_tokens=args.new,
-                                        do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-                want = model(torch.tensor([ids + theirs])).logits[0].numpy()
-            got = prefill(run, cache(), ids + theirs, args.chunk)
-            rows = [compare("logits", want[k], got[k]) for k in range(len(want))]
-            same += ours == theirs
-            cosines.append(min(r.cosine for r in rows))
-            diffs.append(max(r.max_abs_diff for r in rows))
-            print(f"{prompt!r}: {len(ids)} prompt tokens; {'same' if ours == theirs else 'DIFFERENT'} "
-                  f"{args.new} tokens {tokenizer.decode(ours)!r}; teacher-forced logits over {len(want)} "
-                  f"positions: worst cosine {cosines[-1]:.7f}, max abs diff {diffs[-1]:.2e}")
-    print(f"RESULT prompts={len(PROMPTS)} same_tokens={same} min_cosine={min(cosines):.7f} "
-          f"max_abs_diff={max(diffs):.2e}")
+        if args.bundle:
+            session = GenerativeSession(args.bundle, backend=args.backend)
+            run, cache, chunk = session.run, session.cache, session.spec.chunk
+            where = f"{args.bundle} on {session.backend}"
+        else:
+            run, cache = onnxruntime_steps(model, Path(tmp), args.chunk, args.capacity)
+            chunk, where = args.chunk, "the steps in onnxruntime fp32"
+        checks, started = [], time.perf_counter()
+        for prompt in CHAT[:args.prompts]:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=False)
+            checks.append(check_prompt(run, cache, chunk, model, ids, args.new, args.forced))
+            c = checks[-1]
+            print(f"{prompt!r}: {len(ids)} prompt tokens; {'same' if c.same_tokens else 'DIFFERENT'} {args.new} tokens "
+                  f"{tokenizer.decode(c.tokens)!r}; {c.steps} teacher-forced steps: top-1 {c.top1:.4f}, worst cosine "
+                  f"{c.min_cosine:.7f}", flush=True)
+        if args.bundle:
+            session.close()
+    print(f"{where}: {time.perf_counter() - started:.0f} s")
+    steps = sum(c.steps for c in checks)
+    print(f"RESULT prompts={len(checks)} same_tokens={sum(c.same_tokens for c in checks)} forced_steps={steps} "
+          f"top1={sum(c.top1 * c.steps for c in checks) / steps:.4f} min_cosine={min(c.min_cosine for c in checks):.7f} "
+          f"mean_cosine={sum(c.mean_cosine * c.steps for c in checks) / steps:.7f}")
 
 
 if __name__ == "__main__":

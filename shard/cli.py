@@ -333,9 +333,11 @@ def print_changes(report: dict) -> None:
         console.print(f"{choice['shard']}: {choice['what']}; {choice['line']}")
         dropped.update(dict.fromkeys(choice["dropped_nodes"], choice["shard"]))
     for name, passed in report["passes"].items():
-        for c in passed.get("changes", []):
+        for group in alike(passed.get("changes", []), dropped):
+            c = group[0]
             undone = f" [yellow](undone: {dropped[c['node']]} built better without it)[/]" if c["node"] in dropped else ""
-            console.print(f"{name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}{undone}")
+            nodes = c["node"] if len(group) == 1 else f"{len(group)} ops: {c['node']} ... {group[-1]['node']}"
+            console.print(f"{name}: {nodes} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}{undone}")
             if "tiles_survived" in c:
                 verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
                 console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
@@ -349,9 +351,28 @@ def print_changes(report: dict) -> None:
                           f"report.json lists each under passes.{name}.not_fixed")
 
 
+def alike(changes: list[dict], dropped: dict) -> list[list[dict]]:
+    """Runs of changes that differ only in their node (a decoder's 61 norms): one line each run;
+    report.json keeps every one."""
+    groups: list[list[dict]] = []
+    for c in changes:
+        key = ({k: v for k, v in c.items() if k != "node"}, c["node"] in dropped)
+        if groups and "tiles_survived" not in c and key == ({k: v for k, v in groups[-1][0].items() if k != "node"},
+                                                              groups[-1][0]["node"] in dropped):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
 def print_host_steps(report: dict) -> None:
     for when, key in (("before", "host_pre"), ("after", "host_post")):
-        for step in report.get(key, []):
+        steps = report.get(key, [])
+        if len(steps) > 3:   # a decoder's rotary table: one line; report.json lists each
+            console.print(f"host steps {when} the shards (numpy, not NPU or CPU ops): {len(steps)} steps, "
+                          f"{', '.join(step.get('type', step['op']) for step in steps)}; first {describe_step(steps[0])}")
+            continue
+        for step in steps:
             console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")
     for when, key in (("before", "host_ms"), ("after", "host_post_ms")):
         if report.get(key) is not None:
@@ -572,12 +593,22 @@ def verify_command(
                                           "the model's inputs with a leading sample axis [default: one seeded "
                                           "random sample]."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+    prompt: list[str] = typer.Option([], "--prompt", help="A generative bundle: a chat prompt to check (repeatable) "
+                                                          "[default: two built-in prompts]."),
+    new: int = typer.Option(32, help="A generative bundle: greedy tokens compared per prompt."),
+    forced: int = typer.Option(32, help="A generative bundle: teacher-forced steps per prompt."),
+    min_top1: float = typer.Option(0.99, help="A generative bundle: fail below this share of teacher-forced steps "
+                                              "whose most likely token is the reference's."),
 ) -> None:
     """Check a bundle against the original model: end to end, and each shard fed the reference's tensors
     (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops).
-    A bundle of shape buckets is checked bucket by bucket."""
+    A bundle of shape buckets is checked bucket by bucket; a generative bundle against its checkpoint
+    (GGUF or transformers folder), prompt by prompt: greedy tokens and teacher-forced logits."""
     from shard.runtime.buckets import is_bucketed, read_buckets
+    from shard.runtime.generate import is_generative
 
+    if is_generative(bundle):
+        return verify_decoder(bundle, reference, backend, prompt, new, forced, min_cosine, min_top1, json_out)
     if not is_bucketed(bundle):
         reports = {"": verify_one(bundle, reference, backend, min_cosine, seed, inputs)}
     else:
@@ -596,6 +627,41 @@ def verify_command(
         raise typer.Exit(1)
     console.print(f"[green]PASS[/]: end-to-end cosine {worst:.7f} >= {min_cosine}"
                   + (f" on every bucket ({len(reports)})" if len(reports) > 1 else ""))
+
+
+def verify_decoder(bundle: Path, reference: Path, backend, prompts: list[str], new: int, forced: int,
+                   min_cosine: float, min_top1: float, json_out: Path | None) -> None:
+    """verify_generative with its table printed; exit 1 below either threshold."""
+    from dataclasses import asdict
+
+    from shard.verifier import PROMPTS, verify_generative
+
+    if new < 1 or forced < 1:
+        raise ShardError("--new and --forced must be at least 1")
+    with progress_bar() as progress:
+        report = verify_generative(bundle, reference, prompts or PROMPTS, new, forced, backend, min_cosine, min_top1,
+                                   progress)
+    for rel, check in report.files.items():
+        console.print(f"file {rel}: {check}")
+    table = Table(title=f"verify ({report.backend}) vs transformers fp32, chat prompts")
+    for col in ("prompt", "tokens", f"greedy {new}", "forced steps", "top-1", "worst cosine", "mean cosine"):
+        table.add_column(col, justify="left" if col == "prompt" else "right")
+    for p in report.prompts:
+        table.add_row(p.prompt, str(p.prompt_tokens), "same" if p.same_tokens else "[yellow]differ[/]", str(p.steps),
+                      f"{p.top1:.4f}", f"{p.min_cosine:.7f}", f"{p.mean_cosine:.7f}")
+    console.print(table)
+    if not report.reference_is_source:
+        console.print("[yellow]warning[/]: the reference is not the checkpoint this bundle was compiled from (sha256 differs)")
+    if json_out:
+        json_out.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2) + "\n")
+    worst = min(p.min_cosine for p in report.prompts)
+    top1 = min(p.top1 for p in report.prompts)
+    line = f"worst teacher-forced cosine {worst:.7f}, top-1 agreement {top1:.4f}"
+    if not report.passed:
+        err.print(f"[red]FAIL[/]: {line} (at least {min_cosine} and {min_top1} asked)")
+        raise typer.Exit(1)
+    console.print(f"[green]PASS[/]: {line}; greedy tokens the same on "
+                  f"{sum(p.same_tokens for p in report.prompts)} of {len(report.prompts)} prompts")
 
 
 def verify_one(bundle: Path, reference: Path, backend, min_cosine: float, seed: int, inputs: Path | None):

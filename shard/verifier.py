@@ -43,6 +43,8 @@ def unjoin(manifest, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for step in manifest.host_post:
         if step["op"] == "transpose" and step["output"] in expected and step["input"] in shapes:
             pieces[step["input"]] = expected[step["output"]].transpose(np.argsort(step["perm"]))
+        if step["op"] == "reshape" and step["output"] in expected and step["input"] in shapes:
+            pieces[step["input"]] = expected[step["output"]].reshape(shapes[step["input"]])
         if step["op"] != "concat" or step["output"] not in expected or not all(n in shapes for n in step["inputs"]):
             continue
         edges = np.cumsum([shapes[n][step["axis"]] for n in step["inputs"]])[:-1]
@@ -136,3 +138,88 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
         if own_session:
             session.close()
     return report
+
+
+# What `shard verify` of a generative bundle asks when given no --prompt.
+PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.")
+
+
+@dataclass
+class PromptCheck:
+    prompt: str
+    prompt_tokens: int
+    tokens: list[int]                # the bundle's greedy answer
+    reference_tokens: list[int]      # the reference's
+    steps: int                       # teacher-forced steps compared
+    top1: float                      # the share of those steps whose most likely token is the reference's
+    min_cosine: float
+    mean_cosine: float
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.tokens == self.reference_tokens[:len(self.tokens)]
+
+
+@dataclass
+class GenerativeReport:
+    backend: str
+    min_cosine: float
+    min_top1: float
+    prompts: list[PromptCheck]
+    files: dict[str, str]            # every program's files, against their recorded sha256
+    reference_is_source: bool
+
+    @property
+    def passed(self) -> bool:
+        return all(p.min_cosine >= self.min_cosine and p.top1 >= self.min_top1 for p in self.prompts)
+
+
+def check_prompt(run, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
+    """One prompt's token ids through steps `run` (shard.runtime.generate) beside transformers' `model`:
+    the greedy answer of `new` tokens, and `forced` teacher-forced steps (the prompt, then the
+    reference's own answer a token a step) against the reference's one full forward."""
+    import torch
+
+    from shard.runtime.generate import advance, generate, prefill
+
+    ours = generate(run, ids, cache(), new, chunk)
+    count = max(new, forced)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        want = model(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:].numpy()
+    state = cache()
+    got = [prefill(run, state, ids, chunk)[-1]] + [advance(run, state, [t], 1)[-1] for t in theirs[:forced - 1]]
+    rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
+    top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
+    return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),
+                       float(np.mean([r.cosine for r in rows])))
+
+
+def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS, new: int = 32, forced: int = 32,
+                      backend: str | None = None, min_cosine: float = 0.999, min_top1: float = 0.99,
+                      progress: Callable = lambda *a: None) -> GenerativeReport:
+    """A generative bundle against its checkpoint in transformers fp32: per chat prompt, the greedy
+    tokens and the teacher-forced logits of every step (check_prompt)."""
+    from shard.runtime.generate import GenerativeSession
+    from shard.zoo.decoder import checkpoint_record, load_causal_lm
+
+    progress("read the reference", 0, 1)
+    model, tokenizer = load_causal_lm(Path(reference))
+    with GenerativeSession(bundle, backend=backend) as session:
+        if session.spec.vocab != model.config.vocab_size or session.spec.layers != model.config.num_hidden_layers:
+            raise VerifyError(f"{reference} is not the model this bundle was compiled from: {model.config.num_hidden_layers} "
+                              f"layers and {model.config.vocab_size} tokens; the bundle's {session.spec.layers} and "
+                              f"{session.spec.vocab}")
+        files = {f"{name}/{rel}": check for name, s in zip([p.name for p in session.spec.programs],
+                                                             session.sessions.values()) for rel, check in s.files.items()}
+        checks = []
+        for k, prompt in enumerate(prompts):
+            progress(f"prompts ({session.backend})", k, len(prompts))
+            ids = session.encode(prompt, chat=True)
+            check = check_prompt(session.run, session.cache, session.spec.chunk, model, ids, new, forced)
+            check.prompt = prompt
+            checks.append(check)
+        progress(f"prompts ({session.backend})", len(prompts), len(prompts))
+        same = checkpoint_record(Path(reference))["sha256"] == session.spec.source.get("sha256")
+        return GenerativeReport(session.backend, min_cosine, min_top1, checks, files, same)

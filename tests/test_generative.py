@@ -140,3 +140,24 @@ def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(che
             want = model(torch.tensor([ids])).logits[0].numpy()
         got = session.logits(ids)
         assert min(cosine(got[k], want[k]) for k in range(len(ids))) >= 0.999
+
+
+def test_verify_checks_a_generative_bundle_against_its_checkpoint(checkpoint, cpu_bundle, tmp_path):
+    folder, _ = checkpoint
+    res = shard_cli("verify", str(cpu_bundle.bundle), "--reference", str(folder), "--prompt", "w3 w7 w9",
+                    "--prompt", "w11", "--new", "6", "--forced", "8", "--json", str(tmp_path / "v.json"))
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["passed"] and report["reference_is_source"] and len(report["prompts"]) == 2
+    assert all(p["steps"] == 8 and p["top1"] == 1.0 and p["min_cosine"] > 0.99999 for p in report["prompts"])
+    assert "file decode/host/0_model.model.embed_tokens.weight.npy: ok (sha256" in res.stdout
+    assert "PASS: worst teacher-forced cosine" in res.stdout
+    # Another checkpoint of the same shape (other seeded weights): a warning, and the logits fail.
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(folder)).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    res = shard_cli("verify", str(cpu_bundle.bundle), "--reference", str(other), "--prompt", "w3", "--new", "2",
+                    "--forced", "4")
+    assert res.returncode == 1 and "FAIL: worst teacher-forced cosine" in res.stderr
+    assert "not the checkpoint this bundle was compiled from" in res.stdout

@@ -8,7 +8,6 @@ bundle; beside them the model's tokenizer, and what a step costs per chip.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -47,7 +46,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
     at `output`: a program per step width; nothing left at `output` on failure."""
     from shard.compilation import compile_model
-    from shard.zoo.decoder import export_step, load_causal_lm, stop_ids
+    from shard.zoo.decoder import checkpoint_record, export_step, load_causal_lm, stop_ids
 
     options = options or CompileOptions()
     if not 1 <= chunk <= capacity:
@@ -82,18 +81,6 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         shutil.rmtree(staging, ignore_errors=True)
         scratch.remove(exports)
     return GenerativeResult(output, spec, reports, predicted)
-
-
-def checkpoint_record(source: Path) -> dict:
-    """The checkpoint's name and the sha256 of its weights (a GGUF file, or a folder's files)."""
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(source.parent if source.is_file() else source).as_posix().encode())
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-    return {"name": source.name, "sha256": digest.hexdigest()}
 
 
 def decoder_bytes(model) -> int:

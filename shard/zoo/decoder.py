@@ -14,6 +14,7 @@ positions, grouped-query attention); eager attention, written out so every op is
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -55,6 +56,18 @@ def load_causal_lm(source: Path):
     model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
     model.tie_weights()
     return model, tokenizer
+
+
+def checkpoint_record(source: Path) -> dict:
+    """The checkpoint's name and the sha256 of its weights (a GGUF file, or a folder's files)."""
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(source.parent if source.is_file() else source).as_posix().encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return {"name": source.name, "sha256": digest.hexdigest()}
 
 
 def stop_ids(model, tokenizer) -> list[int]:
