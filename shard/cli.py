@@ -140,12 +140,16 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
-    from shard.zoo.decoder import is_causal_lm
+    from shard.compilation.generative import is_causal_lm
 
     if is_causal_lm(model):
         return compile_decoder(model, target, output, options, max_context, chunk)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
+    print_compile_result(result)
+
+
+def print_compile_result(result) -> None:
     if "buckets" in result.report:
         from shard.runtime.buckets import read_buckets
 
@@ -174,7 +178,7 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, capa
 
 
 def print_generative_prediction(p: dict) -> None:
-    """Predicted prefill and decode speed beside the bandwidth bound and rknn-llm's figures."""
+    """Predicted prefill and decode speed beside the bandwidth bound and the chip's published figures."""
     table = Table(title="predicted speed (fp16)")
     for col in ("", "prefill 128 tokens ms", "decode tokens/s"):
         table.add_column(col, justify="left" if not col else "right")
@@ -182,9 +186,9 @@ def print_generative_prediction(p: dict) -> None:
     if "bandwidth_tokens_per_s" in p:
         table.add_row(f"DRAM bound: {(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
                       f"{p['dram_gbs']} GB/s", "", f"{p['bandwidth_tokens_per_s']}")
-    if "rknn_llm" in p:
-        table.add_row("rknn-llm, SmolVLM-256M w8a8 (published)", f"{p['rknn_llm']['prefill_128_ms']:.0f}",
-                      f"{p['rknn_llm']['decode_tokens_per_s']:.0f}")
+    if "published" in p:
+        table.add_row(p["published"]["label"], f"{p['published']['prefill_128_ms']:.0f}",
+                      f"{p['published']['decode_tokens_per_s']:.0f}")
     console.print(table)
 
 

@@ -161,3 +161,17 @@ def test_verify_checks_a_generative_bundle_against_its_checkpoint(checkpoint, cp
                     "--forced", "4")
     assert res.returncode == 1 and "FAIL: worst teacher-forced cosine" in res.stderr
     assert "not the checkpoint this bundle was compiled from" in res.stdout
+
+
+def test_a_decoder_compiled_again_comes_from_the_bundle_cache_over_its_old_bundle(checkpoint, tmp_path, monkeypatch):
+    # The steps export to the same bytes each time, so each program is a bundle-cache hit; the old
+    # generative bundle at the output is replaced, anything else there is refused.
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
+    folder, _ = checkpoint
+    first = compile_generative(folder, "cpu", tmp_path / "lm.shard", capacity=16, chunk=2)
+    again = compile_generative(folder, "cpu", tmp_path / "lm.shard", capacity=16, chunk=2)
+    assert "from_bundle_cache" not in first.reports["decode"]
+    assert all("from_bundle_cache" in report for report in again.reports.values())
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ShardError, match="exists and is not a shard bundle"):
+        compile_generative(folder, "cpu", tmp_path / "other", capacity=16, chunk=2)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shard.bundle import check_files, read_manifest
 from shard.cache_folder import default_cache_dir
+from shard.compilation.generative import compile_generative, is_causal_lm
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
 from shard.compilation.state import CompileResult, Progress
 from shard.compilation.variants import compile_uncached
@@ -32,12 +33,16 @@ def default_output(model: Path) -> Path:
 def compile_model(model: str | Path, target: str = DEFAULT_TARGET, output: str | Path | None = None,
                   options: CompileOptions | None = None, progress: Progress = lambda *a: None) -> CompileResult:
     """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`. The same
-    model compiled again the same way comes back from the bundle cache (shard.bundle_cache)."""
+    model compiled again the same way comes back from the bundle cache (shard.bundle_cache). A
+    decoder's checkpoint (GGUF, transformers folder) becomes a generative bundle (generative.py)."""
     from shard import bundle_cache
 
     options = options or CompileOptions()
     check_options(options)
     model = Path(model)
+    if is_causal_lm(model):   # a decoder's checkpoint: a generative bundle, its default context and chunk
+        return compile_generative(model, target, Path(output) if output else default_output(model), options,
+                                  progress=progress)
     output = Path(output) if output else default_output(model)
     tgt = get_target(target)
     check_output_path(output, model)

@@ -24,12 +24,12 @@ from shard.targets.chips import CHIPS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
-# rknn-llm's published RK3588 figures for SmolVLM-256M, whose decoder is SmolLM2-135M (w8a8; its
-# model zoo's benchmark table): what a user of the vendor's closed runtime gets.
-RKNN_LLM = {"source": "rknn-llm, RK3588, SmolVLM-256M in w8a8: vision 842 ms at 512x512, prefill 77 ms for "
-                      "128 tokens, decode 78 tokens/s",
-            "prefill_128_ms": 77.0, "decode_tokens_per_s": 78.0}
-PREFILL_TOKENS = 128   # the prompt length rknn-llm states its prefill time at
+PREFILL_TOKENS = 128   # the prompt length published prefill times are stated at
+
+
+def is_causal_lm(source: Path) -> bool:
+    """A GGUF checkpoint, or a transformers folder (a config.json): what compile takes as a decoder."""
+    return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file()
 
 
 @dataclass
@@ -107,6 +107,6 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
         bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
         out.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs, dram_source=chip.dram_source,
                    decode_over_bound=round(decode / bound, 2) if decode else None)
-    if target == "rk3588":
-        out["rknn_llm"] = RKNN_LLM
+    if chip is not None and chip.decoder_figures:
+        out["published"] = chip.decoder_figures
     return out

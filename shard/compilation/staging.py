@@ -21,6 +21,7 @@ from shard.never_worse import BASELINES
 from shard.options import CompileOptions
 from shard.passes import fusion_barrier, tile_attention
 from shard.runtime.buckets import is_bucketed
+from shard.runtime.generate import is_generative
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
@@ -65,7 +66,7 @@ def check_output_path(output: Path, model: Path | None = None) -> None:
     its folder exists; remove what compiles of the same output that no longer run left beside it."""
     if model is not None and model.resolve().is_relative_to(output.resolve()):
         raise ShardError(f"{model} lies inside the output {output}, which the bundle replaces; choose another -o")
-    if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output)):
+    if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output) or is_generative(output)):
         raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
     if not output.parent.is_dir():
         raise ShardError(f"{output.parent}: no such directory for the bundle")

@@ -22,6 +22,7 @@ class Chip:
     fp16: bool = True             # False: the toolkit builds this chip only quantized
     dram_gbs: float | None = None   # peak DRAM bandwidth, GB/s: what bounds a decoder's tokens/s
     dram_source: str = ""
+    decoder_figures: dict | None = None   # a published decoder's prefill and decode speed on this chip
 
 
 TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
@@ -33,7 +34,12 @@ FP16_RANGE_MARGIN = ("scale_sandwich keeps activations under the probed fp16 ran
 CHIPS = {
     "rk3588": Chip(3, 6.0, "RK3588 datasheet: 3-core NPU, 6 TOPS int8", dram_gbs=33.8,
                    dram_source="RK3588 datasheet: a 64-bit bus (4 x 16-bit LPDDR4X or LPDDR5); at "
-                   "LPDDR4X's 4224 MT/s, as most boards run it, a peak of 33.8 GB/s"),
+                   "LPDDR4X's 4224 MT/s, as most boards run it, a peak of 33.8 GB/s",
+                   # SmolVLM-256M's decoder is SmolLM2-135M: what a user of the vendor's closed runtime gets.
+                   decoder_figures={"label": "rknn-llm, SmolVLM-256M w8a8 (published)", "prefill_128_ms": 77.0,
+                                    "decode_tokens_per_s": 78.0,
+                                    "source": "rknn-llm's RK3588 benchmark of SmolVLM-256M in w8a8: vision 842 ms at "
+                                              "512x512, prefill 77 ms for 128 tokens, decode 78 tokens/s"}),
     "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
     "rk3568": Chip(1, 0.8, "RK3568 datasheet: 1-core NPU, 0.8 TOPS int8"),
     "rk3566": Chip(1, 0.8, "RK3566 datasheet: 1-core NPU, 0.8 TOPS int8 (the RK3568's NPU)"),

@@ -27,11 +27,6 @@ from shard.errors import ShardError
 FAMILY = ("llama", "mistral", "qwen2")
 
 
-def is_causal_lm(source: Path) -> bool:
-    """A GGUF checkpoint, or a transformers folder (a config.json): what compile takes as a decoder."""
-    return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file()
-
-
 def load_causal_lm(source: Path):
     """(model, tokenizer) of a GGUF file (dequantized to float32) or a transformers folder, eager
     attention; ShardError where it is not a decoder of the Llama family."""
