@@ -122,7 +122,8 @@ def compile_command(
                                                   "the whole build the vendor alone is each shard unrewritten. Costs "
                                                   "a simulator build of both [default: on wherever the vendor alone "
                                                   "is compared]."),
-    max_context: int = typer.Option(512, help="A decoder: the KV cache's tokens, prompt and answer together."),
+    max_context: str = typer.Option("512", help="A decoder: the KV cache's tokens, prompt and answer together; "
+                                                "or buckets, 256,2048 (a program each; the cache moves up)."),
     chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
                                                             "the bundle of an unchanged compile and the builds of "
@@ -143,7 +144,7 @@ def compile_command(
     from shard.compilation.generative import is_causal_lm
 
     if is_causal_lm(model):
-        return compile_decoder(model, target, output, options, max_context, chunk)
+        return compile_decoder(model, target, output, options, parse_ids(max_context, "--max-context"), chunk)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_result(result)
@@ -161,7 +162,7 @@ def print_compile_result(result) -> None:
     console.print(f"bundle: {result.bundle}")
 
 
-def compile_decoder(model: Path, target: str, output: Path | None, options, capacity: int, chunk: int) -> None:
+def compile_decoder(model: Path, target: str, output: Path | None, options, capacity: list[int], chunk: int) -> None:
     """A GGUF checkpoint or transformers folder: a generative bundle, a program per step width."""
     from shard.compilation.generative import compile_generative
 
@@ -170,25 +171,28 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, capa
                                     progress)
     for program in result.spec.programs:
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
-                     f"cache of {result.spec.capacity}")
+                     f"cache of {program.capacity}")
         print_compile_report(result.reports[program.name])
-    if result.predicted["decode_tokens_per_s"]:
+    if result.predicted[0]["decode_tokens_per_s"]:
         print_generative_prediction(result.predicted)
     console.print(f"bundle: {result.bundle}")
 
 
-def print_generative_prediction(p: dict) -> None:
-    """Predicted prefill and decode speed beside the bandwidth bound and the chip's published figures."""
+def print_generative_prediction(rows: list[dict]) -> None:
+    """Predicted prefill and decode speed per cache capacity, beside the DRAM bound and the chip's
+    published figures."""
     table = Table(title="predicted speed (fp16)")
-    for col in ("", "prefill 128 tokens ms", "decode tokens/s"):
+    for col in ("", "cache", "prefill 128 tokens ms", "decode tokens/s", "DRAM-bound tokens/s"):
         table.add_column(col, justify="left" if not col else "right")
-    table.add_row("shard, from the vendor's cycle estimates", f"{p['prefill_128_ms']:.1f}", f"{p['decode_tokens_per_s']}")
-    if "bandwidth_tokens_per_s" in p:
-        table.add_row(f"DRAM bound: {(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
-                      f"{p['dram_gbs']} GB/s", "", f"{p['bandwidth_tokens_per_s']}")
-    if "published" in p:
-        table.add_row(p["published"]["label"], f"{p['published']['prefill_128_ms']:.0f}",
-                      f"{p['published']['decode_tokens_per_s']:.0f}")
+    for p in rows:
+        bound = (f"{p['bandwidth_tokens_per_s']} ({(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
+                 f"{p['dram_gbs']} GB/s)" if "bandwidth_tokens_per_s" in p else "")
+        table.add_row("shard, from the vendor's cycle estimates", str(p["capacity"]), f"{p['prefill_128_ms']:.1f}",
+                      f"{p['decode_tokens_per_s']}", bound)
+    if "published" in rows[0]:
+        published = rows[0]["published"]
+        table.add_row(published["label"], "", f"{published['prefill_128_ms']:.0f}",
+                      f"{published['decode_tokens_per_s']:.0f}", "")
     console.print(table)
 
 
@@ -575,13 +579,14 @@ def generate_command(
         json_out.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, option: str = "--ids") -> list[int]:
+    """Comma-separated non-negative integers (--ids, --max-context)."""
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ShardError(f"--ids {text!r}: expected token ids such as 1,2,3") from None
+        raise ShardError(f"{option} {text!r}: expected numbers such as 1,2,3") from None
     if not ids or min(ids) < 0:
-        raise ShardError(f"--ids {text!r}: expected at least one non-negative token id")
+        raise ShardError(f"{option} {text!r}: expected at least one non-negative number")
     return ids
 
 

@@ -63,7 +63,7 @@ def cpu_bundle(checkpoint, tmp_path_factory):
 
 def test_a_cpu_bundle_generates_transformers_own_tokens_and_logits(checkpoint, cpu_bundle):
     _, model = checkpoint
-    assert [(p.name, p.width) for p in cpu_bundle.spec.programs] == [("prefill", 4), ("decode", 1)]
+    assert [(p.name, p.width, p.capacity) for p in cpu_bundle.spec.programs] == [("prefill", 4, 32), ("decode", 1, 32)]
     assert cpu_bundle.spec.stop == [2]
     with load(cpu_bundle.bundle) as session:
         assert isinstance(session, GenerativeSession)
@@ -74,6 +74,21 @@ def test_a_cpu_bundle_generates_transformers_own_tokens_and_logits(checkpoint, c
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0].numpy()
         assert np.abs(session.logits(ids) - want).max() < 1e-4
+
+
+def test_the_cache_moves_up_through_its_buckets_as_the_context_grows(checkpoint, tmp_path):
+    """--max-context 8,32: the 7-token prompt and the first token in the cache of 8, then the cache
+    copied into one of 32 and the programs compiled for it; the tokens stay transformers' own."""
+    folder, model = checkpoint
+    result = compile_generative(folder, "cpu", tmp_path / "lm.shard", capacity=[32, 8], chunk=4)
+    assert [p.name for p in result.spec.programs] == ["prefill-8", "decode-8", "prefill-32", "decode-32"]
+    assert [row["capacity"] for row in result.predicted] == [8, 32]
+    with load(result.bundle) as session:
+        assert session.generate(PROMPT, max_new_tokens=16, stop=set()).tokens == transformers_greedy(model, PROMPT, 16)
+        runs = {key: s.frames_run for key, s in session.sessions.items()}
+        assert runs == {(4, 8): 2, (1, 8): 1, (4, 32): 0, (1, 32): 14}, runs
+        with pytest.raises(RunError, match="reaches 33 tokens, past the cache's capacity of 32"):
+            session.generate(list(range(5, 30)), max_new_tokens=12, stop=set())
 
 
 def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):
@@ -109,7 +124,7 @@ def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
             session.generate(list(range(5, 35)), max_new_tokens=8, stop=set())
         with pytest.raises(RunError, match="below the vocabulary's 97"):
             session.generate([5, 400])
-    for args, says in ((["--ids", "1,x"], "expected token ids"), ([], "one of the two"),
+    for args, says in ((["--ids", "1,x"], "expected numbers"), ([], "one of the two"),
                        (["--ids", "1", "--top-p", "0"], "top-p")):
         res = shard_cli("generate", str(cpu_bundle.bundle), *args)
         assert res.returncode == 1 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
@@ -125,16 +140,19 @@ def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
 
 @pytest.mark.toolkit
 def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(checkpoint, tmp_path):
-    """Prefill in chunks of 4, decode, the cache written in place: on the simulator, greedy tokens
-    as transformers', logits at cosine >= 0.999, and no op on the CPU in either program."""
+    """Prefill in chunks of 4, decode, the cache written in place and moved from its bucket of 16 to
+    32: on the simulator, greedy tokens as transformers', logits at cosine >= 0.999, and no op on
+    the CPU in any program."""
     folder, model = checkpoint
-    result = compile_generative(folder, "rk3588", tmp_path / "lm.shard", capacity=32, chunk=4)
+    result = compile_generative(folder, "rk3588", tmp_path / "lm.shard", capacity=[16, 32], chunk=4)
+    assert len(result.reports) == 4   # prefill and decode, for a cache of 16 and one of 32
     for name, report in result.reports.items():
         assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
-    assert result.predicted["decode_tokens_per_s"] > 0 and result.predicted["bandwidth_tokens_per_s"] > 0
+    assert all(row["decode_tokens_per_s"] > 0 and row["bandwidth_tokens_per_s"] > 0 for row in result.predicted)
     with load(result.bundle, backend="sim") as session:
-        out = session.generate(PROMPT, max_new_tokens=12, stop=set())
+        out = session.generate(PROMPT, max_new_tokens=12, stop=set())   # 19 tokens: past the cache of 16
         assert out.tokens == transformers_greedy(model, PROMPT, 12)
+        assert session.sessions[1, 16].frames_run and session.sessions[1, 32].frames_run
         ids = PROMPT + out.tokens
         with torch.no_grad():
             want = model(torch.tensor([ids])).logits[0].numpy()

@@ -12,6 +12,7 @@ import json
 import math
 import shutil
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from shard import scratch
@@ -37,41 +38,44 @@ class GenerativeResult:
     bundle: Path
     spec: GenerativeSpec
     reports: dict[str, dict]   # each program's compile report
-    predicted: dict
+    predicted: list[dict]   # per cache capacity
 
 
 def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
-                       capacity: int = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
+                       capacity: int | Sequence[int] = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
                        progress: Progress = lambda *a: None) -> GenerativeResult:
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
-    at `output`: a program per step width; nothing left at `output` on failure."""
+    at `output`: a program per step width and cache capacity (several capacities: buckets the
+    cache moves up through as the context grows); nothing left at `output` on failure."""
     from shard.compilation import compile_model
     from shard.zoo.decoder import checkpoint_record, export_step, load_causal_lm, stop_ids
 
     options = options or CompileOptions()
-    if not 1 <= chunk <= capacity:
-        raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to --max-context ({capacity}) tokens")
+    capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
+    if not capacities or not 1 <= chunk <= capacities[0]:
+        raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to the smallest --max-context "
+                         f"({capacities[0] if capacities else '?'}) tokens")
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
     model, tokenizer = load_causal_lm(source)
     config = model.config
-    widths = {"prefill": chunk, "decode": 1} if chunk > 1 else {"decode": 1}
+    programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
+                for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
     staging, exports = staging_folder(output), scratch.folder("export")
     reports = {}
     try:
-        for name, width in widths.items():
-            progress(f"{name}: export the step of {width} token{'s' * (width > 1)}", 0, 1)
-            step = export_step(model, exports / f"{name}.onnx", width, capacity)
-            result = compile_model(step, target, staging / name, options,
-                                   lambda what, *a, n=name: progress(f"{name}: {what}", *a))
-            reports[name] = result.report
-            (exports / f"{name}.onnx").unlink()
+        for p in programs:
+            progress(f"{p.name}: export the step of {p.width} over {p.capacity}", 0, 1)
+            step = export_step(model, exports / f"{p.name}.onnx", p.width, p.capacity)
+            result = compile_model(step, target, staging / p.name, options,
+                                   lambda what, *a, name=p.name: progress(f"{name}: {what}", *a))
+            reports[p.name] = result.report
+            step.unlink()
         tokenizer.save_pretrained(staging / "tokenizer")
         heads = config.num_attention_heads
         spec = GenerativeSpec(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
                               head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                              capacity=capacity, vocab=config.vocab_size,
-                              programs=[Program(name, width) for name, width in widths.items()],
+                              capacity=capacities[-1], vocab=config.vocab_size, programs=programs,
                               stop=stop_ids(model, tokenizer), source=checkpoint_record(source))
         predicted = predict(spec, reports, decoder_bytes(model), target)
         (staging / GENERATIVE).write_text(spec.to_json())
@@ -91,22 +95,29 @@ def decoder_bytes(model) -> int:
     return 2 * (params + model.lm_head.weight.numel())
 
 
-def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> dict:
-    """Prefill time for PREFILL_TOKENS and decode tokens/s: from the vendor's cycle estimates (each
-    program's predicted latency, shards and hand-offs included) and, for decode, from DRAM
-    bandwidth (the fp16 weights and the cache read once a token: decode at batch 1 is bound by it)."""
+def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> list[dict]:
+    """Per cache capacity: prefill time for PREFILL_TOKENS and decode tokens/s from the vendor's cycle
+    estimates (each program's predicted latency, its shards and their hand-offs included) and, for
+    decode, from DRAM bandwidth (the fp16 weights and the whole cache read once a token: decode at
+    batch 1 is bound by it)."""
     chip = CHIPS.get(target)
-    latency = {name: (report.get("predicted") or {}).get("latency_s") for name, report in reports.items()}
-    decode, prefill = latency["decode"], latency.get("prefill", latency["decode"])
-    cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * spec.capacity * 2   # keys and values, fp16
-    out = {"prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
-           "decode_tokens_per_s": round(1 / decode, 1) if decode else None,
-           "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
-           "from": "the vendor's cycle estimates of each program's shards (prefill: ceil(128 / chunk) steps)"}
-    if chip is not None and chip.dram_gbs:
-        bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
-        out.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs, dram_source=chip.dram_source,
-                   decode_over_bound=round(decode / bound, 2) if decode else None)
-    if chip is not None and chip.decoder_figures:
-        out["published"] = chip.decoder_figures
-    return out
+    rows = []
+    for capacity in spec.capacities:
+        latency = {p.width: (reports[p.name].get("predicted") or {}).get("latency_s")
+                   for p in spec.programs if p.capacity == capacity}
+        decode, prefill = latency[1], latency[max(latency)]
+        cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * capacity * 2   # keys and values, fp16
+        row = {"capacity": capacity,
+               "prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
+               "decode_tokens_per_s": round(1 / decode, 1) if decode else None,
+               "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
+               "from": f"the vendor's cycle estimates of each program's shards (prefill: ceil({PREFILL_TOKENS} / "
+                       f"{spec.chunk}) steps)"}
+        if chip is not None and chip.dram_gbs:
+            bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
+            row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
+                       dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
+        if chip is not None and chip.decoder_figures:
+            row["published"] = chip.decoder_figures
+        rows.append(row)
+    return rows

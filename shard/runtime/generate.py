@@ -13,6 +13,8 @@ A generative bundle holds one ordinary bundle per step width, and the model's to
     lm.shard/generative.json   the cache's shape, each program's folder and width, the stop tokens
     lm.shard/prefill/          the step of N tokens (the prompt, N at a time)
     lm.shard/decode/           the step of 1 token
+                               (prefill-C/, decode-C/ per capacity C where several: the cache
+                               starts in the smallest and moves up as the context grows)
     lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers)
 
 GenerativeSession opens it: shard.load("lm.shard").generate("What is ...?", chat=True).
@@ -43,15 +45,33 @@ class Cache:
     keys: list[np.ndarray]
     values: list[np.ndarray]
     length: int = 0
+    buckets: tuple[int, ...] = ()   # larger capacities it may grow to (a program compiled for each)
 
     @classmethod
-    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32) -> Cache:
+    def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32,
+              buckets: tuple[int, ...] = ()) -> Cache:
         shape = (1, kv_heads, capacity, head_dim)
-        return cls([np.zeros(shape, dtype) for _ in range(layers)], [np.zeros(shape, dtype) for _ in range(layers)])
+        return cls([np.zeros(shape, dtype) for _ in range(layers)], [np.zeros(shape, dtype) for _ in range(layers)],
+                   buckets=tuple(sorted(buckets)))
 
     @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
+
+    def make_room(self, tokens: int) -> None:
+        """Room for `tokens` more: the smallest bucket that holds them, the filled entries copied over;
+        a context past the largest stops in one line."""
+        need = self.length + tokens
+        if need <= self.capacity:
+            return
+        larger = [c for c in self.buckets if c >= need]
+        if not larger:
+            raise RunError(f"the context reaches {need} tokens, past the cache's capacity of "
+                           f"{max((self.capacity, *self.buckets))} (compile with a larger --max-context)")
+        for arrays in (self.keys, self.values):
+            for i, old in enumerate(arrays):
+                arrays[i] = np.zeros((*old.shape[:2], larger[0], old.shape[3]), old.dtype)
+                arrays[i][:, :, :self.length] = old[:, :, :self.length]
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {f"past_{kind}.{i}": arrays[i] for i in range(len(self.keys))
@@ -82,9 +102,7 @@ def advance(run: Step, cache: Cache, ids: list[int], width: int) -> np.ndarray:
     valid = len(ids)
     if not 0 < valid <= width:
         raise RunError(f"a step of width {width} takes 1 to {width} tokens, not {valid}")
-    if cache.length + valid > cache.capacity:
-        raise RunError(f"the context reaches {cache.length + valid} tokens, past the cache's capacity of "
-                       f"{cache.capacity} (compile with a larger --max-context)")
+    cache.make_room(valid)
     padded = np.zeros((1, width), np.int64)
     padded[0, :valid] = ids
     feeds = {"input_ids": padded, "position_ids": (cache.length + np.arange(width, dtype=np.int64))[None],
@@ -146,8 +164,9 @@ SCHEMA_VERSION = 1
 
 @dataclass
 class Program:
-    name: str    # its folder in the bundle: an ordinary bundle
-    width: int   # new tokens a step
+    name: str       # its folder in the bundle: an ordinary bundle
+    width: int      # new tokens a step
+    capacity: int   # the cache's tokens it reads
 
 
 @dataclass
@@ -155,9 +174,9 @@ class GenerativeSpec:
     layers: int
     kv_heads: int
     head_dim: int
-    capacity: int                  # the cache's tokens: prompt and answer together
+    capacity: int                  # the cache's largest: prompt and answer together
     vocab: int
-    programs: list[Program]        # widest first: the first prefills, the one of width 1 decodes
+    programs: list[Program]        # per capacity, smallest first: the widest prefills, width 1 decodes
     stop: list[int]                # tokens that end an answer
     source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
     schema_version: int = SCHEMA_VERSION
@@ -167,7 +186,11 @@ class GenerativeSpec:
 
     @property
     def chunk(self) -> int:
-        return self.programs[0].width
+        return max(p.width for p in self.programs)
+
+    @property
+    def capacities(self) -> list[int]:
+        return sorted({p.capacity for p in self.programs})
 
 
 def is_generative(bundle: str | Path) -> bool:
@@ -184,8 +207,10 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
         spec = GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]})
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise BundleError(f"{path}: unreadable generative file ({exc})") from None
-    if not spec.programs or spec.programs[-1].width != 1:
-        raise BundleError(f"{path}: no program of width 1 to decode with")
+    have = {(p.width, p.capacity) for p in spec.programs}
+    missing = [f"{w} at {c}" for c in spec.capacities for w in {1, spec.chunk} if (w, c) not in have]
+    if not spec.programs or missing:
+        raise BundleError(f"{path}: no program of width {', '.join(missing) or 1} to run steps with")
     return spec
 
 
@@ -212,27 +237,27 @@ class GenerativeSession:
 
         self.bundle = Path(bundle)
         self.spec = read_generative(self.bundle)
-        self.sessions: dict[int, Session] = {}
+        self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         try:
             for program in self.spec.programs:
-                self.sessions[program.width] = Session(self.bundle / program.name, **session_args)
+                self.sessions[program.width, program.capacity] = Session(self.bundle / program.name, **session_args)
         except BaseException:
             self.close()
             raise
-        self.backend = self.sessions[1].backend
+        self.backend = next(iter(self.sessions.values())).backend
         self._tokenizer = None
         self.steps: list[tuple[int, float]] = []
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         width = feeds["input_ids"].shape[1]
         started = time.perf_counter()
-        outputs = self.sessions[width].run(feeds)
+        outputs = self.sessions[width, feeds["past_key.0"].shape[2]].run(feeds)
         self.steps.append((width, time.perf_counter() - started))
         return outputs
 
     def cache(self) -> Cache:
         s = self.spec
-        return Cache.empty(s.layers, s.kv_heads, s.capacity, s.head_dim)
+        return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, buckets=tuple(s.capacities[1:]))
 
     @property
     def tokenizer(self):
