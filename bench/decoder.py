@@ -35,7 +35,7 @@ def onnxruntime_steps(model, folder: Path, chunk: int, capacity: int):
     names = step_names(config.num_hidden_layers)[1]
     sessions = {w: ort.InferenceSession(str(export_step(model, folder / f"step{w}.onnx", w, capacity)))
                 for w in (chunk, 1)}
-    run = lambda feeds: dict(zip(names, sessions[feeds["input_ids"].shape[1]].run(None, feeds)))  # noqa: E731
+    run = lambda feeds: dict(zip(names, sessions[feeds["inputs_embeds"].shape[1]].run(None, feeds)))  # noqa: E731
     return run, lambda: Cache.empty(config.num_hidden_layers, config.num_key_value_heads, capacity, head_dim)
 
 
@@ -44,6 +44,7 @@ def main() -> None:
 
     from shard.runtime.generate import GenerativeSession
     from shard.verifier import check_prompt
+    from shard.zoo.decoder import embedding_table
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", type=Path, help="a generative bundle of the GGUF [default: its steps in onnxruntime]")
@@ -65,11 +66,12 @@ def main() -> None:
         else:
             run, cache = onnxruntime_steps(model, Path(tmp), args.chunk, args.capacity)
             chunk, where = args.chunk, "the steps in onnxruntime fp32"
+        table = embedding_table(model)
         checks, started = [], time.perf_counter()
         for prompt in CHAT[:args.prompts]:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                                 add_generation_prompt=True, return_dict=False)
-            checks.append(check_prompt(run, cache, chunk, model, ids, args.new, args.forced))
+            checks.append(check_prompt(run, table, cache, chunk, model, ids, args.new, args.forced))
             c = checks[-1]
             print(f"{prompt!r}: {len(ids)} prompt tokens; {'same' if c.same_tokens else 'DIFFERENT'} {args.new} tokens "
                   f"{tokenizer.decode(c.tokens)!r}; {c.steps} teacher-forced steps: top-1 {c.top1:.4f}, worst cosine "

@@ -545,6 +545,7 @@ def generate_command(
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt, as text."),
     ids: Optional[str] = typer.Option(None, help="The prompt as token ids, comma-separated, instead of text."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's own chat template."),
+    image: list[Path] = typer.Option([], "--image", help="A VLM's bundle: an image the prompt is about (repeatable)."),
     max_new_tokens: int = typer.Option(32, help="Stop after this many new tokens (or at a stop token)."),
     temperature: float = typer.Option(0.0, help="0: greedy; above 0: sampled at this temperature."),
     top_p: float = typer.Option(1.0, help="Sample from the most likely tokens whose probability reaches this."),
@@ -566,7 +567,8 @@ def generate_command(
     given = prompt if ids is None else parse_ids(ids)
     with GenerativeSession(bundle, backend=backend, timeout=timeout) as session:
         show = (lambda text: print(text, end="", flush=True)) if prompt is not None else None
-        out = session.generate(given, max_new_tokens, chat, temperature, top_p, seed, on_text=show)
+        out = session.generate(given, max_new_tokens, chat, temperature, top_p, seed, images=image or None,
+                               on_text=show)
     if prompt is None:
         console.print(" ".join(map(str, out.tokens)))
     else:

@@ -174,22 +174,24 @@ class GenerativeReport:
         return all(p.min_cosine >= self.min_cosine and p.top1 >= self.min_top1 for p in self.prompts)
 
 
-def check_prompt(run, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
-    """One prompt's token ids through steps `run` (shard.runtime.generate) beside transformers' `model`:
-    the greedy answer of `new` tokens, and `forced` teacher-forced steps (the prompt, then the
-    reference's own answer a token a step) against the reference's one full forward."""
+def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
+    """One prompt's token ids through steps `run` (shard.runtime.generate, embeddings from `table`)
+    beside transformers' `model`: the greedy answer of `new` tokens, and `forced` teacher-forced steps
+    (the prompt, then the reference's own answer a token a step) against the reference's one full
+    forward."""
     import torch
 
     from shard.runtime.generate import advance, generate, prefill
 
-    ours = generate(run, ids, cache(), new, chunk)
+    ours = generate(run, table, table[ids], cache(), new, chunk)
     count = max(new, forced)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         want = model(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:].numpy()
     state = cache()
-    got = [prefill(run, state, ids, chunk)[-1]] + [advance(run, state, [t], 1)[-1] for t in theirs[:forced - 1]]
+    got = [prefill(run, state, table[ids], chunk)[-1]] + [advance(run, state, table[[t]], 1)[-1]
+                                                          for t in theirs[:forced - 1]]
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
     return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),
@@ -202,22 +204,27 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
     """A generative bundle against its checkpoint in transformers fp32: per chat prompt, the greedy
     tokens and the teacher-forced logits of every step (check_prompt)."""
     from shard.runtime.generate import GenerativeSession
-    from shard.zoo.decoder import checkpoint_record, load_causal_lm
+    from shard.zoo.decoder import checkpoint_record, load_causal_lm, text_parts
 
     progress("read the reference", 0, 1)
-    model, tokenizer = load_causal_lm(Path(reference))
+    model, _ = load_causal_lm(Path(reference))
+    config = text_parts(model)[2]
     with GenerativeSession(bundle, backend=backend) as session:
-        if session.spec.vocab != model.config.vocab_size or session.spec.layers != model.config.num_hidden_layers:
-            raise VerifyError(f"{reference} is not the model this bundle was compiled from: {model.config.num_hidden_layers} "
-                              f"layers and {model.config.vocab_size} tokens; the bundle's {session.spec.layers} and "
+        if session.spec.vocab != config.vocab_size or session.spec.layers != config.num_hidden_layers:
+            raise VerifyError(f"{reference} is not the model this bundle was compiled from: {config.num_hidden_layers} "
+                              f"layers and {config.vocab_size} tokens; the bundle's {session.spec.layers} and "
                               f"{session.spec.vocab}")
-        files = {f"{name}/{rel}": check for name, s in zip([p.name for p in session.spec.programs],
-                                                             session.sessions.values()) for rel, check in s.files.items()}
+        programs = [(p.name, session.sessions[p.width, p.capacity]) for p in session.spec.programs]
+        if session.vision:
+            programs.append((session.spec.vision["program"], session.vision))
+        files = {f"{name}/{rel}": check for name, s in programs for rel, check in s.files.items()}
+        files.update({name: f"ok (sha256 {digest[:12]}, {size} bytes)" for name, (size, digest) in
+                      session.spec.files.items()})   # checked as the session read them
         checks = []
         for k, prompt in enumerate(prompts):
             progress(f"prompts ({session.backend})", k, len(prompts))
-            ids = session.encode(prompt, chat=True)
-            check = check_prompt(session.run, session.cache, session.spec.chunk, model, ids, new, forced)
+            ids, _ = session.encode(prompt, chat=True)
+            check = check_prompt(session.run, session.table, session.cache, session.spec.chunk, model, ids, new, forced)
             check.prompt = prompt
             checks.append(check)
         progress(f"prompts ({session.backend})", len(prompts), len(prompts))

@@ -12,7 +12,7 @@ import transformers as tf
 
 from shard.errors import RunError
 from shard.runtime.generate import Cache, advance, generate, prefill
-from shard.zoo.decoder import export_step, step_names
+from shard.zoo.decoder import embedding_table, export_step, step_names
 
 CAPACITY = 32
 PROMPT = [5, 17, 3, 88, 41, 9, 60]   # 7 tokens: one full prefill chunk of 4 and one of 3
@@ -34,9 +34,9 @@ def decoder(tmp_path_factory):
     names = step_names(config.num_hidden_layers)[1]
 
     def run(feeds):
-        return dict(zip(names, sessions[feeds["input_ids"].shape[1]].run(None, feeds)))
+        return dict(zip(names, sessions[feeds["inputs_embeds"].shape[1]].run(None, feeds)))
 
-    return model, run
+    return model, run, embedding_table(model)
 
 
 def empty_cache(model) -> Cache:
@@ -46,8 +46,8 @@ def empty_cache(model) -> Cache:
 
 
 def test_greedy_tokens_are_transformers_own(decoder):
-    model, run = decoder
-    ours = generate(run, PROMPT, empty_cache(model), max_new=16, chunk=4)
+    model, run, table = decoder
+    ours = generate(run, table, table[PROMPT], empty_cache(model), max_new=16, chunk=4)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
@@ -57,21 +57,22 @@ def test_greedy_tokens_are_transformers_own(decoder):
 def test_teacher_forced_logits_match_the_full_forward(decoder):
     # The same 23 tokens three ways: transformers' one forward, prefill in chunks of 4 (the last one
     # padded), and the prompt's prefill followed by one-token steps.
-    model, run = decoder
+    model, run, table = decoder
     ids = PROMPT + list(range(20, 36))
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    chunked = prefill(run, empty_cache(model), ids, 4)
+    chunked = prefill(run, empty_cache(model), table[ids], 4)
     cache = empty_cache(model)
-    stepped = np.concatenate([prefill(run, cache, PROMPT, 4)] + [advance(run, cache, [t], 1) for t in ids[len(PROMPT):]])
+    stepped = np.concatenate([prefill(run, cache, table[PROMPT], 4)] +
+                             [advance(run, cache, table[[t]], 1) for t in ids[len(PROMPT):]])
     for got in (chunked, stepped):
         assert got.shape == want.shape and np.abs(got - want).max() < 1e-4
     assert cache.length == len(ids)
 
 
 def test_a_context_past_the_capacity_stops_in_one_line(decoder):
-    model, run = decoder
+    model, run, table = decoder
     cache = empty_cache(model)
-    prefill(run, cache, list(range(28)), 4)
+    prefill(run, cache, table[list(range(28))], 4)
     with pytest.raises(RunError, match="reaches 33 tokens, past the cache's capacity of 32"):
-        prefill(run, cache, [1, 2, 3, 4, 5], 4)
+        prefill(run, cache, table[[1, 2, 3, 4, 5]], 4)

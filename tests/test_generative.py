@@ -168,7 +168,7 @@ def test_verify_checks_a_generative_bundle_against_its_checkpoint(checkpoint, cp
     report = json.loads((tmp_path / "v.json").read_text())
     assert report["passed"] and report["reference_is_source"] and len(report["prompts"]) == 2
     assert all(p["steps"] == 8 and p["top1"] == 1.0 and p["min_cosine"] > 0.99999 for p in report["prompts"])
-    assert "file decode/host/0_model.model.embed_tokens.weight.npy: ok (sha256" in res.stdout
+    assert "file decode/shards/shard_000.onnx: ok (sha256" in res.stdout and "file embeddings.npy: ok (sha256" in res.stdout
     assert "PASS: worst teacher-forced cosine" in res.stdout
     # Another checkpoint of the same shape (other seeded weights): a warning, and the logits fail.
     torch.manual_seed(1)
@@ -193,3 +193,59 @@ def test_a_decoder_compiled_again_comes_from_the_bundle_cache_over_its_old_bundl
     (tmp_path / "other").mkdir()
     with pytest.raises(ShardError, match="exists and is not a shard bundle"):
         compile_generative(folder, "cpu", tmp_path / "other", capacity=16, chunk=2)
+
+
+def test_a_changed_embeddings_file_is_refused(cpu_bundle, tmp_path):
+    import shutil
+
+    copy = tmp_path / "lm.shard"
+    shutil.copytree(cpu_bundle.bundle, copy)
+    table = np.load(copy / "embeddings.npy")
+    table[3, 0] += 1.0
+    np.save(copy / "embeddings.npy", table)
+    res = shard_cli("generate", str(copy), "--ids", "5,17", "--max-new-tokens", "2")
+    assert res.returncode == 1 and "embeddings.npy: not the file the compile wrote" in res.stderr, res.stderr
+
+
+@pytest.fixture(scope="module")
+def vlm(checkpoint, tmp_path_factory):
+    """SmolVLM's architecture (Idefics3) around the 2-layer Llama: one SigLIP layer at 128 x 128 (64
+    patches, 4 image tokens after the pixel shuffle), seeded; and one image."""
+    from PIL import Image
+
+    from shard.zoo.decoder import load_causal_lm
+    from shard.zoo.vlm import build_smolvlm
+
+    folder = build_smolvlm(checkpoint[0], tmp_path_factory.mktemp("vlm") / "smolvlm", vision_layers=1, image_size=128)
+    image = tmp_path_factory.mktemp("images") / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), dtype=np.uint8)).save(image)
+    return folder, load_causal_lm(folder), image
+
+
+def transformers_vlm_greedy(model, processor, image, prompt: str, new: int) -> list[int]:
+    from PIL import Image
+
+    content = [{"type": "image"}, {"type": "text", "text": prompt}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    encoded = processor(text=text, images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**encoded, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, encoded["input_ids"].shape[1]:].tolist()
+
+
+def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_bundle, tmp_path):
+    folder, (model, processor), image = vlm
+    result = compile_generative(folder, "cpu", tmp_path / "vlm.shard", capacity=64, chunk=8)
+    assert list(result.reports) == ["vision", "prefill", "decode"] and result.spec.vision["image_token"]
+    with load(result.bundle) as session:
+        out = session.generate("w3 w7", max_new_tokens=8, chat=True, images=[image], stop=set())
+        assert out.tokens == transformers_vlm_greedy(model, processor, image, "w3 w7", 8)
+        assert out.prompt.count(result.spec.vision["image_token"]) == 4
+    res = shard_cli("generate", str(result.bundle), "--prompt", "w3 w7", "--chat", "--image", str(image),
+                    "--max-new-tokens", "8", "--json", str(tmp_path / "out.json"))
+    assert res.returncode == 0, res.stderr
+    written = json.loads((tmp_path / "out.json").read_text())["ids"]   # up to a stop token
+    assert written and written == out.tokens[:len(written)]
+    with load(cpu_bundle.bundle) as session, pytest.raises(RunError, match="takes no image"):
+        session.generate("w3", images=[image])

@@ -8,6 +8,7 @@ bundle; beside them the model's tokenizer, and what a step costs per chip.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -15,12 +16,14 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from shard import scratch
 from shard.compilation.staging import check_output_path, replace_dir, staging_folder
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
-from shard.runtime.generate import GENERATIVE, GenerativeSpec, Program
+from shard.runtime.generate import EMBEDDINGS, GENERATIVE, GenerativeSpec, Program
 from shard.targets.chips import CHIPS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
@@ -48,7 +51,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     at `output`: a program per step width and cache capacity (several capacities: buckets the
     cache moves up through as the context grows); nothing left at `output` on failure."""
     from shard.compilation import compile_model
-    from shard.zoo.decoder import checkpoint_record, export_step, load_causal_lm, stop_ids
+    from shard.zoo.decoder import (VLM, checkpoint_record, embedding_table, export_step, export_vision, load_causal_lm,
+                                   stop_ids, text_parts)
 
     options = options or CompileOptions()
     capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
@@ -58,25 +62,33 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
     model, tokenizer = load_causal_lm(source)
-    config = model.config
+    config = text_parts(model)[2]
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
                 for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
     staging, exports = staging_folder(output), scratch.folder("export")
+    steps = {p.name: lambda path, p=p: export_step(model, path, p.width, p.capacity) for p in programs}
+    vision = None
+    if model.config.model_type in VLM:   # the image's program first: the one a VLM runs first
+        steps = {"vision": lambda path: export_vision(model, path), **steps}
+        vision = {"program": "vision", "image_token": model.config.image_token_id,
+                  "image_size": model.config.vision_config.image_size}
     reports = {}
     try:
-        for p in programs:
-            progress(f"{p.name}: export the step of {p.width} over {p.capacity}", 0, 1)
-            step = export_step(model, exports / f"{p.name}.onnx", p.width, p.capacity)
-            result = compile_model(step, target, staging / p.name, options,
-                                   lambda what, *a, name=p.name: progress(f"{name}: {what}", *a))
-            reports[p.name] = result.report
-            step.unlink()
+        for name, export in steps.items():
+            progress(f"{name}: export", 0, 1)
+            result = compile_model(export(exports / f"{name}.onnx"), target, staging / name, options,
+                                   lambda what, *a, name=name: progress(f"{name}: {what}", *a))
+            reports[name] = result.report
+            (exports / f"{name}.onnx").unlink()
         tokenizer.save_pretrained(staging / "tokenizer")
+        np.save(staging / EMBEDDINGS, embedding_table(model))
+        data = (staging / EMBEDDINGS).read_bytes()
         heads = config.num_attention_heads
         spec = GenerativeSpec(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
                               head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                               capacity=capacities[-1], vocab=config.vocab_size, programs=programs,
-                              stop=stop_ids(model, tokenizer), source=checkpoint_record(source))
+                              stop=stop_ids(model, tokenizer), source=checkpoint_record(source),
+                              files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]}, vision=vision)
         predicted = predict(spec, reports, decoder_bytes(model), target)
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
@@ -90,9 +102,11 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
 def decoder_bytes(model) -> int:
     """Weight bytes a step reads in fp16: every layer, the final norm and the LM head (the embedding
     is a lookup of one row on the host)."""
-    body = model.model
+    from shard.zoo.decoder import text_parts
+
+    body, head, _ = text_parts(model)
     params = sum(p.numel() for p in body.layers.parameters()) + sum(p.numel() for p in body.norm.parameters())
-    return 2 * (params + model.lm_head.weight.numel())
+    return 2 * (params + head.weight.numel())
 
 
 def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> list[dict]:

@@ -3,10 +3,11 @@ in chunks of the prefill step's width, then one token a step. Each step's new ke
 written into the cache in place; nothing grows. numpy only.
 
     cache = Cache.empty(layers=30, kv_heads=3, capacity=512, head_dim=64)
-    tokens = generate(run, prompt_ids, cache, max_new=32, chunk=64, stop={2})
+    tokens = generate(run, table, table[prompt_ids], cache, max_new=32, chunk=64, stop={2})
 
-`run(feeds) -> outputs` runs the step whose width is feeds["input_ids"].shape[1] (an onnxruntime
-session per width, or a bundle per program) and names its outputs: logits, key.i, value.i.
+`run(feeds) -> outputs` runs the step whose width is feeds["inputs_embeds"].shape[1] (an onnxruntime
+session per width, or a bundle per program) and names its outputs: logits, key.i, value.i; `table`
+is the token embeddings (shard.zoo.decoder.embedding_table), looked up here on the host.
 
 A generative bundle holds one ordinary bundle per step width, and the model's tokenizer:
 
@@ -15,13 +16,18 @@ A generative bundle holds one ordinary bundle per step width, and the model's to
     lm.shard/decode/           the step of 1 token
                                (prefill-C/, decode-C/ per capacity C where several: the cache
                                starts in the smallest and moves up as the context grows)
-    lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers)
+    lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers;
+                               a VLM's processor)
+    lm.shard/embeddings.npy    the token embeddings, looked up on the host for every step
+    lm.shard/vision/           a VLM's image -> image features program
 
 GenerativeSession opens it: shard.load("lm.shard").generate("What is ...?", chat=True).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -96,25 +102,26 @@ def step_mask(length: int, width: int, capacity: int) -> np.ndarray:
     return mask
 
 
-def advance(run: Step, cache: Cache, ids: list[int], width: int) -> np.ndarray:
-    """Run `ids` (at most `width`, padded to it) through the step of that width at the cache's length,
-    write their keys and values; their logits, [len(ids), vocab]."""
-    valid = len(ids)
+def advance(run: Step, cache: Cache, rows: np.ndarray, width: int) -> np.ndarray:
+    """Run the embeddings of up to `width` new tokens (rows [n, hidden], padded to width) through the
+    step of that width at the cache's length, write their keys and values; their logits, [n, vocab]."""
+    valid = len(rows)
     if not 0 < valid <= width:
         raise RunError(f"a step of width {width} takes 1 to {width} tokens, not {valid}")
     cache.make_room(valid)
-    padded = np.zeros((1, width), np.int64)
-    padded[0, :valid] = ids
-    feeds = {"input_ids": padded, "position_ids": (cache.length + np.arange(width, dtype=np.int64))[None],
+    padded = np.zeros((1, width, rows.shape[1]), np.float32)
+    padded[0, :valid] = rows
+    feeds = {"inputs_embeds": padded, "position_ids": (cache.length + np.arange(width, dtype=np.int64))[None],
              "mask": step_mask(cache.length, width, cache.capacity), **cache.feeds()}
     outputs = run(feeds)
     cache.write(outputs, valid)
     return outputs["logits"][0, :valid]
 
 
-def prefill(run: Step, cache: Cache, prompt: list[int], chunk: int) -> np.ndarray:
-    """The prompt through the cache `chunk` tokens a step; every token's logits, [len(prompt), vocab]."""
-    return np.concatenate([advance(run, cache, prompt[k:k + chunk], chunk) for k in range(0, len(prompt), chunk)])
+def prefill(run: Step, cache: Cache, rows: np.ndarray, chunk: int) -> np.ndarray:
+    """The prompt's embeddings (rows [n, hidden]) through the cache `chunk` at a step; every token's
+    logits, [n, vocab]."""
+    return np.concatenate([advance(run, cache, rows[k:k + chunk], chunk) for k in range(0, len(rows), chunk)])
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -141,10 +148,13 @@ def sampler(temperature: float, top_p: float = 1.0, seed: int = 0) -> Callable[[
     return pick
 
 
-def generate(run: Step, prompt: list[int], cache: Cache, max_new: int, chunk: int, stop: set[int] = frozenset(),
-             choose: Callable[[np.ndarray], int] = greedy, on_token: Callable[[int], None] | None = None) -> list[int]:
-    """The prompt's last logits pick the first new token (greedy unless `choose` says otherwise), each
-    new token's the next; stops after `max_new` tokens or at a token of `stop` (kept)."""
+def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max_new: int, chunk: int,
+             stop: set[int] = frozenset(), choose: Callable[[np.ndarray], int] = greedy,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
+    """The prompt's embeddings (rows [n, hidden]: table[ids], a VLM's image features among them)
+    prefilled; its last logits pick the first new token (greedy unless `choose` says otherwise), each
+    new token's (looked up in `table`) the next; stops after `max_new` tokens or at a token of `stop`
+    (kept)."""
     if max_new < 1:
         raise RunError(f"max new tokens must be at least 1, got {max_new}")
     logits = prefill(run, cache, prompt, chunk)[-1]
@@ -155,11 +165,39 @@ def generate(run: Step, prompt: list[int], cache: Cache, max_new: int, chunk: in
             on_token(tokens[-1])
         if tokens[-1] in stop or len(tokens) == max_new:
             return tokens
-        logits = advance(run, cache, tokens[-1:], 1)[-1]
+        logits = advance(run, cache, table[tokens[-1:]], 1)[-1]
 
 
 GENERATIVE = "generative.json"
+EMBEDDINGS = "embeddings.npy"
 SCHEMA_VERSION = 1
+
+
+def load_checked(bundle: Path, files: dict, name: str) -> np.ndarray:
+    """A numpy file of the bundle, refused unless its size and sha256 are those generative.json records."""
+    path = bundle / name
+    size, digest = files.get(name, (None, None))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BundleError(f"{path}: unreadable ({exc.strerror}); recompile the model") from None
+    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+        raise BundleError(f"{path}: not the file the compile wrote ({len(data)} bytes, sha256 "
+                          f"{hashlib.sha256(data).hexdigest()[:12]}; recorded {size} bytes, {str(digest)[:12]})")
+    return np.load(io.BytesIO(data))
+
+
+def read_image(image):
+    """A PIL image, from a path or as given."""
+    if not isinstance(image, (str, Path)):
+        return image
+    from PIL import Image
+
+    try:
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    except OSError as exc:
+        raise RunError(f"{image}: not an image this can read ({exc})") from None
 
 
 @dataclass
@@ -179,6 +217,8 @@ class GenerativeSpec:
     programs: list[Program]        # per capacity, smallest first: the widest prefills, width 1 decodes
     stop: list[int]                # tokens that end an answer
     source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
+    files: dict = field(default_factory=dict)    # the embeddings' file: {"embeddings.npy": [bytes, sha256]}
+    vision: dict | None = None     # a VLM's: its program's folder, image token, features per image, image side
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
@@ -238,18 +278,21 @@ class GenerativeSession:
         self.bundle = Path(bundle)
         self.spec = read_generative(self.bundle)
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
+        self.vision = None
         try:
             for program in self.spec.programs:
                 self.sessions[program.width, program.capacity] = Session(self.bundle / program.name, **session_args)
+            self.vision = Session(self.bundle / self.spec.vision["program"], **session_args) if self.spec.vision else None
         except BaseException:
             self.close()
             raise
+        self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
         self.backend = next(iter(self.sessions.values())).backend
-        self._tokenizer = None
+        self._processor = None
         self.steps: list[tuple[int, float]] = []
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        width = feeds["input_ids"].shape[1]
+        width = feeds["inputs_embeds"].shape[1]
         started = time.perf_counter()
         outputs = self.sessions[width, feeds["past_key.0"].shape[2]].run(feeds)
         self.steps.append((width, time.perf_counter() - started))
@@ -260,35 +303,68 @@ class GenerativeSession:
         return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, buckets=tuple(s.capacities[1:]))
 
     @property
-    def tokenizer(self):
-        """The model's own tokenizer, from the bundle (transformers)."""
-        if self._tokenizer is None:
+    def processor(self):
+        """The model's own tokenizer (a VLM's processor: its tokenizer and image processor), from the
+        bundle (transformers)."""
+        if self._processor is None:
             try:
                 import transformers
             except ImportError:
                 raise RunError("text prompts need transformers (pip install transformers); or give token ids") from None
-            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.bundle / "tokenizer")
-        return self._tokenizer
+            kind = transformers.AutoProcessor if self.spec.vision else transformers.AutoTokenizer
+            self._processor = kind.from_pretrained(self.bundle / "tokenizer")
+        return self._processor
 
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    @property
+    def tokenizer(self):
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def encode(self, prompt: str | list[int], chat: bool = False, images: list | None = None
+               ) -> tuple[list[int], np.ndarray | None]:
+        """The prompt's token ids (the chat template applied if `chat`) and, for a VLM given images
+        (PIL images or paths), their pixel values [images, 3, S, S] (the processor's)."""
+        if images and not self.spec.vision:
+            raise RunError(f"{self.bundle} is a text-only model's bundle: it takes no image")
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        if chat:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False))
-        return list(self.tokenizer(prompt)["input_ids"])
+            return [int(t) for t in prompt], None
+        if not images:
+            if chat:
+                return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                               add_generation_prompt=True, return_dict=False)), None
+            return list(self.tokenizer(prompt)["input_ids"]), None
+        images = [read_image(image) for image in images]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        text = (self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+                if chat else "<image>" * len(images) + prompt)
+        encoded = self.processor(text=text, images=[images], return_tensors="np")
+        return [int(t) for t in encoded["input_ids"][0]], np.asarray(encoded["pixel_values"][0], np.float32)
+
+    def embed(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
+        """The prompt's rows for the decoder: each token's embedding, each image token's place taken by
+        the vision program's features of its image, in order."""
+        if not ids or max(ids) >= self.spec.vocab or min(ids) < 0:
+            raise RunError(f"a prompt of 1 or more token ids below the vocabulary's {self.spec.vocab}; got {ids[:8]}")
+        rows = np.array(self.table[ids], np.float32)
+        if pixels is None:
+            return rows
+        features = np.concatenate([self.vision.run({"pixel_values": image[None]})["image_features"][0]
+                                   for image in pixels])
+        places = np.flatnonzero(np.asarray(ids) == self.spec.vision["image_token"])
+        if len(places) != len(features):
+            raise RunError(f"the prompt holds {len(places)} image tokens for {len(features)} image features")
+        rows[places] = features
+        return rows
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None,
+                 top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None, images: list | None = None,
                  on_text: Callable[[str], None] | None = None) -> Generation:
-        """New tokens after `prompt` (text, with the chat template if `chat`, or token ids): greedy at
-        temperature 0, else sampled (seeded); until a stop token or max_new_tokens. on_text gets the
-        text as it grows, piece by piece."""
-        ids = self.encode(prompt, chat)
-        if max(ids, default=-1) >= self.spec.vocab or not ids:
-            raise RunError(f"a prompt of 1 or more token ids below the vocabulary's {self.spec.vocab}; got {ids[:8]}")
+        """New tokens after `prompt` (text, with the chat template if `chat`, or token ids) and, for a
+        VLM, its images: greedy at temperature 0, else sampled (seeded); until a stop token or
+        max_new_tokens. on_text gets the text as it grows, piece by piece."""
+        ids, pixels = self.encode(prompt, chat, images)
         choose = sampler(temperature, top_p, seed)
         self.steps = []
+        rows = self.embed(ids, pixels)
         shown: list[str] = [""]
         tokens: list[int] = []
 
@@ -301,18 +377,20 @@ class GenerativeSession:
                     shown[0] = text
 
         stops = set(self.spec.stop) if stop is None else stop
-        out = generate(self.run, ids, self.cache(), max_new_tokens, self.spec.chunk, stops, choose, on_token)
+        out = generate(self.run, self.table, rows, self.cache(), max_new_tokens, self.spec.chunk, stops, choose,
+                       on_token)
         text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
         return Generation(ids, out, text, list(self.steps))
 
-    def logits(self, ids: list[int]) -> np.ndarray:
+    def logits(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""
-        return prefill(self.run, self.cache(), list(ids), self.spec.chunk)
+        return prefill(self.run, self.cache(), self.embed(list(ids), pixels), self.spec.chunk)
 
     def close(self) -> None:
-        for session in self.sessions.values():
+        for session in [*self.sessions.values(), *([self.vision] if getattr(self, "vision", None) else [])]:
             session.close()
         self.sessions.clear()
+        self.vision = None
 
     def __enter__(self) -> GenerativeSession:
         return self

@@ -4,12 +4,15 @@ to decode) beside a cache of fixed capacity C, and writes only the new tokens' k
 caller puts them in place (shard.runtime.generate). Positions and the mask are inputs: nothing in
 the graph grows with the context, so one static-shape build serves every step.
 
-    input_ids [1, T] int64, position_ids [1, T] int64, mask [1, 1, T, C + T] float32 (0: seen),
-    past_key.i, past_value.i [1, kv_heads, C, head_dim] per layer
+    inputs_embeds [1, T, hidden] float32, position_ids [1, T] int64, mask [1, 1, T, C + T] float32
+    (0: seen), past_key.i, past_value.i [1, kv_heads, C, head_dim] per layer
         -> logits [1, T, vocab], key.i, value.i [1, kv_heads, T, head_dim] per layer
 
-For the Llama family in transformers (Llama, SmolLM2, Mistral, Qwen2: pre-norm layers, rotary
-positions, grouped-query attention); eager attention, written out so every op is in the graph.
+The token embeddings come in, looked up on the host (embedding_table): one table for every step,
+and the place a VLM puts its image features. For the Llama family in transformers (Llama, SmolLM2,
+Mistral, Qwen2: pre-norm layers, rotary positions, grouped-query attention) and Idefics3 (SmolVLM:
+such a decoder after a SigLIP vision tower and a pixel-shuffle connector, VisionStep); eager
+attention, written out so every op is in the graph.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers as tf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
@@ -25,6 +29,7 @@ from shard.errors import ShardError
 
 # Pre-norm layers, rotary positions, q/k/v/o projections and a gated MLP: what CachedStep writes out.
 FAMILY = ("llama", "mistral", "qwen2")
+VLM = ("idefics3",)   # a decoder of the family after a vision tower
 
 
 def load_causal_lm(source: Path):
@@ -37,9 +42,12 @@ def load_causal_lm(source: Path):
         tokenizer = tf.AutoTokenizer.from_pretrained(folder, **gguf)
     except (OSError, ValueError) as exc:
         raise ShardError(f"{source}: not a model transformers reads ({str(exc).splitlines()[0]})") from None
+    if config.model_type in VLM and not gguf:
+        model = tf.AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+        return model.eval(), tf.AutoProcessor.from_pretrained(folder)
     if config.model_type not in FAMILY:
         raise ShardError(f"{source}: a {config.model_type} model; shard compiles decoders of the Llama family "
-                         f"({', '.join(FAMILY)})")
+                         f"({', '.join(FAMILY)}) and VLMs built on them ({', '.join(VLM)})")
     if not gguf:
         model = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
         return model.eval(), tokenizer
@@ -65,8 +73,21 @@ def checkpoint_record(source: Path) -> dict:
     return {"name": source.name, "sha256": digest.hexdigest()}
 
 
+def text_parts(model):
+    """(the decoder's body, its LM head, its config): of a causal LM, or of a VLM's text model."""
+    if model.config.model_type in VLM:
+        return model.model.text_model, model.lm_head, model.config.text_config
+    return model.model, model.lm_head, model.config
+
+
+def embedding_table(model) -> np.ndarray:
+    """The token embeddings, [vocab, hidden] float32: what the host looks a step's tokens up in."""
+    return text_parts(model)[0].embed_tokens.weight.detach().float().numpy()
+
+
 def stop_ids(model, tokenizer) -> list[int]:
     """The tokens that end an answer: the tokenizer's end of sequence and the model's own."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)   # a processor's
     ids = {tokenizer.eos_token_id}
     for source in (model.config, getattr(model, "generation_config", None)):
         found = getattr(source, "eos_token_id", None)
@@ -79,14 +100,12 @@ class CachedStep(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        self.model = model
-        config = model.config
+        self.body, self.head, config = text_parts(model)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
-    def forward(self, input_ids, position_ids, mask, *cache):
-        body = self.model.model
-        hidden = body.embed_tokens(input_ids)
+    def forward(self, inputs_embeds, position_ids, mask, *cache):
+        body, hidden = self.body, inputs_embeds
         cos, sin = body.rotary_emb(hidden, position_ids)
         new = []
         for i, layer in enumerate(body.layers):
@@ -95,7 +114,7 @@ class CachedStep(torch.nn.Module):
             new += [key, value]
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return (self.model.lm_head(body.norm(hidden)), *new)
+        return (self.head(body.norm(hidden)), *new)
 
     def attend(self, attn, x, cos, sin, mask, past_key, past_value):
         """One layer's attention over the cache and the new tokens; with the new tokens' key and value."""
@@ -115,19 +134,43 @@ class CachedStep(torch.nn.Module):
 def step_names(layers: int) -> tuple[list[str], list[str]]:
     """The step's input and output names, in order."""
     cache = [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
-    return (["input_ids", "position_ids", "mask", *(f"past_{name}" for name in cache)], ["logits", *cache])
+    return (["inputs_embeds", "position_ids", "mask", *(f"past_{name}" for name in cache)], ["logits", *cache])
 
 
 def export_step(model, path: Path, steps: int, capacity: int, opset: int = 17) -> Path:
     """Write the step of `steps` new tokens over a cache of `capacity` as ONNX (weights in the file, or
     beside it past protobuf's 2 GiB)."""
     step = CachedStep(model).eval()
-    config = model.config
+    config = text_parts(model)[2]
     inputs, outputs = step_names(config.num_hidden_layers)
     cache = [torch.zeros(1, step.kv_heads, capacity, step.head_dim) for _ in range(2 * config.num_hidden_layers)]
-    args = (torch.zeros(1, steps, dtype=torch.int64), torch.arange(steps)[None], torch.zeros(1, 1, steps, capacity + steps),
-            *cache)
+    args = (torch.zeros(1, steps, config.hidden_size), torch.arange(steps)[None],
+            torch.zeros(1, 1, steps, capacity + steps), *cache)
     with torch.no_grad():
         torch.onnx.export(step, args, str(path), opset_version=opset, dynamo=False, input_names=inputs,
                           output_names=outputs)
+    return path
+
+
+class VisionStep(torch.nn.Module):
+    """A VLM's image into the decoder's embedding space: pixel_values [1, 3, S, S] -> image_features
+    [1, tokens, hidden] (Idefics3: SigLIP, its positions those of a whole image, then the connector's
+    pixel shuffle and projection)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.vision, self.connector = model.model.vision_model, model.model.connector
+
+    def forward(self, pixel_values):
+        embeddings = self.vision.embeddings
+        patches = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+        hidden = self.vision.encoder(inputs_embeds=patches + embeddings.position_embedding.weight[None]).last_hidden_state
+        return self.connector(self.vision.post_layernorm(hidden))
+
+
+def export_vision(model, path: Path, opset: int = 17) -> Path:
+    size = model.config.vision_config.image_size
+    with torch.no_grad():
+        torch.onnx.export(VisionStep(model).eval(), (torch.zeros(1, 3, size, size),), str(path), opset_version=opset,
+                          dynamo=False, input_names=["pixel_values"], output_names=["image_features"])
     return path
