@@ -9,8 +9,11 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from shard.errors import BundleError
+
+T = TypeVar("T")
 
 # 6: each artifact's build record (ShardSpec.built_from); 5: every file a run reads with its size and
 # sha256, the manifest's digest; 4: a shard's own precision, build options, quantization samples,
@@ -158,6 +161,19 @@ def check_builds(root: Path, manifest: Manifest) -> dict[str, str]:
         lines[shard.artifact] = (f"; the build of {shard.onnx} (sha256 {recorded['onnx'][:12]}), as recorded when it "
                                  f"was built" if shard.onnx else "; as recorded when it was built")
     return lines
+
+
+def read_versioned(path: Path, version: int, what: str, build: Callable[[dict], T]) -> T:
+    """build(data) of a JSON file a bundle holds beside its manifests (buckets.json, generative.json),
+    refused in one line where it is unreadable or of another schema."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("schema_version") != version:
+            raise BundleError(f"{path}: {what} schema {data.get('schema_version')!r}, this shard reads {version}; "
+                              f"recompile the model")
+        return build(data)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BundleError(f"{path}: unreadable {what} file ({exc})") from None
 
 
 def read_manifest(bundle: str | Path) -> Manifest:

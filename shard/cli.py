@@ -182,17 +182,20 @@ def print_generative_prediction(rows: list[dict]) -> None:
     """Predicted prefill and decode speed per cache capacity, beside the DRAM bound and the chip's
     published figures."""
     table = Table(title="predicted speed (fp16)")
-    for col in ("", "cache", "prefill 128 tokens ms", "decode tokens/s", "DRAM-bound tokens/s"):
+    vision = "vision_ms" in rows[0]
+    for col in ("", "cache", *(["image ms"] if vision else []), "prefill 128 tokens ms", "decode tokens/s",
+                "DRAM-bound tokens/s"):
         table.add_column(col, justify="left" if not col else "right")
     for p in rows:
         bound = (f"{p['bandwidth_tokens_per_s']} ({(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
                  f"{p['dram_gbs']} GB/s)" if "bandwidth_tokens_per_s" in p else "")
-        table.add_row("shard, from the vendor's cycle estimates", str(p["capacity"]), f"{p['prefill_128_ms']:.1f}",
+        table.add_row("shard, from the vendor's cycle estimates", str(p["capacity"]),
+                      *([f"{p['vision_ms']}"] if vision else []), f"{p['prefill_128_ms']:.1f}",
                       f"{p['decode_tokens_per_s']}", bound)
     if "published" in rows[0]:
         published = rows[0]["published"]
-        table.add_row(published["label"], "", f"{published['prefill_128_ms']:.0f}",
-                      f"{published['decode_tokens_per_s']:.0f}", "")
+        table.add_row(published["label"], "", *([f"{published['vision_ms']:.0f}"] if vision else []),
+                      f"{published['prefill_128_ms']:.0f}", f"{published['decode_tokens_per_s']:.0f}", "")
     console.print(table)
 
 
@@ -574,7 +577,8 @@ def generate_command(
     else:
         print()
     summary = out.to_json()
-    err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; prefill {sum(summary['prefill_ms']):.1f} ms "
+    seen = f"image {sum(summary['vision_ms']):.1f} ms, " if summary["vision_ms"] else ""
+    err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; {seen}prefill {sum(summary['prefill_ms']):.1f} ms "
               f"in {len(summary['prefill_ms'])} steps, decode {summary['decode_tokens_per_s']} tokens/s "
               f"({session.backend})")
     if json_out:

@@ -249,3 +249,14 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     assert written and written == out.tokens[:len(written)]
     with load(cpu_bundle.bundle) as session, pytest.raises(RunError, match="takes no image"):
         session.generate("w3", images=[image])
+
+
+def test_a_generations_times_are_split_by_program():
+    from shard.runtime.generate import Generation
+
+    out = Generation([1] * 7, [5, 6, 7], "", [(0, 0.5), (4, 0.2), (4, 0.2), (1, 0.1), (1, 0.1)], prefill_steps=2)
+    times = out.to_json()
+    assert times["vision_ms"] == [500.0] and times["prefill_ms"] == [200.0, 200.0] and times["decode_ms"] == [100.0, 100.0]
+    assert times["decode_tokens_per_s"] == 10.0
+    one = Generation([1, 2], [5, 6], "", [(1, 0.1), (1, 0.1), (1, 0.2)], prefill_steps=2)   # a bundle of width 1 only
+    assert one.to_json()["prefill_ms"] == [100.0, 100.0] and one.to_json()["decode_ms"] == [200.0]

@@ -131,6 +131,9 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
             row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
                        dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
+        if "vision" in reports:
+            seconds = (reports["vision"].get("predicted") or {}).get("latency_s")
+            row["vision_ms"] = round(1e3 * seconds, 1) if seconds else None
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures
         rows.append(row)

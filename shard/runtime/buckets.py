@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.errors import BundleError, RunError
+from shard.bundle import read_versioned
+from shard.errors import RunError
 
 BUCKETS = "buckets.json"
 PAD_VALUE = 0   # ids, masks and features alike: a 0 in the attention mask hides the padding
@@ -48,15 +49,8 @@ def is_bucketed(bundle: str | Path) -> bool:
 
 
 def read_buckets(bundle: str | Path) -> Buckets:
-    path = Path(bundle) / BUCKETS
-    try:
-        data = json.loads(path.read_text())
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise BundleError(f"{path}: buckets schema {data.get('schema_version')!r}, this shard reads "
-                              f"{SCHEMA_VERSION}; recompile the model")
-        return Buckets(**{**data, "buckets": [Bucket(**b) for b in data["buckets"]]})
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: unreadable buckets file ({exc})") from None
+    return read_versioned(Path(bundle) / BUCKETS, SCHEMA_VERSION, "buckets",
+                          lambda data: Buckets(**{**data, "buckets": [Bucket(**b) for b in data["buckets"]]}))
 
 
 def crop_axes(buckets: list[Bucket]) -> dict[str, dict[str, list]]:

@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from shard.bundle import read_versioned
 from shard.errors import BundleError, RunError
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
@@ -239,14 +240,8 @@ def is_generative(bundle: str | Path) -> bool:
 
 def read_generative(bundle: str | Path) -> GenerativeSpec:
     path = Path(bundle) / GENERATIVE
-    try:
-        data = json.loads(path.read_text())
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise BundleError(f"{path}: generative schema {data.get('schema_version')!r}, this shard reads "
-                              f"{SCHEMA_VERSION}; recompile the model")
-        spec = GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]})
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise BundleError(f"{path}: unreadable generative file ({exc})") from None
+    spec = read_versioned(path, SCHEMA_VERSION, "generative",
+                          lambda data: GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]}))
     have = {(p.width, p.capacity) for p in spec.programs}
     missing = [f"{w} at {c}" for c in spec.capacities for w in {1, spec.chunk} if (w, c) not in have]
     if not spec.programs or missing:
@@ -259,12 +254,14 @@ class Generation:
     prompt: list[int]                 # the prompt's token ids, chat template applied
     tokens: list[int]                 # the new ones
     text: str                         # the new tokens as text ("" without a tokenizer)
-    steps: list[tuple[int, float]]    # (width, seconds) of every step run, in order
+    steps: list[tuple[int, float]]    # (width, seconds) of every program run, in order; width 0: an image's
+    prefill_steps: int = 0            # how many of the text steps were the prompt's
 
     def to_json(self) -> dict:
-        prefill = [s for w, s in self.steps if w > 1] or [s for w, s in self.steps[:1]]
-        decode = [s for w, s in self.steps[len(prefill):]]
+        text = [s for w, s in self.steps if w > 0]
+        prefill, decode = text[:self.prefill_steps], text[self.prefill_steps:]
         return {"prompt_ids": self.prompt, "ids": self.tokens, "text": self.text,
+                "vision_ms": [round(1e3 * s, 3) for w, s in self.steps if w == 0],
                 "prefill_ms": [round(1e3 * s, 3) for s in prefill], "decode_ms": [round(1e3 * s, 3) for s in decode],
                 "decode_tokens_per_s": round(len(decode) / sum(decode), 2) if decode else None}
 
@@ -347,13 +344,19 @@ class GenerativeSession:
         rows = np.array(self.table[ids], np.float32)
         if pixels is None:
             return rows
-        features = np.concatenate([self.vision.run({"pixel_values": image[None]})["image_features"][0]
-                                   for image in pixels])
+        features = np.concatenate([self.see(image) for image in pixels])
         places = np.flatnonzero(np.asarray(ids) == self.spec.vision["image_token"])
         if len(places) != len(features):
             raise RunError(f"the prompt holds {len(places)} image tokens for {len(features)} image features")
         rows[places] = features
         return rows
+
+    def see(self, image: np.ndarray) -> np.ndarray:
+        """One image's features [tokens, hidden], from the vision program (its time in the steps)."""
+        started = time.perf_counter()
+        features = self.vision.run({"pixel_values": image[None]})["image_features"][0]
+        self.steps.append((0, time.perf_counter() - started))
+        return features
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None, images: list | None = None,
@@ -380,7 +383,7 @@ class GenerativeSession:
         out = generate(self.run, self.table, rows, self.cache(), max_new_tokens, self.spec.chunk, stops, choose,
                        on_token)
         text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
-        return Generation(ids, out, text, list(self.steps))
+        return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk))
 
     def logits(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""

@@ -1,0 +1,91 @@
+"""SmolVLM's architecture (Idefics3: SigLIP-512, a pixel-shuffle connector, the trained SmolLM2-135M-
+Instruct decoder from the index; the vision tower and connector seeded, shard.zoo.vlm) as a generative
+bundle, beside transformers fp32: the first greedy tokens for 4 images x 2 chat prompts.
+
+    python bench/vlm.py --folder smolvlm                      # build the model folder (once)
+    shard compile smolvlm --target rk3588 -o vlm.shard
+    python bench/vlm.py --folder smolvlm --bundle vlm.shard --backend sim
+
+Ends with: RESULT images=... prompts=... same_tokens=... of ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trained import smollm2_file  # noqa: E402
+
+PROMPTS = ["Describe the image.", "What colors are in this picture?"]
+
+
+def images(folder: Path) -> list[Path]:
+    """Four seeded pictures of different kinds and sizes: a gradient, stripes, disks, noise."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:384, 0:512] / 512.0
+    gradient = np.stack([x, y, 1 - x], -1)
+    stripes = np.stack([(np.sin(40 * x) > 0) * 0.9, 0.3 + 0 * x, (np.cos(25 * y) > 0) * 0.8], -1)
+    disks = np.zeros((384, 512, 3))
+    for cx, cy, r, color in ((150, 200, 90, (1, 0.2, 0.1)), (360, 150, 70, (0.1, 0.6, 1)), (300, 300, 50, (1, 1, 0))):
+        disks[(x * 512 - cx) ** 2 + (y * 512 - cy) ** 2 < r ** 2] = color
+    noise = rng.uniform(0, 1, (300, 300, 3))
+    paths = []
+    for name, array in (("gradient", gradient), ("stripes", stripes), ("disks", disks), ("noise", noise)):
+        paths.append(folder / f"{name}.png")
+        Image.fromarray((255 * np.clip(array, 0, 1)).astype(np.uint8)).save(paths[-1])
+    return paths
+
+
+def main() -> None:
+    import torch
+    from PIL import Image
+
+    from shard.runtime.generate import GenerativeSession
+    from shard.zoo.decoder import load_causal_lm
+    from shard.zoo.vlm import build_smolvlm
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--folder", type=Path, required=True, help="the model folder (built here if absent)")
+    ap.add_argument("--bundle", type=Path, help="its generative bundle (shard compile FOLDER)")
+    ap.add_argument("--backend", help="the bundle's backend [default: its target's first]")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens to compare")
+    args = ap.parse_args()
+    if not (args.folder / "config.json").is_file():
+        build_smolvlm(smollm2_file(), args.folder)
+        print(f"built {args.folder}")
+    if not args.bundle:
+        return
+    model, processor = load_causal_lm(args.folder)
+    same, total, started = 0, 0, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, GenerativeSession(args.bundle, backend=args.backend) as session:
+        for image in images(Path(tmp)):
+            for prompt in PROMPTS:
+                out = session.generate(prompt, args.new, chat=True, images=[image], stop=set())
+                content = [{"type": "image"}, {"type": "text", "text": prompt}]
+                text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+                encoded = processor(text=text, images=[[Image.open(image).convert("RGB")]], return_tensors="pt")
+                with torch.no_grad():
+                    theirs = model.generate(**encoded, max_new_tokens=args.new, min_new_tokens=args.new,
+                                            do_sample=False, eos_token_id=None, pad_token_id=0)
+                theirs = theirs[0, encoded["input_ids"].shape[1]:].tolist()
+                same += out.tokens == theirs
+                total += 1
+                times = out.to_json()
+                print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; "
+                      f"{'same' if out.tokens == theirs else 'DIFFERENT'} {args.new} tokens {out.text!r}; image "
+                      f"{times['vision_ms'][0]:.0f} ms, prefill {sum(times['prefill_ms']):.0f} ms, decode "
+                      f"{times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
+    print(f"{args.bundle} on {session.backend}: {time.perf_counter() - started:.0f} s")
+    print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {total}")
+
+
+if __name__ == "__main__":
+    main()
