@@ -181,6 +181,9 @@ def read_manifest(bundle: str | Path) -> Manifest:
     root = Path(bundle)
     path = root / MANIFEST
     if not path.is_file():
+        if (root / "generative.json").is_file():
+            raise BundleError(f"{root}: a decoder's bundle of several programs: write text with `shard generate`, check "
+                              f"it with `shard verify`, run one program with `shard run {root}/decode`")
         raise BundleError(f"{root}: not a shard bundle (no {MANIFEST}); make one with `shard compile`")
     try:
         data = json.loads(path.read_text())

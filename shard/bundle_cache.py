@@ -66,7 +66,9 @@ def bundle_key(model: Path, target: str, toolchain: str, options) -> str | None:
     if not options.build_cache or options.dump_after:
         return None
     digest = hashlib.sha256(json.dumps([VERSION, target, toolchain, code_digest()]).encode())
-    chosen = {k: v for k, v in asdict(options).items() if k not in IGNORED}
+    # The profile's and samples' content is hashed below, not where they lie (a decoder's samples are
+    # written to a new temporary folder by each compile).
+    chosen = {k: bool(v) if k in ("profile", "calib") else v for k, v in asdict(options).items() if k not in IGNORED}
     digest.update(json.dumps(chosen, sort_keys=True, default=str).encode())
     for path in (options.profile, options.calib):
         if path:

@@ -76,3 +76,25 @@ def test_a_context_past_the_capacity_stops_in_one_line(decoder):
     prefill(run, cache, table[list(range(28))], 4)
     with pytest.raises(RunError, match="reaches 33 tokens, past the cache's capacity of 32"):
         prefill(run, cache, table[[1, 2, 3, 4, 5]], 4)
+
+
+def test_step_samples_are_a_real_prompts_steps(decoder):
+    """The compile's fidelity inputs for a step: run through the step, each sample's logits are
+    transformers' own for those tokens after the ones already in its cache."""
+    from shard.zoo.decoder import SAMPLE_PROMPT, step_samples
+
+    model, run, table = decoder
+
+    class Words:   # a tokenizer of the sample prompt: a word each, ids below the vocabulary
+        def __call__(self, text):
+            return {"input_ids": [5 + len(word) * 7 % 90 for word in text.split()]}
+
+    samples = step_samples(model, Words(), 4, CAPACITY, count=3)
+    assert samples["inputs_embeds"].shape == (3, 1, 4, 64) and samples["past_key.1"].shape == (3, 1, 2, CAPACITY, 16)
+    ids = Words()(SAMPLE_PROMPT)["input_ids"] * 4
+    with torch.no_grad():
+        want = model(torch.tensor([ids[:CAPACITY + 4]])).logits[0].numpy()
+    for k, length in enumerate(samples["position_ids"][:, 0, 0]):
+        got = run({name: value[k] for name, value in samples.items()})["logits"][0]
+        assert np.abs(got - want[length:length + 4]).max() < 1e-4, k
+    assert list(samples["position_ids"][:, 0, 0]) == [0, 14, 28]

@@ -131,6 +131,8 @@ def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
     folder, _ = checkpoint
     res = shard_cli("generate", str(folder), "--ids", "1")
     assert res.returncode == 1 and "not a generative bundle" in res.stderr
+    res = shard_cli("run", str(cpu_bundle.bundle))
+    assert res.returncode == 1 and "write text with `shard generate`" in res.stderr and "Traceback" not in res.stderr
     gpt2 = tmp_path / "gpt2"
     tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(WORDS)).save_pretrained(gpt2)
     tiny_tokenizer().save_pretrained(gpt2)

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,7 +52,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     cache moves up through as the context grows); nothing left at `output` on failure."""
     from shard.compilation import compile_model
     from shard.zoo.decoder import (VLM, checkpoint_record, embedding_table, export_step, export_vision, load_causal_lm,
-                                   stop_ids, text_parts)
+                                   step_samples, stop_ids, text_parts)
 
     options = options or CompileOptions()
     capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
@@ -67,6 +67,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                 for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
     staging, exports = staging_folder(output), scratch.folder("export")
     steps = {p.name: lambda path, p=p: export_step(model, path, p.width, p.capacity) for p in programs}
+    samples = {p.name: lambda p=p: step_samples(model, tokenizer, p.width, p.capacity) for p in programs}
     vision = None
     if model.config.model_type in VLM:   # the image's program first: the one a VLM runs first
         steps = {"vision": lambda path: export_vision(model, path), **steps}
@@ -76,7 +77,11 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     try:
         for name, export in steps.items():
             progress(f"{name}: export", 0, 1)
-            result = compile_model(export(exports / f"{name}.onnx"), target, staging / name, options,
+            given = options
+            if name in samples and not options.calib:   # the check's inputs: a real prompt's, not random ones
+                np.savez(exports / f"{name}.npz", **samples[name]())
+                given = replace(options, calib=str(exports / f"{name}.npz"))
+            result = compile_model(export(exports / f"{name}.onnx"), target, staging / name, given,
                                    lambda what, *a, name=name: progress(f"{name}: {what}", *a))
             reports[name] = result.report
             (exports / f"{name}.onnx").unlink()

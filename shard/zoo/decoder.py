@@ -174,3 +174,38 @@ def export_vision(model, path: Path, opset: int = 17) -> Path:
         torch.onnx.export(VisionStep(model).eval(), (torch.zeros(1, 3, size, size),), str(path), opset_version=opset,
                           dynamo=False, input_names=["pixel_values"], output_names=["image_features"])
     return path
+
+
+SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence, then name two of its museums."
+
+
+def step_samples(model, tokenizer, width: int, capacity: int, count: int = 2) -> dict[str, np.ndarray]:
+    """Inputs of the step of `width` over `capacity` as a real prompt gives them (shard.calibration's
+    format: a leading sample axis), for the compile's fidelity check and calibration: the prompt's
+    next tokens after its first 0, then more, tokens already in the cache (transformers' own keys
+    and values for them)."""
+    from shard.runtime.generate import step_mask
+
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
+    ids = (ids * (-(-(capacity + width) // len(ids))))[:capacity + width]
+    table, step = torch.as_tensor(embedding_table(model)), CachedStep(model).eval()
+    layers = len(step.body.layers)
+    samples: dict[str, list] = {}
+    for k in range(count):
+        length = (capacity - width) * k // max(count - 1, 1) if capacity > width else 0
+        cache = [torch.zeros(1, step.kv_heads, capacity, step.head_dim) for _ in range(2 * layers)]
+        if length:
+            mask = torch.as_tensor(step_mask(0, length, capacity))
+            with torch.no_grad():
+                written = step(table[ids[:length]][None], torch.arange(length)[None], mask, *cache)[1:]
+            for c, new in zip(cache, written):
+                c[:, :, :length] = new
+        feeds = {"inputs_embeds": table[ids[length:length + width]][None].numpy(),
+                 "position_ids": (length + np.arange(width, dtype=np.int64))[None],
+                 "mask": step_mask(length, width, capacity)}
+        feeds.update({f"past_{kind}.{i // 2}": c.numpy() for i, (kind, c) in
+                      enumerate(zip(["key", "value"] * layers, cache))})
+        for name, value in feeds.items():
+            samples.setdefault(name, []).append(value)
+    return {name: np.stack(values) for name, values in samples.items()}
