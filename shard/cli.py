@@ -366,10 +366,9 @@ def alike(changes: list[dict], dropped: dict) -> list[list[dict]]:
     """Runs of changes that differ only in their node (a decoder's 61 norms): one line each run;
     report.json keeps every one."""
     groups: list[list[dict]] = []
+    same = lambda c: ({k: v for k, v in c.items() if k != "node"}, c["node"] in dropped)  # noqa: E731
     for c in changes:
-        key = ({k: v for k, v in c.items() if k != "node"}, c["node"] in dropped)
-        if groups and "tiles_survived" not in c and key == ({k: v for k, v in groups[-1][0].items() if k != "node"},
-                                                              groups[-1][0]["node"] in dropped):
+        if groups and "tiles_survived" not in c and same(c) == same(groups[-1][0]):
             groups[-1].append(c)
         else:
             groups.append([c])

@@ -262,3 +262,13 @@ def test_a_generations_times_are_split_by_program():
     assert times["decode_tokens_per_s"] == 10.0
     one = Generation([1, 2], [5, 6], "", [(1, 0.1), (1, 0.1), (1, 0.2)], prefill_steps=2)   # a bundle of width 1 only
     assert one.to_json()["prefill_ms"] == [100.0, 100.0] and one.to_json()["decode_ms"] == [200.0]
+
+
+def test_the_same_bundle_format_for_thor(checkpoint, tmp_path):
+    """--target thor: each program a pipeline of fp16 stages (the GPU targets' passes); here run by
+    onnxruntime (the cuda backend needs a GPU), the tokens transformers' own."""
+    folder, model = checkpoint
+    result = compile_generative(folder, "thor", tmp_path / "lm.shard", capacity=32, chunk=4)
+    assert all("stages" in report["passes"] for report in result.reports.values())
+    with load(result.bundle, backend="cpu") as session:
+        assert session.generate(PROMPT, max_new_tokens=8, stop=set()).tokens == transformers_greedy(model, PROMPT, 8)

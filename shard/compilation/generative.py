@@ -12,8 +12,8 @@ import hashlib
 import json
 import math
 import shutil
-from dataclasses import dataclass, replace
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from shard.targets.chips import CHIPS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
-PREFILL_TOKENS = 128   # the prompt length published prefill times are stated at
+PREFILL_TOKENS = 128     # the prompt length published prefill times are stated at
 
 
 def is_causal_lm(source: Path) -> bool:
@@ -41,7 +41,7 @@ class GenerativeResult:
     bundle: Path
     spec: GenerativeSpec
     reports: dict[str, dict]   # each program's compile report
-    predicted: list[dict]   # per cache capacity
+    predicted: list[dict]      # per cache capacity
 
 
 def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
@@ -50,7 +50,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
     at `output`: a program per step width and cache capacity (several capacities: buckets the
     cache moves up through as the context grows); nothing left at `output` on failure."""
-    from shard.compilation import compile_model
+    from shard.compilation import compile_model   # the package's entry, around this module
+    # torch and transformers: imported only when a decoder is compiled
     from shard.zoo.decoder import (VLM, checkpoint_record, embedding_table, export_step, export_vision, load_causal_lm,
                                    step_samples, stop_ids, text_parts)
 
@@ -116,9 +117,9 @@ def decoder_bytes(model) -> int:
 
 def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> list[dict]:
     """Per cache capacity: prefill time for PREFILL_TOKENS and decode tokens/s from the vendor's cycle
-    estimates (each program's predicted latency, its shards and their hand-offs included) and, for
-    decode, from DRAM bandwidth (the fp16 weights and the whole cache read once a token: decode at
-    batch 1 is bound by it)."""
+    estimates (each program's predicted latency: the sum of its shards'; hand-offs are not charged)
+    and, for decode, from DRAM bandwidth (the fp16 weights and the whole cache read once a token:
+    decode at batch 1 is bound by it)."""
     chip = CHIPS.get(target)
     rows = []
     for capacity in spec.capacities:
