@@ -39,6 +39,21 @@ def onnxruntime_steps(model, folder: Path, chunk: int, capacity: int):
     return run, lambda: Cache.empty(config.num_hidden_layers, config.num_key_value_heads, capacity, head_dim)
 
 
+SENTENCES = ["The lighthouse keeper logged every ship that passed the northern cape.",
+             "In winter the harbour froze, and the ferries stopped until March.",
+             "The village school had one classroom, a stove and a map of the world.",
+             "Fishermen mended their nets on the pier while the gulls waited."]
+
+
+def document(tokenizer, tokens: int) -> str:
+    """Sentences in turn until about `tokens` tokens: a long context that reads as text."""
+    text, k = "", 0
+    while len(tokenizer(text)["input_ids"]) < tokens:
+        text += ("" if not text else " ") + SENTENCES[k % len(SENTENCES)]
+        k += 1
+    return text
+
+
 def main() -> None:
     import transformers as tf
 
@@ -54,6 +69,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="greedy tokens to compare per prompt")
     ap.add_argument("--forced", type=int, default=16, help="teacher-forced decode steps per prompt")
     ap.add_argument("--prompts", type=int, default=len(CHAT), help="how many of the chat prompts")
+    ap.add_argument("--document", type=int, default=0, help="put a document of about this many tokens before each "
+                                                           "prompt (a long context)")
     args = ap.parse_args()
     gguf = smollm2_file()
     tokenizer = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -69,7 +86,8 @@ def main() -> None:
         table = embedding_table(model)
         checks, started = [], time.perf_counter()
         for prompt in CHAT[:args.prompts]:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+            text = f"{document(tokenizer, args.document)}\n\n{prompt}" if args.document else prompt
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                 add_generation_prompt=True, return_dict=False)
             checks.append(check_prompt(run, table, cache, chunk, model, ids, args.new, args.forced))
             c = checks[-1]

@@ -244,6 +244,11 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
         out = session.generate("w3 w7", max_new_tokens=8, chat=True, images=[image], stop=set())
         assert out.tokens == transformers_vlm_greedy(model, processor, image, "w3 w7", 8)
         assert out.prompt.count(result.spec.vision["image_token"]) == 4
+        # Two prompts in turn, the second's image seen while the first decodes: the same tokens.
+        each = list(session.generate_each([{"prompt": "w3 w7", "images": [image]}, {"prompt": "w5", "images": [image]}],
+                                          max_new_tokens=8, chat=True, stop=set()))
+        assert each[0].tokens == out.tokens and each[1].tokens == transformers_vlm_greedy(model, processor, image, "w5", 8)
+        assert len(each[1].to_json()["vision_ms"]) == 1
     res = shard_cli("generate", str(result.bundle), "--prompt", "w3 w7", "--chat", "--image", str(image),
                     "--max-new-tokens", "8", "--json", str(tmp_path / "out.json"))
     assert res.returncode == 0, res.stderr

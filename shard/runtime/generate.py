@@ -30,9 +30,10 @@ import hashlib
 import io
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -250,6 +251,12 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
 
 
 @dataclass
+class Sight:
+    features: list[np.ndarray]   # per image, [tokens, hidden]
+    seconds: list[float]         # the vision program's time per image
+
+
+@dataclass
 class Generation:
     prompt: list[int]                 # the prompt's token ids, chat template applied
     tokens: list[int]                 # the new ones
@@ -336,38 +343,42 @@ class GenerativeSession:
         encoded = self.processor(text=text, images=[images], return_tensors="np")
         return [int(t) for t in encoded["input_ids"][0]], np.asarray(encoded["pixel_values"][0], np.float32)
 
-    def embed(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
+    def look(self, pixels: np.ndarray | None) -> Sight:
+        """The images' features from the vision program, with its seconds per image."""
+        sight = Sight([], [])
+        for image in [] if pixels is None else pixels:
+            started = time.perf_counter()
+            sight.features.append(self.vision.run({"pixel_values": image[None]})["image_features"][0])
+            sight.seconds.append(time.perf_counter() - started)
+        return sight
+
+    def embed(self, ids: list[int], sight: Sight | None = None) -> np.ndarray:
         """The prompt's rows for the decoder: each token's embedding, each image token's place taken by
-        the vision program's features of its image, in order."""
+        the image features in order."""
         if not ids or max(ids) >= self.spec.vocab or min(ids) < 0:
             raise RunError(f"a prompt of 1 or more token ids below the vocabulary's {self.spec.vocab}; got {ids[:8]}")
         rows = np.array(self.table[ids], np.float32)
-        if pixels is None:
+        if not sight or not sight.features:
             return rows
-        features = np.concatenate([self.see(image) for image in pixels])
+        features = np.concatenate(sight.features)
         places = np.flatnonzero(np.asarray(ids) == self.spec.vision["image_token"])
         if len(places) != len(features):
             raise RunError(f"the prompt holds {len(places)} image tokens for {len(features)} image features")
         rows[places] = features
         return rows
 
-    def see(self, image: np.ndarray) -> np.ndarray:
-        """One image's features [tokens, hidden], from the vision program (its time in the steps)."""
-        started = time.perf_counter()
-        features = self.vision.run({"pixel_values": image[None]})["image_features"][0]
-        self.steps.append((0, time.perf_counter() - started))
-        return features
-
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None, images: list | None = None,
-                 on_text: Callable[[str], None] | None = None) -> Generation:
+                 on_text: Callable[[str], None] | None = None, sight: Future | None = None) -> Generation:
         """New tokens after `prompt` (text, with the chat template if `chat`, or token ids) and, for a
         VLM, its images: greedy at temperature 0, else sampled (seeded); until a stop token or
-        max_new_tokens. on_text gets the text as it grows, piece by piece."""
+        max_new_tokens. on_text gets the text as it grows, piece by piece. `sight`: the images'
+        features under way elsewhere (generate_each)."""
         ids, pixels = self.encode(prompt, chat, images)
         choose = sampler(temperature, top_p, seed)
-        self.steps = []
-        rows = self.embed(ids, pixels)
+        seen = sight.result() if sight else self.look(pixels)
+        rows = self.embed(ids, seen)
+        self.steps = [(0, seconds) for seconds in seen.seconds]
         shown: list[str] = [""]
         tokens: list[int] = []
 
@@ -385,9 +396,21 @@ class GenerativeSession:
         text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
         return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk))
 
+    def generate_each(self, requests: list[dict], **common) -> Iterator[Generation]:
+        """generate() of each request (a dict of its arguments, over `common`) in turn; every image
+        goes through the vision program on a thread of its own from the start, so the next prompt's
+        image is seen while this one decodes (each program has its own executors: on a board its
+        own cores, on the simulator its own process). Tokenizing stays on this thread."""
+        requests = [{**common, **r} for r in requests]
+        encoded = [self.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
+        with ThreadPoolExecutor(1) as pool:
+            sights = [pool.submit(self.look, pixels) for _, pixels in encoded]
+            for request, sight in zip(requests, sights):
+                yield self.generate(**request, sight=sight)
+
     def logits(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""
-        return prefill(self.run, self.cache(), self.embed(list(ids), pixels), self.spec.chunk)
+        return prefill(self.run, self.cache(), self.embed(list(ids), self.look(pixels)), self.spec.chunk)
 
     def close(self) -> None:
         for session in [*self.sessions.values(), *([self.vision] if getattr(self, "vision", None) else [])]:
