@@ -169,6 +169,10 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, capa
     with progress_bar() as progress:
         result = compile_generative(model, target, output or model.with_suffix(".shard"), options, capacity, chunk,
                                     progress)
+    if result.spec.vision:
+        console.rule(f"program vision: an image of {result.spec.vision['image_size']} x "
+                     f"{result.spec.vision['image_size']} to its features")
+        print_compile_report(result.reports[result.spec.vision["program"]])
     for program in result.spec.programs:
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
                      f"cache of {program.capacity}")
