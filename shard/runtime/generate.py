@@ -1,6 +1,7 @@
 """Generation over fixed-shape steps and a static KV cache (the form of shard.zoo.decoder): the prompt
 in chunks of the prefill step's width, then one token a step. Each step's new keys and values are
-written into the cache in place; nothing grows. numpy only.
+written into the cache in place; nothing grows. numpy only (transformers and Pillow read text and
+images, imported when a prompt is text or has an image).
 
     cache = Cache.empty(layers=30, kv_heads=3, capacity=512, head_dim=64)
     tokens = generate(run, table, table[prompt_ids], cache, max_new=32, chunk=64, stop={2})
