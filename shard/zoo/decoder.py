@@ -34,7 +34,7 @@ VLM = ("idefics3",)   # a decoder of the family after a vision tower
 
 def load_causal_lm(source: Path):
     """(model, tokenizer) of a GGUF file (dequantized to float32) or a transformers folder, eager
-    attention; ShardError where it is not a decoder of the Llama family."""
+    attention; of an Idefics3 folder (model, processor); ShardError for any other model."""
     gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
     folder = source.parent if gguf else source
     try:
