@@ -1,13 +1,15 @@
 """SmolVLM's architecture (Idefics3: SigLIP-512, a pixel-shuffle connector, the trained SmolLM2-135M-
 Instruct decoder from the index; the vision tower and connector seeded, shard.zoo.vlm) as a generative
 bundle, beside transformers fp32: the first greedy tokens for 4 images x 2 chat prompts, run one by
-one and again with each next image seen by the vision program while the one before decodes.
+one and again with each next image seen by the vision program while the one before decodes; and the
+teacher-forced logits of each answer (the reference's tokens fed back) against the reference's.
 
     python bench/vlm.py --folder smolvlm                      # build the model folder (once)
     shard compile smolvlm --target rk3588 -o vlm.shard
     python bench/vlm.py --folder smolvlm --bundle vlm.shard --backend sim
 
-Ends with: RESULT images=... prompts=... same_tokens=... of ... overlap_speedup=...
+Ends with: RESULT images=... prompts=... same_tokens=... of ... fp16_ties=... forced_steps=... top1=...
+           min_cosine=... overlap_speedup=...
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     import torch
     from PIL import Image
 
+    from shard.compare import compare
     from shard.runtime.generate import GenerativeSession
     from shard.zoo.decoder import load_causal_lm
     from shard.zoo.vlm import build_smolvlm
@@ -73,7 +76,7 @@ def main() -> None:
         started = time.perf_counter()   # again, each next image seen while the one before decodes
         overlapped = list(session.generate_each(requests, max_new_tokens=args.new, chat=True, stop=set()))
         ahead = time.perf_counter() - started
-        same = 0
+        same, ties, agree, cosines = 0, 0, [], []
         for request, out, again in zip(requests, outs, overlapped):
             image, prompt = request["images"][0], request["prompt"]
             content = [{"type": "image"}, {"type": "text", "text": prompt}]
@@ -82,15 +85,30 @@ def main() -> None:
             with torch.no_grad():
                 theirs = model.generate(**encoded, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                                         eos_token_id=None, pad_token_id=0)[0, encoded["input_ids"].shape[1]:].tolist()
+                ids = encoded["input_ids"][0].tolist() + theirs
+                want = model(input_ids=torch.tensor([ids]), pixel_values=encoded["pixel_values"],
+                             pixel_attention_mask=encoded["pixel_attention_mask"]).logits[0, len(out.prompt) - 1:].numpy()
+            got = session.logits(ids, session.encode(prompt, True, [image])[1])[len(out.prompt) - 1:]   # teacher-forced
+            agree += [int(np.argmax(g) == np.argmax(w)) for g, w in zip(got, want)]
+            cosines += [compare("logits", w, g).cosine for g, w in zip(got, want)]
             same += out.tokens == theirs == again.tokens
+            note = "same" if out.tokens == theirs == again.tokens else "DIFFERENT"
+            if out.tokens != theirs:   # where: the reference's margin there, beside fp16's spacing at that logit
+                k = next(i for i, (a, b) in enumerate(zip(out.tokens, theirs)) if a != b)
+                top = np.sort(want[k])[-2:]
+                tie = top[1] - top[0] < np.spacing(np.float16(top[1]))
+                ties += tie
+                note += (f" from token {k}: the reference's top two {top[1]:.4f} and {top[0]:.4f} differ by "
+                         f"{top[1] - top[0]:.4f}, fp16's spacing there is {np.spacing(np.float16(top[1])):.4f}"
+                         f"{' (a tie in fp16)' if tie else ''}")
             times = out.to_json()
-            print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; "
-                  f"{'same' if out.tokens == theirs == again.tokens else 'DIFFERENT'} {args.new} tokens {out.text!r}; "
-                  f"image {times['vision_ms'][0]:.0f} ms, prefill {sum(times['prefill_ms']):.0f} ms, decode "
-                  f"{times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
+            print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; {note}; {args.new} tokens "
+                  f"{out.text!r}; image {times['vision_ms'][0]:.0f} ms, prefill {sum(times['prefill_ms']):.0f} ms, "
+                  f"decode {times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
     print(f"{len(requests)} requests on {session.backend}: {one_by_one:.1f} s one by one, {ahead:.1f} s with each next "
           f"image seen while the one before decodes ({one_by_one / ahead:.2f}x)")
-    print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {len(requests)} "
+    print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {len(requests)} fp16_ties={ties} "
+          f"forced_steps={len(agree)} top1={np.mean(agree):.4f} min_cosine={min(cosines):.7f} "
           f"overlap_speedup={one_by_one / ahead:.2f}")
 
 if __name__ == "__main__":
