@@ -258,6 +258,9 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     assert written and written == out.tokens[:len(written)]
     with load(cpu_bundle.bundle) as session, pytest.raises(RunError, match="takes no image"):
         session.generate("w3", images=[image])
+    (tmp_path / "not.png").write_text("text")
+    res = shard_cli("generate", str(result.bundle), "--prompt", "w3", "--image", str(tmp_path / "not.png"))
+    assert res.returncode == 1 and "not.png: not an image this can read" in res.stderr, res.stderr
 
 
 def test_a_generations_times_are_split_by_program():

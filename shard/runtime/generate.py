@@ -221,7 +221,7 @@ class GenerativeSpec:
     stop: list[int]                # tokens that end an answer
     source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
     files: dict = field(default_factory=dict)    # the embeddings' file: {"embeddings.npy": [bytes, sha256]}
-    vision: dict | None = None     # a VLM's: its program's folder, image token, features per image, image side
+    vision: dict | None = None     # a VLM's: its program's folder, its image token, the image's side
     schema_version: int = SCHEMA_VERSION
 
     def to_json(self) -> str:
