@@ -400,8 +400,8 @@ class GenerativeSession:
     def generate_each(self, requests: list[dict], **common) -> Iterator[Generation]:
         """generate() of each request (a dict of its arguments, over `common`) in turn; every image
         goes through the vision program on a thread of its own from the start, so the next prompt's
-        image is seen while this one decodes (each program has its own executors: on a board its
-        own cores, on the simulator its own process). Tokenizing stays on this thread."""
+        image is seen while this one decodes (each program has its own executors; on the simulator
+        its own process). Tokenizing stays on this thread."""
         requests = [{**common, **r} for r in requests]
         encoded = [self.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
         with ThreadPoolExecutor(1) as pool:
