@@ -370,12 +370,13 @@ class GenerativeSession:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None, images: list | None = None,
-                 on_text: Callable[[str], None] | None = None, sight: Future | None = None) -> Generation:
+                 on_text: Callable[[str], None] | None = None, sight: Future | None = None,
+                 encoded: tuple[list[int], np.ndarray | None] | None = None) -> Generation:
         """New tokens after `prompt` (text, with the chat template if `chat`, or token ids) and, for a
         VLM, its images: greedy at temperature 0, else sampled (seeded); until a stop token or
         max_new_tokens. on_text gets the text as it grows, piece by piece. `sight`: the images'
-        features under way elsewhere (generate_each)."""
-        ids, pixels = self.encode(prompt, chat, images)
+        features under way elsewhere, and `encoded` the prompt's encode() already made (generate_each)."""
+        ids, pixels = encoded or self.encode(prompt, chat, images)
         choose = sampler(temperature, top_p, seed)
         seen = sight.result() if sight else self.look(pixels)
         rows = self.embed(ids, seen)
@@ -406,8 +407,8 @@ class GenerativeSession:
         encoded = [self.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
         with ThreadPoolExecutor(1) as pool:
             sights = [pool.submit(self.look, pixels) for _, pixels in encoded]
-            for request, sight in zip(requests, sights):
-                yield self.generate(**request, sight=sight)
+            for request, sight, done in zip(requests, sights, encoded):
+                yield self.generate(**request, sight=sight, encoded=done)
 
     def logits(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
         """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""
