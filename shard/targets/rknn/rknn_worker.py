@@ -276,9 +276,7 @@ def end_with_client():
         time.sleep(1.0)
         try:
             os.kill(CLIENT, 0)
-        except ProcessLookupError:
-            os._exit(3)
-        except PermissionError:   # another user's process took the number: the client is gone
+        except (ProcessLookupError, PermissionError):   # gone, or its number taken by another user's process
             os._exit(3)
 
 
