@@ -1,21 +1,33 @@
-"""The GPU stage pipeline (the cuda executor) against the whole model as one CUDA graph, on the GPU at
-hand, with the roofline cost model next to what each stage really takes. Needs an NVIDIA GPU and torch.
+"""The GPU stage pipeline (the cuda executor) against the baseline a PyTorch user would run instead,
+both measured in the same run on the GPU at hand, with the roofline cost model next to what each
+stage really takes. Needs an NVIDIA GPU and torch.
 
-    python bench/thor.py --models siglip-base-512,siglip-so400m-384 --stages 1,2,3,4
+    python bench/thor.py --models siglip-base-512,siglip-so400m-384 --stages 1,2 --batches 1,4
 
 1. The GPU's profile: `shard probe --target cuda` (bandwidth, matrix-product rates by size, the
-   shortest kernel), written to BUILD/cuda.profile.json once; then, per model, `--ops` on its
-   one-stage bundle: every distinct op's kernel timed alone (what the cost model sums).
-2. Each zoo model exported (seeded weights), compiled with --target cuda --profile that --shards K
-   for each K (K = 1 is the whole model as one stage, one CUDA graph on one stream).
-3. Each bundle run by the cuda executor: one frame's latency (median of --latency-runs), the
-   throughput of run_stream over --frames frames, the cosine against onnxruntime fp32 on the CPU,
-   and each stage's own time (its CUDA graph replayed alone, CUDA events) next to its roofline floor
-   and the cost model's prediction.
-Ends with one line per model:
-    RESULT model=... stages=K speedup=... cosine=... floor_ratio=...
-stages: the K of the highest throughput; speedup: its frames/s over K = 1's; cosine: the worst of
-all K; floor_ratio: the median over every stage of every K of measured / predicted stage time.
+   shortest kernel), written to BUILD/cuda.profile.json once; with --ops, per model, every distinct
+   op of its one-stage bundle timed alone (what the cost model sums).
+2. The baselines, the same seeded weights (shard.zoo.build_model) in fp16 on the GPU: transformers'
+   model with sdpa attention captured as one CUDA graph ("eager graph"), and
+   torch.compile(mode="reduce-overhead") ("compile"); with --max-autotune, also
+   torch.compile(mode="max-autotune"). Each at every batch of --batches.
+3. Each zoo model exported at each batch (seeded weights), compiled with --target cuda for each
+   stage count K, and run by the cuda executor (each stage's eager and torch.compile'd forms, the
+   faster kept): frames/s through run_stream, one batch's latency, the cosine against onnxruntime
+   fp32 on the CPU, and each stage's own time next to the cost model's prediction.
+Frames/s counts images, host to host for both sides, with the same data in and out: a float32 numpy
+batch in, the float32 numpy output back (the baseline as a user writes it: copy_ from
+torch.from_numpy, .float().cpu().numpy()). "device" is the GPU time alone: the baseline's forward,
+the sum of our stages' CUDA graphs. Ends with one line per model:
+    RESULT model=... stages=K batch=B fps=... vs_eager_graph=... vs_compile=... vs_compile_same_batch=...
+        device_vs_compile=... cosine=... predicted_ratio=... over_floor=...
+vs_eager_graph: ours at K stages, batch 1, over the eager graph at batch 1 (the best K); vs_compile:
+the same over torch.compile at batch 1; vs_compile_same_batch: the best of K x B over torch.compile
+at that B; device_vs_compile: torch.compile's device time over the sum of our stages' at K = 1,
+B = 1; cosine: the worst of all runs; predicted_ratio: the median of measured / predicted stage time
+(the cost model sums unfused ops: it does not know the fused kernels yet); over_floor: the median of
+measured / floor (roofline.stage_floor: FLOPs at the peak, weights and the stage's own inputs and
+outputs moved once).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from shard.bundle import TensorSpec
@@ -59,6 +72,9 @@ def stage_seconds(session: Session, repeats: int = 20) -> dict[str, float]:
 
 def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: int) -> dict:
     with Session(bundle, backend="cuda") as session:
+        forms = {name: p.form for e in {id(e): e for e in session.executors.values()}.values()
+                 for name, p in e.prepared.items()}
+        passed = {name: why for e in session.executors.values() for name, why in e.passed_over.items()}
         outputs = session.run(x)   # warm
         worst = min(compare(t.name, reference[t.name], outputs[t.name]).cosine for t in session.manifest.outputs)
         latencies = []
@@ -73,23 +89,106 @@ def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: i
             pass
         rate = frames / (time.perf_counter() - started)
         stages = stage_seconds(session)
-    return {"fps": rate, "latency": statistics.median(latencies), "cosine": worst, "stages": stages}
+    batch = next(iter(x.values())).shape[0]
+    return {"fps": rate * batch, "latency": statistics.median(latencies), "cosine": worst, "stages": stages,
+            "forms": forms, "passed_over": passed}
+
+
+def baseline(name: str, batch: int, mode: str, frames: int) -> dict:
+    """transformers' model, sdpa attention, fp16 on the GPU, at `batch`: mode "eager graph" (its forward
+    captured as one CUDA graph) or a torch.compile mode. Frames/s host to host, and the device time."""
+    import torch
+
+    from shard.zoo import build_model, get_model
+
+    spec = get_model(name)
+    model = build_model(name)
+    model.set_attn_implementation("sdpa")
+    model = model.half().cuda()
+    static = torch.zeros(batch, 3, spec.image_size, spec.image_size, dtype=torch.float16, device="cuda")
+    image = np.random.default_rng(0).standard_normal(tuple(static.shape)).astype(np.float32)
+    forward = lambda: model(pixel_values=static).last_hidden_state  # noqa: E731
+    started = time.perf_counter()
+    with torch.no_grad():
+        if mode == "eager graph":
+            for _ in range(3):
+                forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = forward()
+            run = lambda: (graph.replay(), out)[1]  # noqa: E731
+        else:
+            compiled = torch.compile(model, mode=mode)
+            run = lambda: compiled(pixel_values=static).last_hidden_state  # noqa: E731
+            for _ in range(3):
+                run()
+        torch.cuda.synchronize()
+        built = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(frames):   # what the cuda executor is given and gives back: float32 numpy
+            static.copy_(torch.from_numpy(image))
+            run().float().cpu().numpy()
+        host = (time.perf_counter() - started) / frames
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(frames):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+    return {"fps": batch / host, "latency": host, "device": start.elapsed_time(end) / 1e3 / frames,
+            "built_s": built}
+
+
+
+
+def ours(name: str, args, profile: Path, build: Path, batch: int) -> dict:
+    """Every stage count at one batch: {K: measured}, printed as it goes."""
+    model = exported(name, build, batch)
+    graph = onnx.load(str(model), load_external_data=False).graph
+    x = random_inputs([TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim], "float32")
+                       for i in graph.input])
+    reference = next(run_each(onnx.load(str(model)), [x], [o.name for o in graph.output]))
+    runs = {}
+    for k in [int(s) for s in args.stages.split(",")]:
+        bundle = build / f"{name}-b{batch}-cuda{k}-{args.precision}.shard"
+        started = time.perf_counter()
+        result = compile_model(model, "cuda", bundle, CompileOptions(shards=k, profile=str(profile),
+                                                                      precision=args.precision))
+        compiled = time.perf_counter() - started
+        started = time.perf_counter()
+        r = runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs),
+                       "table": result.report["passes"]["stages"]["stages"]}
+        print(f"{name} K={k} B={batch}: {r['fps']:.1f} frames/s, latency {1e3 * r['latency']:.2f} ms, device "
+              f"{1e3 * sum(r['stages'].values()):.2f} ms over its stages, cosine {r['cosine']:.6f} (compiled in "
+              f"{compiled:.0f} s, loaded and measured in {time.perf_counter() - started:.0f} s; forms "
+              f"{sorted(set(r['forms'].values()))}{'; passed over: ' + str(r['passed_over']) if r['passed_over'] else ''})",
+              flush=True)
+        for row in r["table"]:
+            measured = r["stages"][row["stage"]]
+            print(f"    {row['stage']} ({r['forms'][row['stage']]}): measured {1e3 * measured:.3f} ms, predicted "
+                  f"{1e3 * row['predicted_s']:.3f} ms, floor {1e3 * row['floor_s']:.3f} ms ({row['bound']}), "
+                  f"measured/predicted {measured / row['predicted_s']:.2f}, measured/floor "
+                  f"{measured / row['floor_s']:.2f}", flush=True)
+    return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="siglip-base-512,siglip-so400m-384")
-    ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--batches", default="1,4")
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--latency-runs", type=int, default=30)
     ap.add_argument("--build", default="build")
-    ap.add_argument("--precision", default="fp16", help="fp16 or fp8 (FP8 runs as Q/DQ in torch: no FP8 kernels)")
+    ap.add_argument("--precision", default="fp16", help="fp16 or fp8")
+    ap.add_argument("--ops", action="store_true", help="time every op of the one-stage bundle into the profile")
+    ap.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
     args = ap.parse_args()
     import torch
 
     from shard.probes.cuda import add_measured_ops, probe_cuda
     from shard.profile import load_profile
-    from shard.zoo import export_model
 
     build = Path(args.build)
     build.mkdir(exist_ok=True)
@@ -100,49 +199,66 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()} ({facts['bandwidth_gbs']:.0f} GB/s, fp16 peak "
           f"{facts['peak_tflops']['fp16']:.0f} TFLOP/s, shortest kernel {1e6 * facts['min_kernel_s']:.1f} us); "
           f"torch {torch.__version__}", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = ["eager graph", "reduce-overhead"] + (["max-autotune"] if args.max_autotune else [])
     results = []
     for name in args.models.split(","):
-        model = build / f"{name}.onnx"
-        if not model.exists():
-            started = time.perf_counter()
-            export_model(name, model)
-            print(f"{name}: exported in {time.perf_counter() - started:.0f} s", flush=True)
-        graph = onnx.load(str(model), load_external_data=False).graph
-        x = random_inputs([TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim], "float32")
-                           for i in graph.input])
-        reference = next(run_each(onnx.load(str(model)), [x], [o.name for o in graph.output]))
-        whole = build / f"{name}-cuda-ops.shard"
-        compile_model(model, "cuda", whole, CompileOptions(shards=1, profile=str(profile), precision=args.precision))
-        measured = load_profile("cuda", profile)
-        add_measured_ops(measured, whole)
-        measured.save(profile)
-        runs = {}
-        for k in [int(s) for s in args.stages.split(",")]:
-            bundle = build / f"{name}-cuda{k}-{args.precision}.shard"
-            started = time.perf_counter()
-            result = compile_model(model, "cuda", bundle, CompileOptions(shards=k, profile=str(profile),
-                                                                          precision=args.precision))
-            compiled = time.perf_counter() - started
-            table = result.report["passes"]["stages"]["stages"]
-            runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs), "table": table}
-            r = runs[k]
-            print(f"{name} K={k}: {r['fps']:.1f} frames/s, latency {1e3 * r['latency']:.2f} ms, cosine "
-                  f"{r['cosine']:.6f} (compiled in {compiled:.0f} s)", flush=True)
-            for row in table:
-                measured = r["stages"][row["stage"]]
-                print(f"    {row['stage']}: measured {1e3 * measured:.3f} ms, predicted {1e3 * row['predicted_s']:.3f}"
-                      f" ms, floor {1e3 * row['floor_s']:.3f} ms ({row['bound']}), measured/predicted "
-                      f"{measured / row['predicted_s']:.2f}", flush=True)
-        base = runs[min(runs)]["fps"]
-        print(f"{name}: K, frames/s, x whole graph, latency ms")
-        for k, r in runs.items():
-            print(f"    {k}  {r['fps']:8.1f}  {r['fps'] / base:5.2f}x  {1e3 * r['latency']:7.2f}")
-        best = max(runs, key=lambda k: runs[k]["fps"])
+        base = {}
+        for mode, batch in itertools.product(modes, batches):
+            try:
+                b = base[mode, batch] = baseline(name, batch, mode, args.frames)
+            except Exception as exc:   # noqa: BLE001 - a peer that does not build is said, not fatal
+                print(f"{name} baseline {mode} B={batch}: did not run ({type(exc).__name__}: {exc})", flush=True)
+                continue
+            print(f"{name} baseline {mode} B={batch}: {b['fps']:.1f} frames/s, latency {1e3 * b['latency']:.2f} ms, "
+                  f"device {1e3 * b['device']:.2f} ms (built in {b['built_s']:.0f} s)", flush=True)
+        if args.ops:
+            whole = build / f"{name}-cuda-ops.shard"
+            compile_model(exported(name, build, 1), "cuda", whole, CompileOptions(shards=1, profile=str(profile), precision=args.precision))
+            measured = load_profile("cuda", profile)
+            add_measured_ops(measured, whole)
+            measured.save(profile)
+        runs = {(k, batch): r for batch in batches for k, r in ours(name, args, profile, build, batch).items()}
+        print(f"{name}: K, B, frames/s, latency ms, x eager graph, x torch.compile (at B; host to host), device ms, "
+              f"x eager graph, x torch.compile (device)")
+        for (k, batch), r in runs.items():
+            print(f"    {k}  {batch}  {r['fps']:8.1f}  {1e3 * r['latency']:7.2f}  {over(runs, base, (k, batch), 'eager graph'):>6}"
+                  f"  {over(runs, base, (k, batch), 'reduce-overhead'):>6}  {1e3 * sum(r['stages'].values()):6.2f}  "
+                  f"{over(runs, base, (k, batch), 'eager graph', True):>6}  "
+                  f"{over(runs, base, (k, batch), 'reduce-overhead', True):>6}")
+        single = max((key for key in runs if key[1] == 1), key=lambda key: runs[key]["fps"], default=None)
+        best = max(runs, key=lambda key: runs[key]["fps"] / base.get(("reduce-overhead", key[1]), {"fps": 1})["fps"])
         ratios = [r["stages"][row["stage"]] / row["predicted_s"] for r in runs.values() for row in r["table"]]
-        results.append(f"RESULT model={name} stages={best} speedup={runs[best]['fps'] / base:.3f} "
+        floors = [r["stages"][row["stage"]] / row["floor_s"] for r in runs.values() for row in r["table"]]
+        results.append(f"RESULT model={name} stages={best[0]} batch={best[1]} fps={runs[best]['fps']:.1f} "
+                       f"vs_eager_graph={over(runs, base, single, 'eager graph')} "
+                       f"vs_compile={over(runs, base, single, 'reduce-overhead')} "
+                       f"vs_compile_same_batch={over(runs, base, best, 'reduce-overhead')} "
+                       f"device_vs_compile={over(runs, base, (1, 1), 'reduce-overhead', True)} "
                        f"cosine={min(r['cosine'] for r in runs.values()):.6f} "
-                       f"floor_ratio={statistics.median(ratios):.3f}")
+                       f"predicted_ratio={statistics.median(ratios):.3f} over_floor={statistics.median(floors):.3f}")
     print("\n".join(results))
+
+
+def over(runs: dict, base: dict, key: tuple | None, mode: str, device: bool = False) -> str:
+    """Ours at key (K, B) over the baseline `mode` at B: frames/s, or device time per frame."""
+    if key not in runs or (mode, key[1]) not in base:
+        return "-"
+    if device:
+        return f"{base[mode, key[1]]['device'] / sum(runs[key]['stages'].values()):.3f}"
+    return f"{runs[key]['fps'] / base[mode, key[1]]['fps']:.3f}"
+
+
+def exported(name: str, build: Path, batch: int) -> Path:
+    """The zoo model's ONNX at this batch, exported once into build/."""
+    from shard.zoo import export_model
+
+    model = build / f"{name}-b{batch}.onnx"
+    if not model.exists():
+        started = time.perf_counter()
+        export_model(name, model, batch=batch)
+        print(f"{name}: exported at batch {batch} in {time.perf_counter() - started:.0f} s", flush=True)
+    return model
 
 
 if __name__ == "__main__":

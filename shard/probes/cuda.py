@@ -124,7 +124,7 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
     for k, shard in enumerate(manifest.shards):
         progress(f"ops of {shard.name}", k, len(manifest.shards))
         model = onnx.load(str(bundle / shard.onnx))
-        graph = TorchGraph(model, "cuda", shard.name)
+        graph = TorchGraph(model, "cuda", shard.name, fuse=False)   # op by op: each signature its own kernel
         nodes = {t.name: n for n in gs.import_onnx(model).nodes for t in n.outputs}
         env = dict(graph.values)
         for spec in shard.inputs:

@@ -75,8 +75,9 @@ def get_model(name: str) -> ZooModel:
 
 
 def export_model(name: str, output: str | Path, layers: int | None = None, image_size: int | None = None,
-                 outliers: float = 0.0, seed: int = 0, opset: int = 17) -> Path:
-    """Export a zoo model's encoder (input pixel_values, output last_hidden_state) to ONNX."""
+                 outliers: float = 0.0, seed: int = 0, opset: int = 17, batch: int = 1) -> Path:
+    """Export a zoo model's encoder (input pixel_values, output last_hidden_state) to ONNX, for
+    `batch` images at a time. The weights are build_model's with the same seed."""
     try:
         import torch
     except ImportError:
@@ -84,11 +85,10 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
     spec = get_model(name)
     layers = layers or spec.layers
     image_size = image_size or spec.image_size
-    if layers < 1 or image_size < spec.patch:
-        raise ShardError(f"need --layers >= 1 and --image-size of at least one patch, {spec.patch} "
-                         f"(got {layers}, {image_size})")
-    torch.manual_seed(seed)
-    model = spec.build(layers, image_size).eval()
+    if layers < 1 or image_size < spec.patch or batch < 1:
+        raise ShardError(f"need --layers >= 1, a batch >= 1 and --image-size of at least one patch, {spec.patch} "
+                         f"(got {layers}, {batch}, {image_size})")
+    model = build_model(name, layers, image_size, seed)
     if outliers and not spec.residual_writer:
         raise ShardError(f"{name} has no residual stream to plant an outlier channel in")
     if outliers:
@@ -105,11 +105,21 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
             return getattr(out, "last_hidden_state", out)
 
     output = Path(output)
-    x = torch.randn(1, 3, image_size, image_size)
+    x = torch.randn(batch, 3, image_size, image_size)
     with torch.no_grad():
         torch.onnx.export(Encoder(model), (x,), str(output), opset_version=opset, dynamo=False,
                           input_names=["pixel_values"], output_names=["last_hidden_state"])
     return output
+
+
+def build_model(name: str, layers: int | None = None, image_size: int | None = None, seed: int = 0):
+    """A zoo model in torch, its weights seeded: what export_model writes, and the baseline a
+    PyTorch user would run instead (bench/thor.py)."""
+    import torch
+
+    spec = get_model(name)
+    torch.manual_seed(seed)
+    return spec.build(layers or spec.layers, image_size or spec.image_size).eval()
 
 
 def plant_outlier_channel(linear, magnitude: float, channel: int = 7) -> None:

@@ -5,6 +5,7 @@ a precision."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnx
@@ -21,6 +22,16 @@ def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]
     return each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
 
 
+COMPILE = "SHARD_TORCH_COMPILE"   # 0: the eager form only (loads in seconds; no torch.compile)
+RECOMPILE_LIMIT = 1024
+
+
+def compiles(device: str) -> bool:
+    """Whether each stage is also tried through torch.compile (Triton kernels that fuse its elementwise
+    ops), the faster of the two kept: on a GPU, unless SHARD_TORCH_COMPILE=0."""
+    return device != "cpu" and os.environ.get(COMPILE, "1") != "0"
+
+
 class CudaExecutor(StreamExecutor):
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
                  graphs: bool = True, entering: set[str] = frozenset()):
@@ -30,6 +41,18 @@ class CudaExecutor(StreamExecutor):
         def make_stage(shard: ShardSpec, buffers: list):
             graph = TorchGraph(onnx.load(str(bundle / shard.onnx)), device, shard.name)
             order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
-            return lambda inputs: graph(*[inputs[k] for k in order])
+            forms = {"eager": lambda inputs: graph(*[inputs[k] for k in order])}
+            if compiles(device):
+                import torch
+
+                compiled = torch.compile(graph, dynamic=False)
+
+                def run_compiled(inputs):
+                    # every stage is one more compile of TorchGraph.__call__: past dynamo's limit of 8 a
+                    # code object, later stages would silently run eager
+                    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                        return compiled(*[inputs[k] for k in order])
+                forms["compiled"] = run_compiled
+            return forms
 
         super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering)

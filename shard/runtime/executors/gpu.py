@@ -38,6 +38,23 @@ class Prepared:
     stage: Stage          # kept alive with it: a CUDA graph holds only raw pointers to the weights it reads
     graph: object = None  # torch.cuda.CUDAGraph, or None to call the stage each time
     host: dict = None     # {tensor: page-locked host buffer} for what crosses to or from numpy
+    form: str = "eager"   # which of the stage's forms this is (eager torch ops, torch.compile'd)
+    seconds: float | None = None   # one replay, where forms were timed against each other
+
+
+def replay_seconds(torch, graph, stream, repeats: int = 10) -> float:
+    """One replay of a captured graph, the median of `repeats` timed with CUDA events."""
+    times = []
+    with torch.cuda.stream(stream):
+        graph.replay()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def require_cuda(who: str = "the cuda and tensorrt backends", instead: str = "run this bundle with --backend cpu"):
@@ -65,14 +82,37 @@ class StreamExecutor:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.prepared: dict[str, Prepared] = {}
+        self.passed_over: dict[str, str] = {}   # stage -> why a faster form of it could not be used
         for shard in shards:
             self.prepared[shard.name] = self._prepare(shard, make_stage, graphs and self.cuda)
 
     def _prepare(self, shard: ShardSpec, make_stage, capture: bool) -> Prepared:
+        """The stage in fixed buffers, captured. make_stage may offer several forms of it ({form: stage},
+        the plainest first): each is captured and timed, and the fastest kept; a form that fails to
+        build or capture is passed over (the plainest must not fail)."""
         torch = self.torch
         inputs = [torch.zeros(shard.edge_shapes.get(t.name, t.shape), dtype=getattr(torch, t.dtype), device=self.device)
                   for t in shard.inputs]
-        stage = make_stage(shard, inputs)
+        forms = make_stage(shard, inputs)
+        forms = forms if isinstance(forms, dict) else {"eager": forms}
+        best = None
+        for k, (form, stage) in enumerate(forms.items()):
+            try:
+                prepared = self._capture(shard, stage, inputs, capture)
+            except Exception as exc:   # noqa: BLE001 - a faster form that does not build is not used
+                if k == 0:
+                    raise
+                self.passed_over[shard.name] = f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                continue
+            prepared.form = form
+            if len(forms) > 1 and prepared.graph is not None:
+                prepared.seconds = replay_seconds(torch, prepared.graph, self.stream)
+            if best is None or (prepared.seconds or 0) < (best.seconds or 0):
+                best = prepared
+        return best
+
+    def _capture(self, shard: ShardSpec, stage, inputs: list, capture: bool) -> Prepared:
+        torch = self.torch
         with torch.no_grad(), self._on_stream():
             outputs = stage(inputs)          # warm-up: kernels chosen, lazy initialisation done
             outputs = stage(inputs)

@@ -11,6 +11,7 @@ Nodes whose inputs are all constants (a weight's DequantizeLinear) are computed 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable
 
 import numpy as np
@@ -18,6 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from shard.errors import RunError
+from shard.runtime.executors import torch_fusions
 
 TORCH_DTYPES = {  # ONNX element type -> torch dtype name
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
@@ -48,7 +50,7 @@ def to_torch(tensor: onnx.TensorProto, device):
 class TorchGraph:
     """Call with the stage's inputs (torch tensors, in the graph's input order); returns its outputs."""
 
-    def __init__(self, model: onnx.ModelProto, device="cpu", name: str = "stage"):
+    def __init__(self, model: onnx.ModelProto, device="cpu", name: str = "stage", fuse: bool = True):
         import torch
 
         self.name = name
@@ -62,17 +64,26 @@ class TorchGraph:
         self.inputs = [i.name for i in graph.input if i.name not in self.values]
         self.outputs = [o.name for o in graph.output]
         self.steps: list[tuple[Callable, list[str], list[str]]] = []
+        self.fused: Counter = Counter()   # how many runs of ops each fused kernel replaced
+        live = []
         with torch.no_grad():
             for node in graph.node:
-                fn = self._lower(node)
                 if all(not i or i in self.values for i in node.input):   # constant: computed once, here
-                    results = fn(*[self.values.get(i) for i in node.input])
+                    results = self._lower(node)(*[self.values.get(i) for i in node.input])
                     for name, value in zip(node.output, results if isinstance(results, tuple) else (results,)):
                         self.values[name] = value
                         if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() < 4096:
                             self.host[name] = value.cpu().numpy()
                 else:
-                    self.steps.append((fn if self._on_gpu() else on_cpu(fn), list(node.input), list(node.output)))
+                    live.append(node)
+            steps = torch_fusions.plan(live, self.values, set(self.outputs), self._lower) if fuse else live
+        wrap = (lambda fn: fn) if self._on_gpu() else on_cpu
+        for step in steps:
+            if isinstance(step, torch_fusions.Fused):
+                self.fused[step.kind] += 1
+                self.steps.append((wrap(step.fn), step.inputs, step.outputs))
+            else:
+                self.steps.append((wrap(self._lower(step)), list(step.input), list(step.output)))
 
     def __call__(self, *args):
         env = dict(self.values)

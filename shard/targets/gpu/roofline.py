@@ -127,3 +127,14 @@ def stage_cost(nodes: list[gs.Node], facts: dict) -> Cost:
     for node in nodes:
         total += node_cost(node, facts)
     return total
+
+
+def stage_floor(nodes: list[gs.Node], inputs: list[gs.Tensor], outputs: list[gs.Tensor], facts: dict) -> dict:
+    """What no implementation of the stage can beat, however its ops are fused: its FLOPs at the peak
+    rate, and its weights plus its own inputs and outputs moved once over DRAM (stage_cost's floor
+    sums every op's operands and results, which fused kernels never write)."""
+    ops = stage_cost(nodes, facts)
+    compute = ops.compute_s   # each op's FLOPs at its precision's peak
+    memory = (ops.weight_bytes + sum(tensor_bytes(t) for t in (*inputs, *outputs))) / (facts["bandwidth_gbs"] * 1e9)
+    return {"floor_s": max(compute, memory), "bound": "compute" if compute >= memory else "memory",
+            "ops_floor_s": ops.floor_s}

@@ -19,7 +19,7 @@ from shard.errors import ModelError
 from shard.graph import numpy_dtype
 from shard.passes.context import PassContext
 from shard.passes.partition import build_dataflow, choose_cuts, live_bytes_after, shard_boundaries
-from shard.targets.gpu.roofline import node_cost, stage_cost
+from shard.targets.gpu.roofline import node_cost, stage_cost, stage_floor
 
 DEFAULT_STAGES = 2   # the seed's two-stream pipeline; --shards K asks for K
 
@@ -45,7 +45,7 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     live = live_bytes_after(graph, dag, {name for name, t in graph.tensors().items() if cuttable(t)})
     cuts = choose_cuts(costs, live, min(wanted, len(graph.nodes)))
     ctx.plan = shard_boundaries(graph, cuts)
-    table = [{"stage": plan.name, "nodes": len(plan.nodes), **asdict(cost), "bound": cost.bound}
-             for plan, cost in ((p, stage_cost(p.nodes, facts)) for p in ctx.plan)]
+    table = [{"stage": plan.name, "nodes": len(plan.nodes), **asdict(stage_cost(plan.nodes, facts)),
+              **stage_floor(plan.nodes, plan.inputs, plan.outputs, facts)} for plan in ctx.plan]
     return graph, {"requested": wanted, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts],
                    "stages": table, "macs": [p.macs for p in ctx.plan]}

@@ -1,0 +1,242 @@
+"""Fused kernels for the torch form of a stage: runs of ONNX ops replaced by the one torch function
+that computes them in one kernel.
+
+- attention: MatMul(Q, Kᵀ), a scalar scale, an additive mask, Softmax, MatMul(·, V) as
+  scaled_dot_product_attention (flash or memory-efficient attention on a GPU: the scores never
+  reach memory);
+- linear: MatMul by a constant weight and Add of a constant bias as F.linear (the bias added in the
+  product's epilogue);
+- an elementwise function of one tensor (GELU in its erf or tanh form, SiLU), whatever ops the
+  exporter spelled it with: the region is recognised by its values on a grid, not by its shape.
+
+Each match is checked when its stage is loaded, and its nodes' intermediate tensors must be used by
+nothing else, so a stage computes the same function with or without the fusions.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import onnx
+
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Tanh", "Erf", "Sigmoid", "Sqrt", "Exp", "Neg", "Reciprocal"}
+REGION_NODES = 16   # an elementwise function spelled in more ops than this is left alone
+
+
+@dataclass
+class Fused:
+    kind: str                       # attention, linear, gelu, gelu_tanh, silu
+    fn: Callable
+    inputs: list[str]
+    outputs: list[str]
+    nodes: list[onnx.NodeProto] = field(repr=False)
+    drops: list[str] = field(default_factory=list)   # constants only the fused nodes read, freed once fused
+
+
+@dataclass
+class Nodes:
+    """A stage's nodes, with who makes and who reads each tensor."""
+    order: list[onnx.NodeProto]
+    values: dict                    # constants: torch tensors
+    lower: Callable                 # a node -> the torch function that computes it
+    producer: dict = field(default_factory=dict)
+    consumers: dict = field(default_factory=dict)
+    uses: Counter = field(default_factory=Counter)
+
+    def __post_init__(self):
+        for n in self.order:
+            self.producer.update({o: n for o in n.output})
+            for i in n.input:
+                if i:
+                    self.consumers.setdefault(i, []).append(n)
+                    self.uses[i] += 1
+
+
+def plan(nodes: list[onnx.NodeProto], values: dict, keep: set[str], lower: Callable) -> list:
+    """The stage's steps: each node, or a Fused in place of the last node of the run it replaces.
+    `values` holds the constants (torch tensors), `keep` the tensors that must exist (stage outputs),
+    `lower` gives a node's torch function."""
+    stage = Nodes(nodes, values, lower)
+    stage.uses.update(keep)
+    taken: dict[int, Fused] = {}
+    matched: list[Fused] = []
+    for node in nodes:
+        for matcher in MATCHERS:
+            found = matcher(node, stage)
+            if found is not None and not any(id(n) in taken for n in found.nodes):
+                taken.update({id(n): found for n in found.nodes})
+                matched.append(found)
+                break
+    for name in (name for f in matched for name in f.drops):   # after matching: matchers read the constants
+        values.pop(name, None)
+    anchors = {id(f.nodes[-1]) for f in matched}   # a fusion's nodes are in stage order: its last one
+    return [taken[id(n)] if id(n) in anchors else n for n in nodes if id(n) not in taken or id(n) in anchors]
+
+
+def single_use(tensor: str, uses: Counter) -> bool:
+    return uses[tensor] == 1
+
+
+def scalar(values: dict, name: str) -> float | None:
+    value = values.get(name)
+    return float(value.reshape(-1)[0]) if value is not None and value.numel() == 1 else None
+
+
+def attention(node, stage: Nodes) -> Fused | None:
+    """MatMul(Softmax([Mul|Div](MatMul(q, kt), c) [+ mask]), v), the softmax over the last axis."""
+    producer, uses, values = stage.producer, stage.uses, stage.values
+    if node.op_type != "MatMul" or any(i in values for i in node.input):
+        return None
+    probs, v = node.input
+    soft = producer.get(probs)
+    if soft is None or soft.op_type != "Softmax" or not single_use(probs, uses):
+        return None
+    if {a.name: onnx.helper.get_attribute_value(a) for a in soft.attribute}.get("axis", -1) != -1:
+        return None
+    chain, mask, scale = [soft, node], None, 1.0
+    scores = soft.input[0]
+    add = producer.get(scores)
+    if add is not None and add.op_type == "Add" and single_use(scores, uses):
+        for k in (0, 1):
+            inner = producer.get(add.input[k])
+            if inner is not None and inner.op_type in ("Mul", "Div", "MatMul") and add.input[1 - k] not in values:
+                chain, mask, scores = [add, *chain], add.input[1 - k], add.input[k]
+                break
+    scaled = producer.get(scores)
+    if scaled is not None and scaled.op_type in ("Mul", "Div") and single_use(scores, uses):
+        constant = [i for i in scaled.input if scalar(values, i) is not None]
+        if len(constant) == 1 and (scaled.op_type == "Mul" or scaled.input[1] == constant[0]):
+            c = scalar(values, constant[0])
+            scale = c if scaled.op_type == "Mul" else 1.0 / c
+            chain, scores = [scaled, *chain], next(i for i in scaled.input if i != constant[0])
+    product = producer.get(scores)
+    if product is None or product.op_type != "MatMul" or not single_use(scores, uses) \
+            or any(i in values for i in product.input):
+        return None
+    q, kt = product.input
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run(q, kt, v, mask=None):
+        k = kt.transpose(-1, -2)
+        if q.dim() < 3 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2] or v.dtype != q.dtype \
+                or (mask is not None and mask.dtype not in (q.dtype, torch.bool)):
+            s = (q @ kt) * scale   # batch dims broadcast (one key head for several): the plain form
+            return ((s if mask is None else s + mask).softmax(-1)) @ v
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
+    return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), [product, *chain])
+
+
+def linear(node, stage: Nodes) -> Fused | None:
+    """Add(MatMul(x, W), b) with W a constant matrix and b a constant vector of its width."""
+    producer, uses, values = stage.producer, stage.uses, stage.values
+    if node.op_type != "Add":
+        return None
+    for k in (0, 1):
+        product, bias = producer.get(node.input[k]), values.get(node.input[1 - k])
+        if product is None or product.op_type != "MatMul" or bias is None or not single_use(node.input[k], uses):
+            continue
+        x, w = product.input
+        weight = values.get(w)
+        if x in values or weight is None or weight.dim() != 2 or bias.numel() != weight.shape[1] \
+                or bias.dim() > 1 and bias.shape[-1] != bias.numel() or bias.dtype != weight.dtype:
+            continue
+        import torch
+
+        packed, b = weight.t().contiguous(), bias.reshape(-1).contiguous()
+        return Fused("linear", lambda x: torch.nn.functional.linear(x, packed, b), [x], list(node.output),
+                     [product, node], [name for name in (w, node.input[1 - k]) if single_use(name, uses)])
+    return None
+
+
+def elementwise_function(node, stage: Nodes) -> Fused | None:
+    """A region of elementwise ops over one tensor x, with scalar constants only, ending in one tensor,
+    seeded at its Tanh, Erf or Sigmoid, whose values on a grid are those of a function torch has."""
+    if node.op_type not in ("Tanh", "Erf", "Sigmoid"):
+        return None
+    producer, uses, values = stage.producer, stage.uses, stage.values
+    is_op = lambda n: n is not None and n.op_type in ELEMENTWISE and all(  # noqa: E731
+        i not in values or values[i].numel() == 1 for i in n.input)
+    cone, stack, leaves = set(), [node], set()
+    while stack:   # the seed's elementwise ancestors; what feeds them from outside is x
+        n = stack.pop()
+        if id(n) in cone:
+            continue
+        cone.add(id(n))
+        for i in n.input:
+            if i in values:
+                continue
+            if is_op(producer.get(i)) and len(cone) < REGION_NODES:
+                stack.append(producer[i])
+            else:
+                leaves.add(i)
+    if len(leaves) != 1:
+        return None
+    x = leaves.pop()
+    region = grow(x, stage, is_op)
+    if region is None or all(n is not node for n in region):
+        return None
+    sinks = [o for n in region for o in n.output
+             if uses[o] > sum(i == o for m in region for i in m.input)]
+    if len(sinks) != 1:
+        return None
+    kind = identify(region, x, sinks[0], stage)
+    if kind is None:
+        return None
+    return Fused(kind, function(kind), [x], sinks, region)
+
+
+def grow(x: str, stage: Nodes, is_op) -> list | None:
+    """Every op reachable from x whose inputs are x, constants or the region's own tensors, in stage order."""
+    region, known, frontier = {}, {x}, [x]
+    while frontier:
+        for n in stage.consumers.get(frontier.pop(), []):
+            if id(n) in region or not is_op(n) or not all(i in known or i in stage.values for i in n.input):
+                continue
+            region[id(n)] = n
+            if len(region) > REGION_NODES:
+                return None
+            known.update(n.output)
+            frontier.extend(n.output)
+    order = {id(n): k for k, n in enumerate(stage.order)}
+    return sorted(region.values(), key=lambda n: order[id(n)])
+
+
+FUNCTIONS = ("gelu", "gelu_tanh", "silu")
+
+
+def function(kind: str) -> Callable:
+    """The torch function of one of FUNCTIONS."""
+    import functools
+
+    import torch
+
+    F = torch.nn.functional
+    return {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "silu": F.silu}[kind]
+
+
+def identify(region: list, x: str, y: str, stage: Nodes) -> str | None:
+    """Which of FUNCTIONS the region computes, from its values on [-8, 8] in float64 (fp16 constants
+    are rounded: the tolerance is fp16's)."""
+    import torch
+
+    grid = torch.linspace(-8, 8, 2001, dtype=torch.float64)
+    env = {x: grid}
+    for n in region:
+        for i in n.input:
+            if i not in env and i in stage.values and stage.values[i].is_floating_point():
+                env[i] = stage.values[i].double().cpu()
+        if any(i not in env for i in n.input):
+            return None
+        env[n.output[0]] = stage.lower(n)(*[env[i] for i in n.input])
+    got = env[y]
+    errors = {kind: float(((got - function(kind)(grid)).abs() / function(kind)(grid).abs().clamp(min=1.0)).max())
+              for kind in FUNCTIONS}
+    kind = min(errors, key=errors.get)   # GELU's two forms differ by 5e-4 at most: the nearer one
+    return kind if errors[kind] <= 2e-3 else None
+
+
+MATCHERS = (elementwise_function, attention, linear)

@@ -1,0 +1,150 @@
+"""The cuda executor's fused kernels (shard.runtime.executors.torch_fusions), on the CPU: each fused
+stage against onnxruntime on the unfused graph (numerics), and which runs were fused (structure)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import run_ort
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+torch = pytest.importorskip("torch")
+
+from shard.runtime.executors.torch_graph import TorchGraph  # noqa: E402
+
+rng = np.random.default_rng(0)
+
+
+def model_of(nodes, inputs: dict[str, list[int]], outputs: dict[str, list[int]], inits: dict[str, np.ndarray] = ()):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs.items()],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs.items()],
+                              [onnx.numpy_helper.from_array(v, n) for n, v in dict(inits).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    return model
+
+
+def fused_and_checked(model: onnx.ModelProto, feeds: dict[str, np.ndarray], atol=1e-4) -> TorchGraph:
+    """The model's TorchGraph, after checking its outputs against onnxruntime's and the unfused form's."""
+    want = run_ort(model, feeds, optimize=False)
+    graph = TorchGraph(model, "cpu")
+    with torch.no_grad():
+        got = graph(*[torch.from_numpy(feeds[n]) for n in graph.inputs])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), w, atol=atol, rtol=1e-4)
+    return graph
+
+
+def attention_model(heads: int, kv_heads: int, length: int, keys: int, dim: int, scale_op: str, mask: bool,
+                    probs_out: bool = False):
+    scale = 1 / math.sqrt(dim)
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"])]
+    last = "s"
+    if scale_op:
+        nodes.append(helper.make_node(scale_op, ["s", "c"], ["s2"]))
+        last = "s2"
+    if mask:
+        nodes.append(helper.make_node("Add", [last, "m"], ["s3"]))
+        last = "s3"
+    nodes += [helper.make_node("Softmax", [last], ["p"], axis=-1), helper.make_node("MatMul", ["p", "v"], ["y"])]
+    inputs = {"q": [1, heads, length, dim], "k": [1, kv_heads, keys, dim], "v": [1, kv_heads, keys, dim],
+              **({"m": [1, 1, length, keys]} if mask else {})}
+    outputs = {"y": [1, heads, length, dim], **({"p": [1, heads, length, keys]} if probs_out else {})}
+    c = np.array(scale if scale_op == "Mul" else 1 / scale, np.float32)
+    return model_of(nodes, inputs, outputs, {"c": c} if scale_op else {}), inputs
+
+
+@settings(max_examples=20, deadline=None)
+@given(heads=st.integers(1, 4), length=st.integers(1, 9), keys=st.integers(1, 9), dim=st.sampled_from([4, 8, 16]),
+       scale_op=st.sampled_from(["Mul", "Div", ""]), mask=st.booleans())
+def test_attention_runs_as_one_sdpa(heads, length, keys, dim, scale_op, mask):
+    model, inputs = attention_model(heads, heads, length, keys, dim, scale_op, mask)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()}
+    if mask:   # a causal-like additive mask: large negatives where a key is hidden
+        feeds["m"] = np.where(rng.random(inputs["m"]) < 0.3, -1e4, 0.0).astype(np.float32)
+    graph = fused_and_checked(model, feeds)
+    assert graph.fused == {"attention": 1}
+    assert len(graph.steps) == 2   # the Transpose (a view) and the attention
+
+
+def test_attention_whose_probabilities_are_an_output_is_not_fused():
+    model, inputs = attention_model(2, 2, 5, 6, 8, "Mul", False, probs_out=True)
+    graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})
+    assert not graph.fused
+
+
+def test_attention_over_one_shared_key_head_broadcasts():
+    """Grouped keys broadcast by MatMul (one key head for four query heads): sdpa does not broadcast heads,
+    the fused step computes it the plain way."""
+    model, inputs = attention_model(4, 1, 5, 6, 8, "Mul", True)
+    graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})
+    assert graph.fused == {"attention": 1}
+
+
+def test_linear_with_its_bias():
+    w, b = rng.standard_normal((16, 24)).astype(np.float32), rng.standard_normal(24).astype(np.float32)
+    model = model_of([helper.make_node("MatMul", ["x", "w"], ["t"]), helper.make_node("Add", ["b", "t"], ["y"])],
+                     {"x": [2, 5, 16]}, {"y": [2, 5, 24]}, {"w": w, "b": b})
+    graph = fused_and_checked(model, {"x": rng.standard_normal((2, 5, 16)).astype(np.float32)})
+    assert graph.fused == {"linear": 1} and len(graph.steps) == 1
+    assert "w" not in graph.values   # the weight is held once, in the fused step's layout
+
+
+def elementwise(kind: str):
+    """GELU (erf and tanh forms) and SiLU as exporters spell them."""
+    c = lambda name, v: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(v, np.float32)))  # noqa: E731
+    n = helper.make_node
+    if kind == "gelu":
+        return [c("r2", math.sqrt(2)), c("one", 1.0), c("half", 0.5), n("Div", ["x", "r2"], ["a"]), n("Erf", ["a"], ["e"]),
+                n("Add", ["e", "one"], ["f"]), n("Mul", ["x", "f"], ["g"]), n("Mul", ["g", "half"], ["y"])]
+    if kind == "gelu_tanh":
+        return [c("k", 0.044715), c("s", math.sqrt(2 / math.pi)), c("one", 1.0), c("half", 0.5), c("three", 3.0),
+                n("Pow", ["x", "three"], ["p"]), n("Mul", ["k", "p"], ["kp"]), n("Add", ["x", "kp"], ["a"]),
+                n("Mul", ["a", "s"], ["b"]), n("Tanh", ["b"], ["t"]), n("Add", ["one", "t"], ["u"]),
+                n("Mul", ["half", "x"], ["h"]), n("Mul", ["h", "u"], ["y"])]
+    if kind == "silu":
+        return [n("Sigmoid", ["x"], ["s"]), n("Mul", ["x", "s"], ["y"])]
+    return [n("Tanh", ["x"], ["t"]), n("Mul", ["x", "t"], ["y"])]   # x tanh(x): no torch function
+
+
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu", "x_tanh_x"])
+def test_an_elementwise_function_is_known_by_its_values(kind):
+    model = model_of(elementwise(kind), {"x": [3, 40]}, {"y": [3, 40]})
+    graph = fused_and_checked(model, {"x": (4 * rng.standard_normal((3, 40))).astype(np.float32)})
+    assert graph.fused == ({kind: 1} if kind != "x_tanh_x" else {})
+    if kind != "x_tanh_x":
+        assert len(graph.steps) == 1
+
+
+def test_a_function_whose_inner_value_is_used_elsewhere_stays_unfused():
+    nodes = elementwise("silu") + [helper.make_node("Add", ["s", "y"], ["z"])]   # the sigmoid read twice
+    model = model_of(nodes, {"x": [3, 8]}, {"z": [3, 8]})
+    graph = fused_and_checked(model, {"x": rng.standard_normal((3, 8)).astype(np.float32)})
+    assert not graph.fused
+
+
+def test_a_transformer_block_in_fp16_fuses_every_run():
+    """A stage as the GPU pipeline writes it (a zoo encoder's two layers, strongly typed fp16): every
+    attention, linear and GELU fused, the output as the unfused stage's to fp16 rounding."""
+    from shard.compilation import compile_model
+    from shard.options import CompileOptions
+    from shard.zoo import export_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = export_model("siglip-base-512", Path(tmp) / "s.onnx", layers=2, image_size=64)
+        result = compile_model(model, "thor", Path(tmp) / "s.shard", CompileOptions(shards=1))
+        stage = onnx.load(str(result.bundle / result.manifest.shards[0].onnx))
+    x = torch.from_numpy(rng.standard_normal((1, 3, 64, 64)).astype(np.float32))
+    fused, plain = TorchGraph(stage, "cpu"), TorchGraph(stage, "cpu", fuse=False)
+    assert fused.fused == {"attention": 2, "linear": 12, "gelu_tanh": 2}
+    with torch.no_grad():
+        a, b = fused(x)[0].float(), plain(x)[0].float()
+    assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.9999
