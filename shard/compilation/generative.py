@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from shard import scratch
-from shard.compilation.staging import check_output_path, replace_dir, staging_folder
+from shard.compilation.cached import compile_one_model
+from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
@@ -50,12 +51,12 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
     at `output`: a program per step width and cache capacity (several capacities: buckets the
     cache moves up through as the context grows); nothing left at `output` on failure."""
-    from shard.compilation import compile_model   # the package's entry, around this module
     # torch and transformers: imported only when a decoder is compiled
     from shard.zoo.decoder import (VLM, checkpoint_record, embedding_table, export_step, export_vision, load_causal_lm,
                                    step_samples, stop_ids, text_parts)
 
     options = options or CompileOptions()
+    check_options(options)
     capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
     if not capacities or not 1 <= chunk <= capacities[0]:
         raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to the smallest --max-context "
@@ -82,8 +83,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
             if name in samples and not options.calib:   # the check's inputs: a real prompt's, not random ones
                 np.savez(exports / f"{name}.npz", **samples[name]())
                 given = replace(options, calib=str(exports / f"{name}.npz"))
-            result = compile_model(export(exports / f"{name}.onnx"), target, staging / name, given,
-                                   lambda what, *a, name=name: progress(f"{name}: {what}", *a))
+            result = compile_one_model(export(exports / f"{name}.onnx"), target, staging / name, given,
+                                       lambda what, *a, name=name: progress(f"{name}: {what}", *a))
             reports[name] = result.report
             (exports / f"{name}.onnx").unlink()
         tokenizer.save_pretrained(staging / "tokenizer")
