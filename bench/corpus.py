@@ -50,7 +50,7 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
-      "bool_mask", "embed_linear", "bert-tiny"]
+      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads"]
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Side:
     cosine: float | None = None
     seconds: float = 0.0
     figures: dict = field(default_factory=dict)
+    rules: list[str] = field(default_factory=list)   # the vendor rules shard turned off after they crashed
 
     @property
     def clean(self) -> bool:
@@ -145,7 +146,50 @@ def embed_linear(path: Path) -> Path:
     return path
 
 
-REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear}
+def fused_qkv(path: Path, tokens: int = 16, width: int = 64, heads: int = 4) -> Path:
+    """One projection to q, k and v with a zero bias added before it (Add(bias, product)), Reshape
+    [1, N, 3, heads, hd], Transpose, Split: the vendor's `seperate_exmatmul_rs_split` crashes on it
+    ("cannot reshape array of size 1 into shape (1,newaxis,3,1,1)": it shrinks the zeros to one)."""
+    hd = width // heads
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((width, 3 * width)) / 8).astype(np.float32), "W"),
+             numpy_helper.from_array(np.zeros(3 * width, np.float32), "b"),
+             numpy_helper.from_array(np.array([1, tokens, 3, heads, hd], np.int64), "shape"),
+             numpy_helper.from_array(np.array([1, tokens, width], np.int64), "back"),
+             numpy_helper.from_array(np.array([0], np.int64), "first")]
+    n = helper.make_node
+    nodes = [n("MatMul", ["x", "W"], ["h"], name="qkv"), n("Add", ["b", "h"], ["hb"], name="qkv_bias"),
+             n("Reshape", ["hb", "shape"], ["r"], name="split_heads"),
+             n("Transpose", ["r"], ["t"], perm=[2, 0, 3, 1, 4], name="heads_first"),
+             n("Split", ["t"], ["q5", "k5", "v5"], axis=0, name="qkv_split"),
+             *[n("Squeeze", [f"{x}5", "first"], [x], name=f"squeeze_{x}") for x in "qkv"],
+             n("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2], name="keys"), n("MatMul", ["q", "kt"], ["s"], name="scores"),
+             n("Softmax", ["s"], ["p"], axis=-1, name="softmax"), n("MatMul", ["p", "v"], ["o"], name="context"),
+             n("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3], name="merge"),
+             n("Reshape", ["ot", "back"], ["y"], name="merge_heads")]
+    return save(path, nodes, [("x", [1, tokens, width])], [("y", [1, tokens, width])], inits)
+
+
+def two_heads(path: Path, width: int = 64, classes: int = 10) -> Path:
+    """Two linear heads on one pooled vector, added and halved (a distilled classifier's head and its
+    distillation head): the vendor's `fuse_conv_conv_add` crashes ("'NoneType' object is unsliceable")."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array((rng.standard_normal((classes, width)) / 8).astype(np.float32), "W1"),
+             numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((classes, width)) / 8).astype(np.float32), "W2"),
+             numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "b2"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["g"], name="pool"),
+             helper.make_node("Flatten", ["g"], ["f"], axis=1, name="flatten"),
+             helper.make_node("Gemm", ["f", "W1", "b1"], ["h1"], transB=1, name="head"),
+             helper.make_node("Gemm", ["f", "W2", "b2"], ["h2"], transB=1, name="head_dist"),
+             helper.make_node("Add", ["h1", "h2"], ["s"], name="sum"),
+             helper.make_node("Div", ["s", "two"], ["y"], name="half")]
+    return save(path, nodes, [("x", [1, width, 7, 7])], [("y", [1, classes])], inits)
+
+
+REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
+               "two_heads": two_heads}
 
 
 def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
@@ -161,6 +205,7 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
         result.builds, result.regtask = True, totals["regtask_lines"]
         result.cpu_ops, result.single_core = totals["cpu_ops"], totals["single_core_fallbacks"]
         result.mcycles = totals["estimated_cycles"] / 1e6
+        result.rules = sorted({r for s in compiled.report["shards"] for r in s["diagnostics"].get("disabled_rules", [])})
         result.figures = compiled.report.get("versus_vendor") or {}
         fidelity = result.figures.get("fidelity")
         if fidelity:

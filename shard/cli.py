@@ -416,6 +416,10 @@ def print_versus_vendor(report: dict) -> None:
 
 def print_fallbacks(report: dict) -> None:
     for s in report["shards"]:
+        if s["diagnostics"].get("disabled_rules"):
+            crash = s["diagnostics"]["crashes"][0].split(": ", 1)[-1]
+            console.print(f"{s['name']}: {crash}; built again with the toolkit's "
+                          f"disable_rules={s['diagnostics']['disabled_rules']} (where the vendor alone stops)")
         for op in s["diagnostics"].get("cpu_ops", []):
             console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
         for layer in s["diagnostics"].get("single_core_fallbacks", []):

@@ -51,3 +51,12 @@ def test_ops_the_vendor_puts_on_the_cpu_run_on_the_npu(rows):
     for name in ("test_SELU", "test_operator_repeat"):
         row = next(r for r in rows if r.name == name)
         assert row.vendor.cpu_ops >= 1 and row.shard.clean and row.verdict == "better", (name, row.shard.figures.get("line"))
+
+
+def test_a_vendor_crash_in_a_named_rule_is_built_again_without_it(rows):
+    # The toolkit's rule raises and its build() crashes; its log names the rule to disable. The
+    # vendor alone stops there; shard builds the shard again with that rule off and ships it so.
+    for name, rule in (("fused_qkv", "seperate_exmatmul_rs_split"), ("two_heads", "fuse_conv_conv_add")):
+        row = next(r for r in rows if r.name == name)
+        assert not row.vendor.builds and row.shard.clean and row.verdict == "better", (name, row.shard.error)
+        assert row.shard.rules == [rule], (name, row.shard.rules)

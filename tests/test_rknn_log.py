@@ -2,7 +2,7 @@
 
 from conftest import DATA
 
-from shard.targets.rknn.log import edge_reshapes, parse_build_log
+from shard.targets.rknn.log import crashed_rule, edge_reshapes, parse_build_log
 
 
 def test_regtask_lines_are_counted_and_quoted():
@@ -70,3 +70,10 @@ def test_rk3576_layer_table_with_its_sparse_ratio_column():
     assert diag.estimated_cycles == 16007168 + 289882 and diag.cpu_ops == []
     two_cores = "W RKNN: Failed to config layer: 'Conv:/m/c' using 2Core fallback to single core mode"
     assert parse_build_log(two_cores).single_core_fallbacks == ["Conv:/m/c"]
+
+
+def test_the_rule_a_crash_names_is_read_through_the_colour_codes():
+    line = ("\x1b[1;33mW\x1b[0m \x1b[1;33mYou can add disable_rules=['fuse_conv_conv_add'] in rknn.config() to "
+            "temporarily disable the error rule!\x1b[0m\n")
+    assert crashed_rule("I build begin\n" + line) == "fuse_conv_conv_add"
+    assert crashed_rule("E build: TypeError: 'NoneType' object is unsliceable\n") is None

@@ -89,8 +89,9 @@ def write_vendor_alone(model: onnx.ModelProto, staging: Path, keep: bool = True)
 
 def vendor_alone_job(staging: Path, logs: Path, tgt, inputs: list, datasets: Datasets | None = None) -> ShardJob:
     """The build of the model as it came (its file already written, with `inputs`); mixed is shard's
-    own recipe, so the vendor alone quantizes the whole model to int8."""
+    own recipe, so the vendor alone quantizes the whole model to int8. A crash is not recovered."""
     job = shard_job(staging, logs, tgt, VENDOR_ALONE, inputs, datasets)
+    job.recover = False   # what the vendor alone gives: its crash stands
     if job.precision == "mixed":
         job.precision, job.float16 = "int8", None
     return job

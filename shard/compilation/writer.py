@@ -147,8 +147,10 @@ def keep_files(staging: Path, tgt, chosen: list, cores: int, build: dict,
                                outputs=[tensor_spec(t) for t in plan.outputs], core=k % cores,
                                precision=precision, macs=plan.macs, source_nodes=plan.source_nodes,
                                build=built, edge_shapes=edge_shapes.get(built, {}),
-                               build_options=tgt.build_for(build, precision, job.float16 if job else None)
-                               if precision != build.get("precision") else {}, dataset=dataset,
+                               build_options=tgt.build_for(build, precision, job.float16 if job else None,
+                                                           job.disable_rules if job else ())
+                               if precision != build.get("precision") or (job and job.disable_rules) else {},
+                               dataset=dataset,
                                built_from=dict(builds[built].built_from) if built in builds else {}))
     moved = {}
     for dst, src in keep.items():  # through temporary names: shard_001 may be another file's old name

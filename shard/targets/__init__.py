@@ -22,6 +22,8 @@ class ShardJob:
     dataset: list[list[Path]] | None = None   # quantization samples: per sample, one .npy per input
     float16: list[str] | None = None          # mixed precision: the ops (node and tensor names) kept in fp16
     figures_key: str | None = None            # its model's build_cache.structure_key: figures kept by it too
+    recover: bool = True                      # a crash in a rule the log names is retried with it off
+    disable_rules: list[str] = field(default_factory=list)   # the rules its build crashed in, turned off
 
     def built_from(self) -> dict[str, str]:
         """The sha256 of the files the build read and wrote ("onnx", "onnx.data" if any, "artifact"),
@@ -65,9 +67,10 @@ class Target:
         """The options every shard is built with (the manifest's `build`)."""
         return {}
 
-    def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
+    def build_for(self, build: dict, precision: str, float16: list[str] | None = None,
+                  disable_rules: list[str] = ()) -> dict:
         """The build options of one shard: the compile's `build` at the shard's precision (mixed: with
-        the ops kept in fp16)."""
+        the ops kept in fp16; with the vendor's rules its build crashed in turned off)."""
         return build
 
     def check_environment(self) -> None:

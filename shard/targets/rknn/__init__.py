@@ -24,12 +24,13 @@ from shard.targets import ShardBuild, ShardJob, Target
 from shard.targets.build_cache import BuildCache
 from shard.targets.chips import CHIPS
 from shard.targets.rknn.env import find_python, installed_label
-from shard.targets.rknn.log import edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
+from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.targets.rknn.memory import shards_for_memory
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, WorkerPool, build_failure, build_request
 
 ONE_OP_TIMEOUT = 300.0   # seconds a pass's small build may take (the whole model's builds: --timeout)
+RULE_RETRIES = 3         # fusion rules turned off, one per crash, before a shard's build is given up
 
 
 class RknnTarget(Target):
@@ -51,11 +52,16 @@ class RknnTarget(Target):
         fp16 = {"config": {"target_platform": self.name}, "build": {"do_quantization": False}, "precision": "fp16"}
         return fp16 if self.chip.fp16 else self.build_for(fp16, "int8")
 
-    def build_for(self, build: dict, precision: str, float16: list[str] | None = None) -> dict:
+    def build_for(self, build: dict, precision: str, float16: list[str] | None = None,
+                  disable_rules: list[str] = ()) -> dict:
         """int8: the vendor's w8a8 (activations per tensor, Conv and constant-weight MatMul weights
         per channel), ranges from the shard's calibration samples (FACTS-rk3588, quantization).
         mixed: the same, with the ops named in `float16` kept in fp16 (the toolkit's hybrid
         quantization)."""
+        if disable_rules:   # the toolkit's own switch, config(disable_rules=[...]), beside any given
+            given = build["config"].get("disable_rules", [])
+            build = {**build, "config": {**build["config"], "disable_rules": [*given, *(
+                r for r in disable_rules if r not in given)]}}
         if precision == "fp16":
             return build
         if precision not in self.precisions:
@@ -112,7 +118,22 @@ class ToolkitBuilds:
         return [self.executor.submit(self._build, job, build, on_done) for job in jobs]
 
     def _build(self, job: ShardJob, build: dict, on_done: Callable[[ShardBuild], None]) -> ShardBuild:
-        options = self.target.build_for(build, job.precision, job.float16)
+        """The job's build; where it crashed in a fusion rule its log names, built again with that rule
+        off (up to RULE_RETRIES rules), the crash and the rules kept in its diagnostics."""
+        crashes = []
+        while True:
+            result = self._build_once(job, self.target.build_for(build, job.precision, job.float16, job.disable_rules))
+            rule = crashed_rule(job.log.read_text(errors="replace")) if result.error and job.log.is_file() else None
+            if not (job.recover and rule and rule not in job.disable_rules and len(crashes) < RULE_RETRIES):
+                break
+            crashes.append(result.error.split("; log: ")[0])   # the retry's log takes the file's place
+            job.disable_rules.append(rule)
+        if job.disable_rules:
+            result.diagnostics = {**result.diagnostics, "disabled_rules": list(job.disable_rules), "crashes": crashes}
+        on_done(result)
+        return result
+
+    def _build_once(self, job: ShardJob, options: dict) -> ShardBuild:
         key = self.store.key(job, options) if self.store else None
         result = self.store.get(job, key) if self.store else None
         if result is None:
@@ -124,11 +145,11 @@ class ToolkitBuilds:
                 self.store.put(job, key, result, self.store.figures_key(job, options))
         elif job.artifact and result.error is None and not result.built_from:   # kept before builds recorded it
             result.built_from = job.built_from()
-        on_done(result)
         return result
 
     def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
-        return self.store.figures(job, self.target.build_for(build, job.precision, job.float16)) if self.store else None
+        return self.store.figures(job, self.target.build_for(build, job.precision, job.float16, job.disable_rules)) \
+            if self.store else None
 
     def results(self, futures: list[Future]) -> list[ShardBuild]:
         wait(futures, return_when=FIRST_EXCEPTION)

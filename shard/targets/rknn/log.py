@@ -18,6 +18,8 @@ LAYER_ROW = re.compile(
 SINGLE_CORE = re.compile(r"Failed to config layer: '(?P<layer>[^']+)' using \d+Core fallback to single core mode")
 MEMORY = re.compile(r"Total (?P<kind>Internal|Weight) Memory Size: (?P<kb>\d+)KB")
 HOST_OPS = {"InputOperator", "OutputOperator"}
+# what the toolkit logs when one of its graph rules raised: "You can add disable_rules=['NAME'] in rknn.config()"
+CRASHED_RULE = re.compile(r"disable_rules=\[['\"](?P<rule>\w+)['\"]\]")
 
 
 @dataclass
@@ -147,3 +149,9 @@ def parse_build_log(text: str) -> BuildDiagnostics:
         elif m := MEMORY.search(line):
             setattr(diag, f"{m['kind'].lower()}_memory_kb", int(m["kb"]))
     return diag
+
+
+def crashed_rule(text: str) -> str | None:
+    """The fusion rule a build log says raised, where the toolkit names one to disable."""
+    found = CRASHED_RULE.search(ANSI.sub("", text))
+    return found["rule"] if found else None
