@@ -50,7 +50,7 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
-      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads"]
+      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch"]
 
 
 @dataclass
@@ -188,8 +188,34 @@ def two_heads(path: Path, width: int = 64, classes: int = 10) -> Path:
     return save(path, nodes, [("x", [1, width, 7, 7])], [("y", [1, classes])], inits)
 
 
+def rate_switch(path: Path, width: int = 64) -> Path:
+    """The whole body in a top-level If chosen by a scalar input (a voice-activity model's sample-rate
+    switch): the vendor cannot build it; compiled with --input-value sr=16000 (INPUT_VALUES)."""
+    def branch(name: str, seed: int) -> onnx.GraphProto:
+        w = (np.random.default_rng(seed).standard_normal((width, width)) / 8).astype(np.float32)
+        nodes = [helper.make_node("MatMul", ["x", f"{name}_w"], [f"{name}_h"], name=f"{name}_fc"),
+                 helper.make_node("Relu", [f"{name}_h"], [f"{name}_y"], name=f"{name}_relu")]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", onnx.TensorProto.FLOAT,
+                                                                                 [1, width])],
+                                 [numpy_helper.from_array(w, f"{name}_w")])
+    nodes = [helper.make_node("Equal", ["sr", "k16"], ["is16"], name="rate"),
+             helper.make_node("If", ["is16"], ["y"], then_branch=branch("at16k", 3), else_branch=branch("at8k", 4),
+                              name="switch")]
+    graph = helper.make_graph(nodes, "vad", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, width]),
+                                             helper.make_tensor_value_info("sr", onnx.TensorProto.INT64, [])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, width])],
+                              [numpy_helper.from_array(np.array(16000, np.int64), "k16")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+# Inputs a model is compiled with fixed (--input-value): what its control flow chooses by.
+INPUT_VALUES = {"rate_switch": {"sr": [16000]}}
+
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
-               "two_heads": two_heads}
+               "two_heads": two_heads, "rate_switch": rate_switch}
 
 
 def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
@@ -255,6 +281,7 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "
     from shard.options import CompileOptions
 
     shapes = PACKAGED[name][2] if name in PACKAGED else {}
+    values = INPUT_VALUES.get(name, {})
     calib = model.with_suffix(".calib.npz")
     calib = str(calib) if calib.is_file() else None   # a trained model's real samples
     with tempfile.TemporaryDirectory(prefix=f"corpus-{name}-") as work:
@@ -262,7 +289,8 @@ def evaluate(name: str, family: str, model: Path, jobs: int = 2, target: str = "
         (work / "shard").mkdir()
         (work / "vendor").mkdir()
         ours = side(work / "shard", model, CompileOptions(jobs=jobs, check_fidelity=True, vendor_alone="whole",
-                                                          input_shapes=shapes, calib=calib), target)
+                                                          input_shapes=shapes, input_values=values, calib=calib),
+                    target)
         # Where shard's compile ended before building the vendor alone, the vendor alone on its own.
         theirs = vendor_side(ours) if ours.figures.get("vendor") else \
             side(work / "vendor", model, CompileOptions(jobs=jobs, vendor_only=True, input_shapes=shapes, calib=calib),

@@ -63,6 +63,7 @@ class Manifest:
     host_pre: list[dict] = field(default_factory=list)
     host_post: list[dict] = field(default_factory=list)
     executors: list[str] = field(default_factory=list)   # the backends its target runs it on, default first
+    input_values: dict[str, list] = field(default_factory=dict)   # inputs fixed at compile (--input-value)
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
     files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads

@@ -68,6 +68,17 @@ def parse_shape(text: str) -> tuple[str, tuple[int, ...]]:
         raise ShardError(f"--input-shape {text!r}: expected NAME=D0,D1,... such as pixel_values=1,3,224,224") from None
 
 
+def parse_value(text: str) -> tuple[str, list[float]]:
+    """--input-value NAME=V0,V1,...: the numbers an input is fixed to."""
+    name, sep, values = text.rpartition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name, [int(v) if v.strip().lstrip("-").isdigit() else float(v) for v in values.split(",")]
+    except ValueError:
+        raise ShardError(f"--input-value {text!r}: expected NAME=V0,V1,... such as sr=16000") from None
+
+
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers folder) "
@@ -77,6 +88,9 @@ def compile_command(
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
                                                                     "each; inputs run on the smallest that fits)."),
+    input_value: list[str] = typer.Option([], "--input-value", help="Fix an input's value: NAME=16000 or NAME=V0,V1,...; "
+                                                                    "it becomes a constant (an If it chooses is "
+                                                                    "inlined), and a run given another value stops."),
     shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; for a model "
                                                     "of over about 320 MB of weights, as many as keep its vendor "
                                                     "builds within half of the memory of the whole model's; thor "
@@ -135,7 +149,8 @@ def compile_command(
     from shard.options import CompileOptions
 
     fixed, buckets = parse_shapes(input_shape)
-    options = CompileOptions(input_shapes=fixed, buckets=buckets, shards=shards, max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
+    options = CompileOptions(input_shapes=fixed, input_values=dict(parse_value(v) for v in input_value), buckets=buckets,
+                             shards=shards, max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,

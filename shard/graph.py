@@ -97,6 +97,25 @@ def check_single_assignment(path: Path, graph: onnx.GraphProto) -> None:
 
 
 
+def fix_input_values(model: onnx.ModelProto, values: dict[str, list]) -> None:
+    """Inputs given a value at compile (`--input-value NAME=V,...`) made constants of the model, in the
+    input's type and shape: what they choose (an If's branch, a rate) then folds away."""
+    for name, value in values.items():
+        given = next((i for i in model.graph.input if i.name == name), None)
+        if given is None:
+            raise ModelError(f"--input-value {name}: the model has no input {name!r}; its inputs: "
+                             f"{', '.join(i.name for i in model.graph.input)}")
+        kind = given.type.tensor_type
+        array = np.asarray(value, dtype=onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type))
+        dims = [d.dim_value if d.dim_value > 0 else None for d in kind.shape.dim]
+        shape = [d if d is not None else array.size // max(1, int(np.prod([x for x in dims if x]))) for d in dims]
+        if int(np.prod(shape, dtype=np.int64)) != array.size:
+            raise ModelError(f"--input-value {name}: {array.size} values; input {name} has shape "
+                             f"{[d or '?' for d in dims]}")
+        model.graph.input.remove(given)
+        model.graph.initializer.append(onnx.numpy_helper.from_array(array.reshape(shape), name))
+
+
 def external_data_files(path: Path, model: onnx.ModelProto) -> list[Path]:
     """The files the model's tensors keep their bytes in, each checked before anything reads it: a
     regular file inside the model's folder (a location such as ../../../dev/zero made a compile read

@@ -12,7 +12,7 @@ from shard.bundle import read_manifest
 from shard.compare import Comparison, compare
 from shard.errors import VerifyError
 from shard.calibration import run_each
-from shard.graph import load_model, sha256_file
+from shard.graph import fix_input_values, load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
 from shard.runtime.host import load_tables, run_host
@@ -86,7 +86,9 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
     are `samples` (shard.calibration's format) or one seeded random sample; `outputs` holds each
     output's worst sample, and the shards are checked alone on the first sample."""
     manifest = read_manifest(bundle)
-    model, _ = prepare_model(load_model(reference))  # as compile read it: an old opset upgraded
+    model = load_model(reference)
+    fix_input_values(model, manifest.input_values)   # the inputs the compile fixed, as it fixed them
+    model, _ = prepare_model(model)  # as compile read it: an old opset upgraded
     check_reference(reference, model, manifest)
     known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
         {n_out for node in model.graph.node for n_out in node.output}

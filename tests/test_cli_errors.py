@@ -252,3 +252,49 @@ def test_verify_takes_a_reference_whose_dynamic_dimension_is_minus_one(tmp_path)
     assert shard_cli("compile", tmp_path / "m.onnx", "--target", "cpu", "--input-shape", "x=1,8").returncode == 0
     res = shard_cli("verify", tmp_path / "m.shard", "--reference", tmp_path / "m.onnx", "--backend", "cpu")
     assert res.returncode == 0 and "PASS" in res.stdout, res.stdout + res.stderr
+
+
+def rate_switch_model(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    import corpus
+
+    return corpus.rate_switch(tmp_path / "vad.onnx")
+
+
+def test_an_if_chosen_at_run_time_is_refused_naming_the_input_to_fix(tmp_path):
+    res = shard_cli("compile", rate_switch_model(tmp_path), "--target", "cpu")
+    assert_one_line_error(res, "If node 'switch' decides at run time", "--input-value NAME=VALUE (sr)")
+    assert not (tmp_path / "vad.shard").exists()
+
+
+@pytest.mark.parametrize("value, fragment", [("sr16000", "expected NAME=V0,V1"), ("rate=1", "has no input 'rate'"),
+                                             ("sr=1,2", "2 values; input sr has shape []")])
+def test_a_bad_input_value_is_refused(tmp_path, value, fragment):
+    res = shard_cli("compile", rate_switch_model(tmp_path), "--target", "cpu", "--input-value", value)
+    assert_one_line_error(res, fragment)
+
+
+def test_an_input_fixed_at_compile_inlines_its_if_and_a_run_checks_it(tmp_path):
+    import numpy as np
+    import onnxruntime as ort
+
+    import shard
+
+    model = rate_switch_model(tmp_path)
+    for sr in (16000, 8000):
+        out = tmp_path / f"vad{sr}.shard"
+        res = shard_cli("compile", model, "--target", "cpu", "-o", out, "--input-value", f"sr={sr}")
+        assert res.returncode == 0, res.stderr
+        x = np.random.default_rng(sr).standard_normal((1, 64)).astype(np.float32)
+        want = ort.InferenceSession(str(model)).run(None, {"x": x, "sr": np.array(sr, np.int64)})[0]
+        with shard.load(out, backend="cpu") as session:
+            assert [t.name for t in session.manifest.inputs] == ["x"]
+            np.testing.assert_allclose(session.run({"x": x})["y"], want, atol=1e-5)   # the branch sr chose
+            np.testing.assert_allclose(session.run({"x": x, "sr": np.array(sr)})["y"], want, atol=1e-5)
+            with pytest.raises(shard.errors.RunError, match=f"compiled for sr={sr}"):
+                session.run({"x": x, "sr": np.array(44100)})
+        verified = shard_cli("verify", out, "--reference", model, "--backend", "cpu")
+        assert verified.returncode == 0 and "PASS" in verified.stdout, verified.stdout + verified.stderr

@@ -60,3 +60,8 @@ def test_a_vendor_crash_in_a_named_rule_is_built_again_without_it(rows):
         row = next(r for r in rows if r.name == name)
         assert not row.vendor.builds and row.shard.clean and row.verdict == "better", (name, row.shard.error)
         assert row.shard.rules == [rule], (name, row.shard.rules)
+
+
+def test_a_model_inside_an_if_compiles_with_the_input_it_chooses_by_fixed(rows):
+    row = next(r for r in rows if r.name == "rate_switch")
+    assert not row.vendor.builds and row.shard.clean and row.verdict == "better", row.shard.error

@@ -26,7 +26,7 @@ from shard.compilation.state import (FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, 
                                      CompileResult, Progress)
 from shard.compilation.writer import BundleWriter, confirm_tiles_in_logs, link_builds
 from shard.errors import ShardError
-from shard.graph import default_opset, load_model, own_values, quiet_graphsurgeon, sha256_file
+from shard.graph import default_opset, fix_input_values, load_model, own_values, quiet_graphsurgeon, sha256_file
 from shard.never_worse import AXES, HARD_AXES, fix_input_shapes, original_plans, whole_build_fits
 from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
@@ -138,6 +138,7 @@ def start_vendor_alone(c: Compilation) -> None:
 def rewrite(c: Compilation) -> None:
     """The target's passes; the canonical graph is kept so each rewritten shard can also be built as
     the vendor would take it (its twin); quantized, every shard input's value on each sample."""
+    fix_input_values(c.proto, c.options.input_values)   # after the vendor alone took the model as it came
     proto, prepared = prepare_model(c.proto, c.tgt.min_opset)
     c.proto = None
     c.opset = default_opset(proto)

@@ -73,7 +73,9 @@ class BundleWriter:
             profile={"file": "profile.json", "target": self.profile.target, "toolkit": self.profile.toolkit,
                      "cores": self.profile.cores},
             build=self.build, inputs=inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in self.graph.outputs],
-            host_pre=host_pre, host_post=host_post, shards=specs, executors=list(self.tgt.executors))
+            host_pre=host_pre, host_post=host_post, shards=specs, executors=list(self.tgt.executors),
+            input_values={name: list(np.asarray(v).reshape(-1).tolist()) for name, v in self.options.input_values.items()
+                          if name not in {t.name for t in inputs}})
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
         report["predicted"] = npu_prediction(manifest, report["shards"], self.profile)

@@ -155,6 +155,7 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         graph = infer_shapes(graph)
         if len(graph.nodes) == count:
             break
+    refuse_control_flow(graph)
     # Bypassing an Identity changes no shape: the shapes inferred above still hold.
     identities = remove_identities(graph)
     toposort(graph.cleanup())
@@ -176,6 +177,32 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}, "
                          f"not even by running the model once in onnxruntime")
     return graph, report
+
+
+CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def refuse_control_flow(graph: gs.Graph) -> None:
+    """An If whose condition folded to a constant is inlined by the folding above (graphsurgeon
+    flattens it); one still here is chosen at run time, which no NPU graph does: one line naming it
+    and the inputs its choice reads (fixed with --input-value)."""
+    node = next((n for n in graph.nodes if n.op in CONTROL_FLOW), None)
+    if node is None:
+        return
+    reads, stack, seen = set(), [t for t in node.inputs if isinstance(t, gs.Variable)], set()
+    graph_inputs = {id(t) for t in graph.inputs}
+    while stack:   # the graph inputs the node's own inputs come from
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if id(t) in graph_inputs:
+            reads.add(t.name)
+        stack += [i for producer in t.inputs for i in producer.inputs if isinstance(i, gs.Variable)]
+    hint = f"fix {'it' if len(reads) == 1 else 'them'} with --input-value NAME=VALUE ({', '.join(sorted(reads))})" \
+        if reads else "it depends on no input that could be fixed"
+    raise ModelError(f"{node.op} node {node.name!r} decides at run time ({', '.join(t.name for t in node.inputs)}): "
+                     f"an NPU graph has no control flow; {hint}")
 
 
 def unknown_shapes(graph: gs.Graph) -> list[gs.Variable]:

@@ -69,6 +69,7 @@ class Session:
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The graph inputs, complete and of the compiled shapes and dtypes."""
         expected = {t.name: t for t in self.manifest.inputs}
+        inputs = self.without_fixed(inputs, expected)
         missing = set(expected) - set(inputs)
         extra = set(inputs) - set(expected)
         if missing or extra:
@@ -81,6 +82,15 @@ class Session:
                 raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
             checked[name] = array.astype(spec.dtype, copy=False)
         return checked
+
+    def without_fixed(self, inputs: dict[str, np.ndarray], expected: dict) -> dict[str, np.ndarray]:
+        """The inputs less those the compile fixed (--input-value), each checked to hold that value."""
+        fixed = {name: value for name, value in self.manifest.input_values.items() if name not in expected}
+        for name, value in fixed.items():
+            if name in inputs and not np.array_equal(np.asarray(inputs[name]).reshape(-1), np.asarray(value)):
+                raise RunError(f"input {name}: this bundle was compiled for {name}={','.join(map(str, value))} "
+                               f"(--input-value); got {np.asarray(inputs[name]).reshape(-1).tolist()[:8]}")
+        return {name: array for name, array in inputs.items() if name not in fixed}
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one frame: every shard in dependency order, independent shards on different cores at once."""
