@@ -50,7 +50,8 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
-      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch"]
+      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "eos_pool",
+      "float_mask"]
 
 
 @dataclass
@@ -211,11 +212,40 @@ def rate_switch(path: Path, width: int = 64) -> Path:
     return path
 
 
+def eos_pool(path: Path, tokens: int = 16, width: int = 64) -> Path:
+    """A text encoder's pooled output: the hidden state at the highest token id (CLIP's end token),
+    ArgMax over the ids then Gather of that row; the vendor runs both (and a Reshape) on the CPU."""
+    nodes = [helper.make_node("ArgMax", ["ids"], ["pos"], axis=1, keepdims=0, name="eos"),
+             helper.make_node("Gather", ["h", "pos"], ["g"], axis=1, name="pick"),
+             helper.make_node("Reshape", ["g", "shape"], ["y"], name="pooled")]
+    graph = helper.make_graph(nodes, "pool", [helper.make_tensor_value_info("h", onnx.TensorProto.FLOAT, [1, tokens, width]),
+                                              helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, tokens])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, width])],
+                              [numpy_helper.from_array(np.array([1, width], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def float_mask(path: Path, tokens: int = 16) -> Path:
+    """A mask given as floats, Greater then Cast of the booleans to float, scaled into an additive
+    bias: the vendor runs the Greater on the CPU."""
+    nodes = [helper.make_node("Greater", ["m", "half"], ["b"], name="gt"),
+             helper.make_node("Cast", ["b"], ["f"], to=onnx.TensorProto.FLOAT, name="to_float"),
+             helper.make_node("Mul", ["f", "neg"], ["bias"], name="scale"),
+             helper.make_node("Add", ["x", "bias"], ["y"], name="add_mask")]
+    inits = [numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+             numpy_helper.from_array(np.array(-1e4, np.float32), "neg")]
+    return save(path, nodes, [("x", [1, 1, tokens, tokens]), ("m", [1, 1, tokens, tokens])],
+                [("y", [1, 1, tokens, tokens])], inits)
+
+
 # Inputs a model is compiled with fixed (--input-value): what its control flow chooses by.
 INPUT_VALUES = {"rate_switch": {"sr": [16000]}}
 
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
-               "two_heads": two_heads, "rate_switch": rate_switch}
+               "two_heads": two_heads, "rate_switch": rate_switch, "eos_pool": eos_pool, "float_mask": float_mask}
 
 
 def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:

@@ -88,9 +88,7 @@ def compile_command(
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
                                                                     "each; inputs run on the smallest that fits)."),
-    input_value: list[str] = typer.Option([], "--input-value", help="Fix an input's value: NAME=16000 or NAME=V0,V1,...; "
-                                                                    "it becomes a constant (an If it chooses is "
-                                                                    "inlined), and a run given another value stops."),
+    input_value: list[str] = typer.Option([], "--input-value", help="Fix an input (NAME=16000): an If it chooses inlined."),
     shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; for a model "
                                                     "of over about 320 MB of weights, as many as keep its vendor "
                                                     "builds within half of the memory of the whole model's; thor "
@@ -146,6 +144,7 @@ def compile_command(
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET."""
     from shard.compilation import compile_model
+    from shard.compilation.generative import is_causal_lm
     from shard.options import CompileOptions
 
     fixed, buckets = parse_shapes(input_shape)
@@ -156,8 +155,6 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
-    from shard.compilation.generative import is_causal_lm
-
     if is_causal_lm(model):
         return compile_decoder(model, target, output, options, parse_ids(max_context, "--max-context"), chunk)
     with progress_bar() as progress:

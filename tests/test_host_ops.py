@@ -70,6 +70,9 @@ CASES = [
     ("Softmax", {"axis": -1}, [FLOATS * 30], [], 17),
     ("Softmax", {"axis": 0}, [FLOATS], [], 17),
     ("LogSoftmax", {"axis": 1}, [FLOATS * 30], [], 17),
+    ("ArgMax", {"axis": 1, "keepdims": 0}, [MASK * rng.integers(0, 50, (2, 6))], [], 17),   # a pooled token's place
+    ("ArgMax", {"axis": 1, "select_last_index": 1}, [MASK], [], 17),   # ties: the last
+    ("ArgMin", {"axis": 0}, [FLOATS], [], 17),
 ]
 
 

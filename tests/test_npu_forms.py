@@ -527,3 +527,43 @@ def test_attention_values_run_on_the_rk2118_npu_and_verify(tmp_path):
     report = compiled_and_verified(path, "rk2118")
     assert [c["op"] for c in report["passes"]["npu_forms"]["changes"]] == ["MatMul"]
     assert report["totals"]["cpu_ops"] == 0 and report["vendor_alone"]["diagnostics"]["cpu_ops"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(2, 12), width=st.integers(1, 8), picks=st.integers(1, 3), lead=st.sampled_from([[1], [2], []]),
+       seed=st.integers(0, 2**16))
+def test_a_gather_of_rows_at_host_indices_becomes_a_one_hot_product(rows, width, picks, lead, seed):
+    """Gather(h, ArgMax(ids)) along h's rows: the ArgMax and the one-hot rows are host steps
+    (host_edges moves them), the pick a MatMul; the same values as the Gather, negative indices too."""
+    from shard.passes.host_edges import host_edges
+    from shard.passes.npu_forms import rewrite_row_gathers
+
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("ArgMax", ["ids"], ["pos"], axis=1, keepdims=0, name="argmax"),
+             helper.make_node("Sub", ["pos", "n"], ["neg"], name="from_the_end"),   # -rows..-1: Gather counts back
+             helper.make_node("Gather", ["h", "neg"], ["y"], axis=len(lead), name="pick")]
+    from onnx import TensorProto
+
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [*lead, rows, width]),
+                     helper.make_tensor_value_info("ids", TensorProto.INT64, [picks, rows])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, picks, width])],
+        [numpy_helper.from_array(np.array(rows, np.int64), "n")]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    graph = infer_shapes(gs.import_onnx(model))
+    changes = rewrite_row_gathers(graph)
+    assert [c["form"] for c in changes] == ["one-hot rows"]
+    graph.cleanup().toposort()
+    ctx = PassContext(profile=load_profile("rk3588"))
+    ctx.host_candidates = set()
+    graph, report = host_edges(graph, ctx)
+    graph.cleanup()
+    assert [n.op for n in graph.nodes] == ["MatMul", "Reshape"]   # on the NPU: the pick alone
+    assert {s["type"] for s in report["host_pre"]} >= {"ArgMax", "Equal", "Cast"}
+    feeds = {"h": rng.standard_normal([*lead, rows, width]).astype(np.float32),
+             "ids": rng.integers(0, 100, (picks, rows)).astype(np.int64)}
+    from shard.runtime.host import run_host
+
+    tensors = run_host(report["host_pre"], dict(feeds), ctx.host_tables)
+    got = run_ort(gs.export_onnx(graph), {t.name: tensors[t.name] for t in graph.inputs})[0]
+    np.testing.assert_array_equal(got, run_ort(model, feeds)[0])

@@ -1,6 +1,7 @@
 """host_edges: pure layout ops at the model's edges, marked by earlier passes, move to the runtime;
 so does what the model computes from its integer inputs alone (embedding lookups, an attention mask
-made into an additive bias, RoBERTa's position ids: Gather, Cast, Not, Where, CumSum...), which the
+made into an additive bias, RoBERTa's position ids: Gather, Cast, Not, Where, CumSum...) or from a
+comparison of its float inputs (a mask given as floats, Greater then Cast to float), which the
 vendor runs on the CPU inside its graph (seen: the onnx conformance model test_Embedding; RoBERTa
 from transformers, 10 of its 17 CPU ops).
 
@@ -56,15 +57,39 @@ def host_step(node: gs.Node) -> dict | None:
 SMALL_CONSTANT = 64  # elements a moved node's constant may have in the manifest; larger ones are files
 
 
-def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray]) -> dict | None:
-    """The host step for a node computed from the model's integer inputs alone (every variable
-    input in `derived`), in an op the runtime has in numpy; None otherwise. Its large constants (an
-    embedding table) go into `files`, which compile writes into the bundle."""
+COMPARISONS = ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")
+
+
+def host_computed(node: gs.Node, derived: set[str], inputs: set[str]) -> bool:
+    """Whether the host computes the node from the model's integer inputs alone (every variable input
+    in `derived`), in an op the runtime has in numpy; a comparison also of the model's float inputs
+    (a mask given as floats, turned to booleans)."""
     variables = [t for t in node.inputs if isinstance(t, gs.Variable) and t.name]
-    if node.op not in HOST_ONNX_OPS or not variables or len(node.outputs) != 1 or not node.outputs[0].outputs \
-            or any(t.name not in derived for t in variables):
+    return node.op in HOST_ONNX_OPS and bool(variables) and all(
+        t.name in derived or node.op in COMPARISONS and t.name in inputs for t in variables)
+
+
+def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray], inputs: set[str]) -> dict | None:
+    """The host step for a node host_computed; None otherwise. Its large constants (an embedding
+    table) go into `files`, which compile writes into the bundle."""
+    if not host_computed(node, derived, inputs) or len(node.outputs) != 1 or not node.outputs[0].outputs:
         return None
     return onnx_step(node, files)
+
+
+def integer_derived(graph: gs.Graph) -> set[str]:
+    """The tensors computed from the model's integer inputs alone in ops the host runs (what this pass
+    moves to the runtime), without moving them."""
+    derived = {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
+    inputs = {t.name for t in graph.inputs}
+    grown = True
+    while grown:   # in any node order
+        grown = False
+        for node in graph.nodes:
+            if host_computed(node, derived, inputs) and not all(t.name in derived for t in node.outputs):
+                derived.update(t.name for t in node.outputs)
+                grown = True
+    return derived
 
 
 def onnx_step(node: gs.Node, files: dict[str, np.ndarray]) -> dict | None:
@@ -92,12 +117,13 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     pre, post = [], []
     on_host = {t.name for t in graph.inputs}
     derived = {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
+    inputs = {t.name for t in graph.inputs}
     moved = True
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
             if node.outputs and node.outputs[0] not in graph.outputs \
-                    and (step := integer_step(node, derived, ctx.host_tables)):
+                    and (step := integer_step(node, derived, ctx.host_tables, inputs)):
                 derived.add(node.outputs[0].name)
             elif not (node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs
                       and node.inputs[0].name in on_host and (step := host_step(node))):

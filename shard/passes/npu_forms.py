@@ -49,7 +49,10 @@ product is a graph output, such as an LM head, whose build fails or transposes i
 the CPU (rewrite_output_linears: the transposed product on the NPU, the Transpose on the host; a single
 row as a 1x1 Conv, the Reshape on the host).
 One where a small model of its context does: attention's value product, head by head
-(rewrite_value_products; RK2118 transposes V on the CPU from 512 tokens).
+(rewrite_value_products; RK2118 transposes V on the CPU from 512 tokens). And one the vendor always
+runs on the CPU: a Gather of rows at indices the host computes from the model's integer inputs (a
+text encoder's pooled token, ArgMax of its ids), as a product with one-hot rows the host makes
+(rewrite_row_gathers: the vendor's ArgMax, Gather and Reshape, 3 CPU ops, to none).
 
 A one-op verdict only nominates: every rewritten shard is built beside its unrewritten twin, and the
 compile keeps the rewrite only where that build is better (shard.never_worse).
@@ -68,6 +71,7 @@ from shard.calibration import calibration_samples, graph_stats, run_each, stats_
 from shard.graph import dtype_name, is_static, small_model, tensor_spec, to_toolkit_model
 from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec, Verdict
+from shard.passes.host_edges import integer_derived
 from shard.passes.tile_attention import find_attention
 
 SOFTMAX_FAMILIES = ("softmax-width@", "softmax-rows@")
@@ -759,6 +763,51 @@ def rewrite_value_products(graph: gs.Graph, legality) -> list[dict]:
     return changes
 
 
+def host_row_gather(node: gs.Node, derived: set[str]) -> bool:
+    """A Gather of rows of an NPU tensor (its second-last axis) at indices the host computes from the
+    model's integer inputs (a text encoder's pooled token, ArgMax of its ids)."""
+    if node.op != "Gather" or len(node.inputs) != 2:
+        return False
+    data, indices = node.inputs
+    return isinstance(data, gs.Variable) and isinstance(indices, gs.Variable) and data.name not in derived \
+        and indices.name in derived and is_static(data.shape) and is_static(indices.shape) \
+        and len(data.shape) >= 2 and node.attrs.get("axis", 0) % len(data.shape) == len(data.shape) - 2 \
+        and data.dtype is not None and np.dtype(dtype_name(data.dtype)).kind == "f"
+
+
+def rewrite_row_gathers(graph: gs.Graph) -> list[dict]:
+    """Gather(x, i) of rows at host-computed indices as a product with their one-hot rows: the host
+    makes onehot[k, n] = (i_k == n) (host_edges moves it there: Equal, Cast), the NPU takes
+    onehot @ x, which picks each row exactly. The vendor runs a Gather with variable indices on the
+    CPU. Negative indices count from the end, as Gather's do."""
+    derived = integer_derived(graph)
+    changes = []
+    for node in [n for n in graph.nodes if host_row_gather(n, derived)]:
+        data, indices = node.inputs
+        out = node.outputs[0]
+        shape, rows = [int(d) for d in data.shape], int(data.shape[-2])
+        picks = int(np.prod(indices.shape, dtype=np.int64))
+        e = Emit(graph, node)
+        flat, negative, wrapped, index, hit = (gs.Variable(f"{e.base}/npu/{n}", indices.dtype, [picks, 1])
+                                               for n in ("flat", "negative", "wrapped", "index", "hit"))
+        negative.dtype, hit.dtype = np.bool_, np.bool_
+        onehot, product = e.var("onehot", [picks, rows]), e.var("product", [*shape[:-2], picks, shape[-1]])
+        node.outputs.clear()
+        int_type = np.dtype(dtype_name(indices.dtype))
+        e.op("Reshape", "flat", [indices, e.const("column", [picks, 1], np.int64)], [flat])
+        e.op("Less", "negative", [flat, e.const("zero", 0, int_type)], [negative])
+        e.op("Add", "wrapped", [flat, e.const("rows", rows, int_type)], [wrapped])
+        e.op("Where", "index", [negative, wrapped, flat], [index])
+        e.op("Equal", "hit", [index, e.const("positions", np.arange(rows), int_type)], [hit])
+        e.op("Cast", "onehot", [hit], [onehot], to=onnx.helper.np_dtype_to_tensor_dtype(e.float))
+        e.op("MatMul", "pick", [onehot, data], [product])
+        e.op("Reshape", "back", [product, e.const("shape", [int(d) for d in out.shape], np.int64)], [out])
+        changes.append({"node": node.name, "op": "Gather", "form": "one-hot rows",
+                        "reason": f"rows of {data.name} at indices the host computes ({indices.name}): "
+                                  f"one-hot [{picks}, {rows}] on the host, a MatMul on the NPU"})
+    return changes
+
+
 def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     evidence = softmax_never_on_npu(ctx.profile)
     changes, left = rewrite_softmaxes(graph, evidence, ctx) if evidence else ([], [])
@@ -767,7 +816,7 @@ def npu_forms(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         changes = changes + more + rewrite_flat_linears(graph, ctx.legality) + rewrite_reciprocals(graph, ctx.legality)
         changes += rewrite_value_products(graph, ctx.legality)
         heads, unfit = rewrite_output_linears(graph, ctx.legality, ctx.host_candidates)   # after: a flatten's is a Conv
-        changes, left = changes + heads, left + others + unfit
+        changes, left = changes + heads + rewrite_row_gathers(graph), left + others + unfit
     report = {"changes": changes, "not_fixed": left}
     if evidence is None:
         report["note"] = "the profile finds Softmax on the NPU: Softmax left to the compiler"

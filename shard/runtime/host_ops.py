@@ -78,6 +78,17 @@ def gather(data, indices, attrs):
     return np.take(data, np.where(indices < 0, indices + data.shape[axis], indices), axis=axis)
 
 
+def arg_extreme(fn):
+    """ArgMax/ArgMin: int64 indices along the axis; select_last_index takes the last of equal ones."""
+    def op(x, attrs):
+        axis = attrs.get("axis", 0) % x.ndim
+        keep = bool(attrs.get("keepdims", 1))
+        if attrs.get("select_last_index"):
+            return (x.shape[axis] - 1 - fn(np.flip(x, axis), axis=axis, keepdims=keep)).astype(np.int64)
+        return fn(x, axis=axis, keepdims=keep).astype(np.int64)
+    return op
+
+
 def gather_elements(data, indices, attrs):
     axis = attrs.get("axis", 0) % data.ndim
     return np.take_along_axis(data, np.where(indices < 0, indices + data.shape[axis], indices), axis=axis)
@@ -148,6 +159,8 @@ OPS = {
     "Transpose": lambda x, attrs: np.transpose(x, attrs.get("perm")),
     "Gather": gather,
     "GatherElements": gather_elements,
+    "ArgMax": arg_extreme(np.argmax),
+    "ArgMin": arg_extreme(np.argmin),
     "ReduceSum": reduce(np.sum),
     "ReduceMean": reduce(np.mean),
     "ReduceMax": reduce(np.max),
