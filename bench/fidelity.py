@@ -12,11 +12,12 @@ variant on rknn-toolkit2's simulator against onnxruntime fp32 on the test senten
     shard int8           shard compile --precision int8 --calib (per-shard calibration from the
                          reference's own tensors, mask clamps)
     shard mixed          shard compile --precision mixed --calib: linears int8, the rest fp16, the
-                         most sensitive linears moved to fp16 until cosine 0.999 on the calibration
-                         sentences (shard.precision)
+                         most sensitive linears moved to fp16 until cosine 0.999 on the quarter of the
+                         calibration sentences held out of the int8 ranges (shard.precision)
 
 Each line: mean and worst cosine over the test sentences, the int8 share of the Conv/MatMul MACs
-(from the build's layer table) and the vendor's estimated cycles. Ends with one RESULT line.
+(from the build's layer table) and the vendor's estimated cycles; for shard mixed also the compile's
+own split and its two cosines (held out, calibration). Ends with one RESULT line.
 
     python bench/fidelity.py [--work DIR] [--only NAME ...]
 """
@@ -116,9 +117,16 @@ def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: li
     seconds = time.monotonic() - started
     report = shard.verify(result.bundle, model, backend="sim", samples=test)
     totals = result.report["totals"]
+    mixed = result.report.get("mixed")
+    if mixed:   # the compile's own split: ranges from one part of --calib, each round accepted on the other
+        kept = next(r for r in mixed["rounds"] if r["cosine"] == mixed["cosine"])
+        print(f"  split: int8 ranges from {mixed['samples']['calibration']} calibration sentences, accepted on "
+              f"{mixed['samples']['held_out']} held out; kept round {kept['round']}: {kept['cosine']:.5f} held out, "
+              f"{kept['cosine_calibration']:.5f} on the calibration sentences", flush=True)
     return {"name": name, "cosines": [comps[0].cosine for comps in report.samples],
             "int8": totals.get("int8_mac_share") or 0.0, "cycles": totals["estimated_cycles"],
-            "cpu_ops": totals["cpu_ops"], "seconds": seconds}
+            "cpu_ops": totals["cpu_ops"], "seconds": seconds,
+            "held": kept["cosine"] if mixed else None, "fitted": kept["cosine_calibration"] if mixed else None}
 
 
 def main() -> None:
@@ -153,12 +161,14 @@ def main() -> None:
     worst = {r["name"]: min(r["cosines"]) for r in rows if "cosines" in r}
     share = {r["name"]: r["int8"] for r in rows if "cosines" in r}
     cycles = {r["name"]: r["cycles"] for r in rows if "cosines" in r}
+    mixed = next((r for r in rows if r["name"] == "shard mixed" and "cosines" in r), {})
     fmt = lambda v: "n/a" if v is None else f"{v:.5f}"  # noqa: E731  (5 digits: 0.99897 must not read as 0.9990)
     print(f"RESULT vendor_int8={fmt(worst.get('vendor int8'))} vendor_mmse={fmt(worst.get('vendor mmse'))} "
           f"vendor_hybrid={fmt(worst.get('vendor auto_hybrid'))} shard_int8={fmt(worst.get('shard int8'))} "
           f"shard_mixed={fmt(worst.get('shard mixed'))} int8_macs={fmt(share.get('shard mixed'))} "
           f"hybrid_int8_macs={fmt(share.get('vendor auto_hybrid'))} "
-          f"cycles_fp16={cycles.get('vendor fp16', 0) / 1e6:.1f}M cycles_mixed={cycles.get('shard mixed', 0) / 1e6:.1f}M")
+          f"cycles_fp16={cycles.get('vendor fp16', 0) / 1e6:.1f}M cycles_mixed={cycles.get('shard mixed', 0) / 1e6:.1f}M "
+          f"mixed_held_out={fmt(mixed.get('held'))} mixed_calibration={fmt(mixed.get('fitted'))}")
 
 
 if __name__ == "__main__":

@@ -284,6 +284,7 @@ def compile_time(report: dict) -> str:
 
 
 SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one line
+SHOWN_CHANGES = 4   # runs of a pass's changes printed one by one; the rest in one line
 
 
 def print_compile_report(report: dict) -> None:
@@ -329,11 +330,16 @@ def print_totals(report: dict) -> None:
     if t.get("int8_mac_share") is not None and report.get("precision", "fp16") != "fp16":
         console.print(f"int8 share of the MACs (Conv and MatMul layers, from the vendor's layer tables): "
                       f"{100 * t['int8_mac_share']:.1f} %")
-    for r in report.get("mixed", {}).get("rounds", []):
+    mixed = report.get("mixed", {})
+    if mixed.get("rounds"):
+        n = mixed["samples"]
+        console.print(f"mixed precision: int8 ranges from {n['calibration']} calibration samples, each round accepted "
+                      f"on {n['held_out']} held out (the simulator against onnxruntime, worst output cosine)")
+    for r in mixed.get("rounds", []):
         replica = "" if r["predicted"] is None else f" (int8 replica {r['predicted']:.5f})"
-        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16: simulator cosine "
-                      f"{r['cosine']:.5f}{replica}, int8 MACs {100 * r['int8_mac_share']:.1f} %, "
-                      f"{r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
+        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16: cosine "
+                      f"{r['cosine']:.5f} held out, {r['cosine_calibration']:.5f} on the calibration samples{replica}, "
+                      f"int8 MACs {100 * r['int8_mac_share']:.1f} %, {r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
     cut = report["passes"].get("partition", {})
     if cut.get("by_memory"):
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
@@ -360,7 +366,8 @@ def print_changes(report: dict) -> None:
         console.print(f"{choice['shard']}: {choice['what']}; {choice['line']}")
         dropped.update(dict.fromkeys(choice["dropped_nodes"], choice["shard"]))
     for name, passed in report["passes"].items():
-        for group in alike(passed.get("changes", []), dropped):
+        groups = alike(passed.get("changes", []), dropped)
+        for group in groups[:SHOWN_CHANGES]:
             c = group[0]
             undone = f" [yellow](undone: {dropped[c['node']]} built better without it)[/]" if c["node"] in dropped else ""
             nodes = c["node"] if len(group) == 1 else f"{len(group)} ops: {c['node']} ... {group[-1]['node']}"
@@ -369,6 +376,10 @@ def print_changes(report: dict) -> None:
                 verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
                 console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
                               f"layers of their own: {verdict}")
+        if len(groups) > SHOWN_CHANGES:   # mixed precision's per-linear splits: one line, each in the report
+            ops = sorted({c["op"] for group in groups[SHOWN_CHANGES:] for c in group})
+            console.print(f"{name}: {sum(map(len, groups[SHOWN_CHANGES:]))} more changes ({', '.join(ops)}); "
+                          f"report.json lists each under passes.{name}.changes")
         left = passed.get("not_fixed", [])
         for c in left[:SHOWN_LEFT]:
             console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")

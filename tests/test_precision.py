@@ -63,9 +63,15 @@ def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
         assert all(r["predicted"] is not None for r in rounds)
     assert [len(r["promoted"]) for r in rounds] == sorted(len(r["promoted"]) for r in rounds)   # growing
     assert first["mixed"]["reached"] == (rounds[-1]["cosine"] >= 0.9999)
+    # ranges from 5 of the 6 samples, each round accepted on the sixth, which no range saw
+    assert first["mixed"]["samples"] == {"calibration": 5, "held_out": 1, "compared": 1}
+    assert all(0 < r["cosine_calibration"] <= 1 and 0 < r["cosine"] <= 1 for r in rounds)
     (spec,) = read_manifest(tmp_path / "a.shard").shards
     if spec.build != "vendor_alone":   # the vendor's own int8 wins where it is better (never worse)
         assert spec.precision == "mixed" and set(rounds[-1]["promoted"]) <= set(spec.build_options["float16"])
+        held = np.load(calib)["x"][5]
+        assert len(spec.dataset) == 5 and not any(np.array_equal(np.load(tmp_path / "a.shard" / s[0]), held)
+                                                  for s in spec.dataset)
 
 
 def test_mixed_runs_every_linear_with_its_exported_bias_in_int8(tmp_path):

@@ -10,13 +10,16 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 
-from shard.bundle import read_manifest
+from shard.bundle import TensorSpec, read_manifest
 from shard.calibration import compile_samples
 from shard.compilation.choice import simulator_cosine
 from shard.compilation.stages import compile_one
 from shard.compilation.staging import replace_dir, staging_folder
 from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
+from shard.graph import fix_input_values, load_model
+from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions
 from shard.precision import MAX_MIXED_ROUNDS, next_prefix
 from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
@@ -31,29 +34,60 @@ def compile_uncached(model: Path, target: str, output: Path, options: CompileOpt
     return compile_one(model, target, output, options, progress)
 
 
+HELD_OUT = 4   # mixed precision: one calibration sample in this many is held out of the ranges, to accept on
+
+
+def split_samples(samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the samples the int8 ranges come from, those a round is accepted on): the last quarter held
+    out, at least one; a single sample does both."""
+    if len(samples) < 2:
+        return samples, samples
+    held = max(1, len(samples) // HELD_OUT)
+    return samples[:-held], samples[-held:]
+
+
+def mixed_samples(model: Path, options: CompileOptions) -> tuple[list[dict], str | None]:
+    """compile_samples of a quantized compile, for the model's inputs as the compile fixes them."""
+    from dataclasses import replace
+
+    proto = load_model(model)
+    fix_input_shapes(proto, options.input_shapes)
+    fix_input_values(proto, options.input_values)
+    weights = {t.name for t in proto.graph.initializer}
+    specs = [TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim],
+                        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name)
+             for i in proto.graph.input if i.name not in weights]
+    del proto
+    return compile_samples(replace(options, precision="int8"), specs)
+
+
 def compile_mixed(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
     """--precision mixed: compile with the linears in int8 (their outlier channels on fp16 side
-    linears) and everything else in fp16, and measure the bundle on the simulator with the
-    calibration samples. Where that falls short of options.min_cosine, rank the linears once with
-    the int8 replica (shard.precision) and move, round by round, as many of the most harmful to fp16
-    as the replica predicts the target needs (scaled by how far the last round missed its
-    prediction). Builds are cached by content, so a round rebuilds only the shards it changed. The
-    bundle of the first round that reaches the target is kept (else the most faithful), its report
-    listing every round."""
+    linears) and everything else in fp16, their ranges from three quarters of the calibration samples,
+    and measure the bundle on the simulator with the quarter held out (split_samples: ranges fit
+    the samples they came from, and the next input is not one of them). Where that falls short of
+    options.min_cosine, rank the linears once with the int8 replica (shard.precision) and move,
+    round by round, as many of the most harmful to fp16 as the replica predicts the target needs
+    (scaled by how far the last round missed its prediction). Builds are cached by content, so a
+    round rebuilds only the shards it changed. The bundle of the first round that reaches the
+    target is kept (else the most faithful), its report listing every round with both cosines."""
     from dataclasses import replace
 
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
-    rounds, best, ranking, samples = [], None, None, []
+    rounds, best, ranking = [], None, None
     try:
+        samples, warning = mixed_samples(model, options)
+        fit, held = split_samples(samples)
+        np.savez(work / "fit.npz", **{name: np.stack([s[name] for s in fit]) for name in fit[0]})
+        fitted = replace(options, calib=str(work / "fit.npz"), check_fidelity=False)
         promoted: list[str] = []
         while True:
             k = len(rounds)
             progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
-            result = compile_one(model, target, work / f"round{k}.shard",
-                                   replace(options, promote=tuple(promoted), check_fidelity=False), progress)
-            if not rounds:
-                samples, _ = compile_samples(options, result.manifest.inputs)   # its warning: in the report
-            cosine = simulator_cosine(result.bundle, Path(model), samples[:FIDELITY_SAMPLES])
+            result = compile_one(model, target, work / f"round{k}.shard", replace(fitted, promote=tuple(promoted)),
+                                 progress)
+            cosine = simulator_cosine(result.bundle, Path(model), held[:FIDELITY_SAMPLES])
+            on_fit = simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit else cosine
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
                 ranking = result.rank()
             result.rank = None   # lets go of the round's graph
@@ -62,8 +96,10 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             predicted = (linears[len(promoted) - 1]["cosine_after"] if promoted else ranking["replica_cosine"]) \
                 if ranking else None
             rounds.append({"round": k + 1, "promoted": tuple(promoted), "predicted": predicted, "cosine": cosine,
-                           "int8_mac_share": int8, "estimated_cycles": result.report["totals"]["estimated_cycles"]})
-            progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f}, int8 MACs {100 * int8:.1f} %", 1, 1)
+                           "cosine_calibration": on_fit, "int8_mac_share": int8,
+                           "estimated_cycles": result.report["totals"]["estimated_cycles"]})
+            progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f} held out ({on_fit:.5f} on the "
+                     f"calibration samples), int8 MACs {100 * int8:.1f} %", 1, 1)
             if best is None or not best[0] >= options.min_cosine and cosine > best[0]:
                 best = (cosine, result)
             if cosine >= options.min_cosine or len(promoted) == len(linears) or k + 1 == MAX_MIXED_ROUNDS:
@@ -72,13 +108,16 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             promoted = [c["node"] for c in linears[:count if k + 2 < MAX_MIXED_ROUNDS else len(linears)]]
         cosine, result = best
         report = result.report
-        report["mixed"] = {"min_cosine": options.min_cosine, "samples": min(len(samples), FIDELITY_SAMPLES),
+        report["mixed"] = {"min_cosine": options.min_cosine, "samples": {"calibration": len(fit), "held_out": len(
+            held) if held is not fit else 0, "compared": min(len(held), FIDELITY_SAMPLES)},
                            "ranking": ranking,
                            "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds], "cosine": cosine,
                            "reached": cosine >= options.min_cosine}
+        if warning:
+            report["warnings"].append(warning)
         if cosine < options.min_cosine:
             report["warnings"].append(f"mixed precision: no round reached cosine {options.min_cosine} on the "
-                                      f"calibration samples; kept the most faithful ({cosine:.5f})")
+                                      f"held-out samples; kept the most faithful ({cosine:.5f})")
         (result.bundle / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(result.bundle, output)
     finally:
