@@ -51,7 +51,7 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
       "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "eos_pool",
-      "float_mask"]
+      "float_mask", "value_pad", "yolo_head"]
 
 
 @dataclass
@@ -241,11 +241,37 @@ def float_mask(path: Path, tokens: int = 16) -> Path:
                 [("y", [1, 1, tokens, tokens])], inits)
 
 
+def value_pad(path: Path, tokens: int = 49, width: int = 96) -> Path:
+    """Two slots of 1.0 appended to a token sequence, then a linear: the vendor runs the Pad on the CPU
+    (toolkit 2.5.0: "Pad: mode constant unsupport pads[5] = 2")."""
+    inits = [numpy_helper.from_array(np.array([0, 0, 0, 0, 2, 0], np.int64), "pads"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array((np.random.default_rng(0).standard_normal((width, 64)) / 8).astype(np.float32), "w")]
+    nodes = [helper.make_node("Pad", ["x", "pads", "one"], ["p"], mode="constant", name="slots"),
+             helper.make_node("MatMul", ["p", "w"], ["y"], name="fc")]
+    return save(path, nodes, [("x", [1, tokens, width])], [("y", [1, tokens + 2, 64])], inits)
+
+
+def yolo_head(path: Path, anchors: int = 3, classes: int = 85, side: int = 20, width: int = 64) -> Path:
+    """A detection head: 1x1 Conv, view [1, A, C, H, W], channels last, Reshape [1, A*H*W, C]; the
+    vendor runs a Reshape of it on the CPU at 20 x 20."""
+    inits = [numpy_helper.from_array((np.random.default_rng(0).standard_normal((anchors * classes, width, 1, 1)) / 8)
+                                     .astype(np.float32), "w"),
+             numpy_helper.from_array(np.array([1, anchors, classes, side, side], np.int64), "five"),
+             numpy_helper.from_array(np.array([1, side * side * anchors, classes], np.int64), "rows")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["o"], kernel_shape=[1, 1], name="head"),
+             helper.make_node("Reshape", ["o", "five"], ["r"], name="per_anchor"),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 1, 3, 4, 2], name="channels_last"),
+             helper.make_node("Reshape", ["t", "rows"], ["y"], name="boxes")]
+    return save(path, nodes, [("x", [1, width, side, side])], [("y", [1, side * side * anchors, classes])], inits)
+
+
 # Inputs a model is compiled with fixed (--input-value): what its control flow chooses by.
 INPUT_VALUES = {"rate_switch": {"sr": [16000]}}
 
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
-               "two_heads": two_heads, "rate_switch": rate_switch, "eos_pool": eos_pool, "float_mask": float_mask}
+               "two_heads": two_heads, "rate_switch": rate_switch, "eos_pool": eos_pool, "float_mask": float_mask,
+               "value_pad": value_pad, "yolo_head": yolo_head}
 
 
 def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:

@@ -67,9 +67,9 @@ def test_a_model_inside_an_if_compiles_with_the_input_it_chooses_by_fixed(rows):
     assert not row.vendor.builds and row.shard.clean and row.verdict == "better", row.shard.error
 
 
-def test_a_gather_at_host_computed_indices_and_a_float_mask_leave_the_cpu(rows):
+def test_a_gather_at_host_computed_indices_a_float_mask_a_value_pad_and_a_detection_head_leave_the_cpu(rows):
     # ArgMax of the ids on the host, the row picked by a one-hot product on the NPU; a mask's Greater
-    # and Cast on the host.
-    for name in ("eos_pool", "float_mask"):
+    # and Cast on the host; a pad of ones as a pad of zeros plus a constant; the head's edges relaid.
+    for name in ("eos_pool", "float_mask", "value_pad", "yolo_head"):
         row = next(r for r in rows if r.name == name)
         assert row.vendor.cpu_ops >= 1 and row.shard.clean and row.verdict == "better", (name, row.shard.figures.get("line"))

@@ -139,6 +139,11 @@ FORM_CASES = {
     "LayerNormalization": lambda shape: single("LayerNormalization", shape, inits=[
         numpy_helper.from_array(np.linspace(0.5, 1.5, shape[-1], dtype=np.float32), "gamma"),
         numpy_helper.from_array(np.linspace(-1, 1, shape[-1], dtype=np.float32), "beta")], axis=-1, epsilon=1e-5),
+    "Pad": lambda shape: single("Pad", shape, [d + (1 if k == len(shape) - 2 else 0) + (2 if k == len(shape) - 1 else 0)
+                                               for k, d in enumerate(shape)],
+                                inits=[numpy_helper.from_array(np.array([0] * (len(shape) - 1) + [2] + [0] * (len(shape) - 2)
+                                                                        + [1, 0], np.int64), "pads"),
+                                       numpy_helper.from_array(np.array(1.5, np.float32), "value")], mode="constant"),
     "LayerNormalization-scale-only": lambda shape: single("LayerNormalization", shape, inits=[
         numpy_helper.from_array(np.linspace(0.5, 1.5, shape[-1], dtype=np.float32), "gamma")], axis=-1, epsilon=1e-6),
 }
@@ -214,7 +219,7 @@ def test_forms_only_where_the_op_lands_on_the_cpu_and_what_they_cannot_take():
     model = single("LayerNormalization", [2, 4, 6], axis=1, inits=[numpy_helper.from_array(np.ones(4, np.float32), "g")])
     out, report = rewritten(model, load_profile("rk3588"), on_cpu=["LayerNormalization"])
     assert [n.op_type for n in out.graph.node] == ["LayerNormalization"] and "last axis" in report["not_fixed"][0]["reason"]
-    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize", "LayerNormalization"}
+    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize", "LayerNormalization", "Pad"}
 
 
 @pytest.mark.toolkit

@@ -30,6 +30,7 @@ size):
     Min(a, b, ..)  -Max(-a, -b, ..)                 (Max runs on the NPU in 4-D)
     Exp(x)         (Sigmoid(x/2) / Sigmoid(-x/2))^2
     Tile(x, r)     r copies joined by Concat, axis by axis
+    Pad(x, v)      Concat of constant blocks of v, axis by axis
     LayerNorm      (x - x @ 1/C) / sqrt((d * 2^-k)^2 @ 2^2k/C + eps): the means as MatMuls with a
                    constant column (ReduceMean, Sub, Mul, ReduceMean are fused back into the CPU's
                    exNorm), the deviation scaled by the power of two nearest 1/sqrt(C) before it is
@@ -253,6 +254,42 @@ def average_pool(e: Emit, node: gs.Node) -> None:
     e.op("Mul", "Count", [pooled, e.const("per_count", (kernel[0] * kernel[1] / count)[None, None])], [y])
 
 
+def pad_uncovered(node: gs.Node) -> str | None:
+    if node.attrs.get("mode", "constant") not in ("constant", b"constant"):
+        return f"mode {node.attrs['mode']}: only a constant pad is rewritten"
+    if len(node.inputs) < 2 or not isinstance(node.inputs[1], gs.Constant) or \
+            len(node.inputs) > 3 and node.inputs[3].name:
+        return "pads computed in the graph, or given axes: not covered"
+    if len(node.inputs) > 2 and node.inputs[2].name and not isinstance(node.inputs[2], gs.Constant):
+        return "a value computed in the graph: not covered"
+    if any(int(p) < 0 for p in node.inputs[1].values):
+        return "negative pads (a crop): not covered"
+    return None
+
+
+def pad(e: Emit, node: gs.Node) -> None:
+    """A constant pad as a Concat of constant blocks of its value, axis by axis: the vendor runs some
+    pads on the CPU (toolkit 2.5.0: `Pad: mode constant unsupport pads[5] = 2`, two slots after a
+    token sequence)."""
+    x, y = node.inputs[0], node.outputs[0]
+    pads = [int(p) for p in node.inputs[1].values]
+    rank = len(x.shape)
+    value = float(node.inputs[2].values.reshape(-1)[0]) if len(node.inputs) > 2 and node.inputs[2].name else 0.0
+    shape, current = [int(d) for d in x.shape], x
+    axes = [k for k in range(rank) if pads[k] or pads[k + rank]]
+    for n, k in enumerate(axes):
+        parts = []
+        for side, width in (("before", pads[k]), ("after", pads[k + rank])):
+            if width:
+                block = [width if a == k else d for a, d in enumerate(shape)]
+                parts.append((side, e.const(f"{side}{k}", np.full(block, value))))
+        shape[k] += pads[k] + pads[k + rank]
+        out = y if n == len(axes) - 1 else e.var(f"padded{k}", shape)
+        inputs = [c for side, c in parts if side == "before"] + [current] + [c for side, c in parts if side == "after"]
+        e.op("Concat", f"Concat{k}", inputs, [out], axis=k)
+        current = out
+
+
 def resize_uncovered(node: gs.Node) -> str | None:
     x, y = node.inputs[0], node.outputs[0]
     if len(x.shape) != 4 or list(x.shape[:2]) != list(y.shape[:2]):
@@ -372,6 +409,7 @@ FORMS = {
     "Resize": Form(resize, "two MatMuls with its interpolation matrices (onnxruntime's own) on the NPU",
                    resize_uncovered),
     "LRN": Form(lrn, "the window sum as a 1x1 Conv, the power from Sqrt and Mul, and Div on the NPU", lrn_uncovered),
+    "Pad": Form(pad, "a Concat of constant blocks of its value, axis by axis, on the NPU", pad_uncovered),
     "LayerNormalization": Form(layernorm, "mean and variance as MatMuls with a constant column, Sub, Mul, Sqrt and "
                                           "Div on the NPU", layernorm_uncovered),
 }
