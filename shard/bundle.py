@@ -72,10 +72,18 @@ class Manifest:
     def to_json(self) -> str:
         """The manifest as written, sealed first: its digest set over everything else it says."""
         self.digest = self.own_digest()
-        return json.dumps(asdict(self), indent=2) + "\n"
+        return json.dumps(self.written(), indent=2) + "\n"
 
     def own_digest(self) -> str:
-        return hashlib.sha256(json.dumps({**asdict(self), "digest": ""}, indent=2).encode()).hexdigest()
+        return hashlib.sha256(json.dumps({**self.written(), "digest": ""}, indent=2).encode()).hexdigest()
+
+    def written(self) -> dict:
+        """What the file holds: without input_values where none was fixed, so a bundle written before
+        the field existed keeps its digest."""
+        data = asdict(self)
+        if not data["input_values"]:
+            del data["input_values"]
+        return data
 
     @property
     def rknn(self) -> bool:

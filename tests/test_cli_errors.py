@@ -298,3 +298,19 @@ def test_an_input_fixed_at_compile_inlines_its_if_and_a_run_checks_it(tmp_path):
                 session.run({"x": x, "sr": np.array(44100)})
         verified = shard_cli("verify", out, "--reference", model, "--backend", "cpu")
         assert verified.returncode == 0 and "PASS" in verified.stdout, verified.stdout + verified.stderr
+
+
+def test_a_bundle_without_fixed_inputs_writes_its_manifest_as_before(tmp_path):
+    """The manifest's input_values is written only where an input was fixed: a bundle compiled before
+    the field existed keeps its digest (and is not called damaged)."""
+    import json
+
+    import onnx
+
+    from shard.bundle import read_manifest
+
+    model = tmp_path / "m.onnx"
+    onnx.save(add_model([1, 8]), model)
+    assert shard_cli("compile", model, "--target", "cpu").returncode == 0
+    assert "input_values" not in json.loads((tmp_path / "m.shard" / "manifest.json").read_text())
+    assert read_manifest(tmp_path / "m.shard").input_values == {}
