@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 import shard
 from shard.options import CompileOptions
+from shard.bundle import read_manifest
 from shard.errors import CompileError
 
 pytestmark = pytest.mark.toolkit
@@ -72,19 +73,27 @@ def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):
     assert verdict["passed"] and verdict["outputs"][0]["cosine"] >= 0.9999
 
 
-def test_vendor_crash_names_shard_and_log(save, tmp_path):
-    # 4-D MatMul -> Softmax -> MatMul without the scale Mul: the toolkit's SDPA fusion rule raises.
+def test_vendor_crash_names_the_build_and_log_and_shard_builds_without_the_rule(save, tmp_path):
+    # 4-D MatMul -> Softmax -> MatMul without the scale Mul: the toolkit's SDPA fusion rule raises, and
+    # its log names the rule. The vendor alone stops there (its crash in one line, naming its log);
+    # shard builds the shard again with the rule off.
     nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]), helper.make_node("Softmax", ["s"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "v"], ["y"])]
-    model = make_model(nodes, [("q", [1, 2, 16, 8]), ("k", [1, 2, 8, 16]), ("v", [1, 2, 16, 8])],
-                       [("y", [1, 2, 16, 8])])
+    model = save(make_model(nodes, [("q", [1, 2, 16, 8]), ("k", [1, 2, 8, 16]), ("v", [1, 2, 16, 8])],
+                            [("y", [1, 2, 16, 8])]))
     with pytest.raises(CompileError) as err:
-        shard.compile(save(model), "rk3588", tmp_path / "att.shard", CompileOptions(shards=1))
+        shard.compile(model, "rk3588", tmp_path / "vendor.shard", CompileOptions(vendor_only=True))
     msg = str(err.value)
-    assert msg.startswith("shard_000: the vendor build crashed in build()") and "IndexError" in msg
+    assert msg.startswith("vendor_alone: the vendor build crashed in build()") and "IndexError" in msg
     assert "\n" not in msg
     assert "Traceback" in open(msg.rsplit("log: ", 1)[1]).read()
-    assert not (tmp_path / "att.shard").exists()
+    assert not (tmp_path / "vendor.shard").exists()
+    result = shard.compile(model, "rk3588", tmp_path / "att.shard", CompileOptions(shards=1))
+    (d,) = [s["diagnostics"] for s in result.report["shards"]]
+    assert d["disabled_rules"] == ["fuse_exmatmul_add_mul_exsoftmax13_exmatmul_to_sdpa"] and "IndexError" in d["crashes"][0]
+    (spec,) = read_manifest(result.bundle).shards
+    assert spec.build_options["config"]["disable_rules"] == d["disabled_rules"]   # the simulator builds it so too
+    assert result.report["totals"]["cpu_ops"] == 0 and result.report["versus_vendor"]["verdict"] == "better"
 
 
 def test_vendor_timeout_names_shard_and_log(save, tmp_path):
