@@ -13,7 +13,7 @@ import pytest
 from conftest import run_ort
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 
@@ -148,3 +148,15 @@ def test_a_transformer_block_in_fp16_fuses_every_run():
     with torch.no_grad():
         a, b = fused(x)[0].float(), plain(x)[0].float()
     assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.9999
+
+
+def test_attention_with_a_constant_causal_mask_is_fused():
+    model, inputs = attention_model(2, 2, 6, 6, 8, "Mul", True)
+    causal = np.triu(np.full((6, 6), -1e4, np.float32), 1)[None, None]
+    graph_inputs = [i for i in model.graph.input if i.name != "m"]
+    del model.graph.input[:]
+    model.graph.input.extend(graph_inputs)
+    model.graph.initializer.append(numpy_helper.from_array(causal, "m"))
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items() if n != "m"}
+    graph = fused_and_checked(model, feeds)
+    assert graph.fused == {"attention": 1}

@@ -101,7 +101,7 @@ def attention(node, stage: Nodes) -> Fused | None:
     if add is not None and add.op_type == "Add" and single_use(scores, uses):
         for k in (0, 1):
             inner = producer.get(add.input[k])
-            if inner is not None and inner.op_type in ("Mul", "Div", "MatMul") and add.input[1 - k] not in values:
+            if inner is not None and inner.op_type in ("Mul", "Div", "MatMul"):   # the mask: an input or a constant
                 chain, mask, scores = [add, *chain], add.input[1 - k], add.input[k]
                 break
     scaled = producer.get(scores)
