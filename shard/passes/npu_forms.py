@@ -264,6 +264,8 @@ def pad_uncovered(node: gs.Node) -> str | None:
         return "a value computed in the graph: not covered"
     if any(int(p) < 0 for p in node.inputs[1].values):
         return "negative pads (a crop): not covered"
+    if not any(int(p) for p in node.inputs[1].values):
+        return "no padding: nothing to rewrite"
     return None
 
 
