@@ -29,7 +29,7 @@ def compile_model(model: str | Path, target: str = DEFAULT_TARGET, output: str |
     options = options or CompileOptions()
     check_options(options)
     model = Path(model)
+    output = Path(output) if output else default_output(model)
     if is_causal_lm(model):   # a decoder's checkpoint: a generative bundle, its default context and chunk
-        return compile_generative(model, target, Path(output) if output else default_output(model), options,
-                                  progress=progress)
-    return compile_one_model(model, target, Path(output) if output else None, options, progress)
+        return compile_generative(model, target, output, options, progress=progress)
+    return compile_one_model(model, target, output, options, progress)

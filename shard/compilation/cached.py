@@ -24,10 +24,9 @@ def default_output(model: Path) -> Path:
     return model.with_suffix(".shard")
 
 
-def compile_one_model(model: Path, target: str, output: Path | None, options: CompileOptions,
+def compile_one_model(model: Path, target: str, output: Path, options: CompileOptions,
                       progress: Progress = lambda *a: None) -> CompileResult:
     """Compile an ONNX model into a bundle directory; on failure nothing is left at `output`."""
-    output = Path(output) if output else default_output(model)
     tgt = get_target(target)
     check_output_path(output, model)
     tgt.check_environment()               # a missing toolkit fails before minutes of work

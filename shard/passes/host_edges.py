@@ -77,10 +77,15 @@ def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray],
     return onnx_step(node, files)
 
 
+def integer_inputs(graph: gs.Graph) -> set[str]:
+    """The model's integer (and boolean) inputs: ids, masks, what host_computed starts from."""
+    return {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
+
+
 def integer_derived(graph: gs.Graph) -> set[str]:
     """The tensors computed from the model's integer inputs alone in ops the host runs (what this pass
     moves to the runtime), without moving them."""
-    derived = {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
+    derived = integer_inputs(graph)
     inputs = {t.name for t in graph.inputs}
     grown = True
     while grown:   # in any node order
@@ -116,7 +121,7 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     ctx.model_outputs = [tensor_spec(t) for t in graph.outputs]
     pre, post = [], []
     on_host = {t.name for t in graph.inputs}
-    derived = {t.name for t in graph.inputs if t.dtype is not None and np.dtype(t.dtype).kind in "biu"}
+    derived = integer_inputs(graph)
     inputs = {t.name for t in graph.inputs}
     moved = True
     while moved:  # inputs side: in dependency order, each step's input is already on the host

@@ -828,9 +828,9 @@ def rewrite_row_gathers(graph: gs.Graph) -> list[dict]:
         shape, rows = [int(d) for d in data.shape], int(data.shape[-2])
         picks = int(np.prod(indices.shape, dtype=np.int64))
         e = Emit(graph, node)
-        flat, negative, wrapped, index, hit = (gs.Variable(f"{e.base}/npu/{n}", indices.dtype, [picks, 1])
-                                               for n in ("flat", "negative", "wrapped", "index", "hit"))
-        negative.dtype, hit.dtype = np.bool_, np.bool_
+        column = lambda name, dtype: gs.Variable(f"{e.base}/npu/{name}", dtype, [picks, 1])  # noqa: E731
+        flat, wrapped, index = (column(n, indices.dtype) for n in ("flat", "wrapped", "index"))
+        negative, hit = column("negative", np.bool_), gs.Variable(f"{e.base}/npu/hit", np.bool_, [picks, rows])
         onehot, product = e.var("onehot", [picks, rows]), e.var("product", [*shape[:-2], picks, shape[-1]])
         node.outputs.clear()
         int_type = np.dtype(dtype_name(indices.dtype))

@@ -233,8 +233,8 @@ def identify(region: list, x: str, y: str, stage: Nodes) -> str | None:
             return None
         env[n.output[0]] = stage.lower(n)(*[env[i] for i in n.input])
     got = env[y]
-    errors = {kind: float(((got - function(kind)(grid)).abs() / function(kind)(grid).abs().clamp(min=1.0)).max())
-              for kind in FUNCTIONS}
+    wanted = {kind: function(kind)(grid) for kind in FUNCTIONS}
+    errors = {kind: float(((got - want).abs() / want.abs().clamp(min=1.0)).max()) for kind, want in wanted.items()}
     kind = min(errors, key=errors.get)   # GELU's two forms differ by 5e-4 at most: the nearer one
     return kind if errors[kind] <= 2e-3 else None
 
