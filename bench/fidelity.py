@@ -1,8 +1,9 @@
 """Accuracy per precision on a trained transformer, the vendor's options and shard's side by side.
 
-all-mpnet-base-v2 (weights shipped in packages of the index, see bench/trained.py), its sentence
-embedding at sequence length 128: 32 calibration sentences, 4 held-back test sentences, every
-variant on rknn-toolkit2's simulator against onnxruntime fp32 on the test sentences.
+A trained sentence encoder (--model: all-mpnet-base-v2 or all-MiniLM-L6-v2, weights shipped in
+packages of the index, see bench/trained.py), its sentence embedding at sequence length 128: 32
+calibration sentences, 4 held-back test sentences, every variant on rknn-toolkit2's simulator
+against onnxruntime fp32 on the test sentences.
 
     vendor fp16          the model as it came, do_quantization=False
     vendor int8          w8a8, quantized_algorithm normal, from the 32 calibration samples
@@ -19,7 +20,7 @@ Each line: mean and worst cosine over the test sentences, the int8 share of the 
 (from the build's layer table) and the vendor's estimated cycles; for shard mixed also the compile's
 own split and its two cosines (held out, calibration). Ends with one RESULT line.
 
-    python bench/fidelity.py [--work DIR] [--only NAME ...]
+    python bench/fidelity.py [--model NAME] [--work DIR] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trained import mpnet  # noqa: E402
+from trained import ENCODERS, sentence_encoder  # noqa: E402
 
 from shard.targets.rknn.worker import infer  # noqa: E402
 from shard.targets.rknn.log import macs_by_dtype, parse_build_log  # noqa: E402
@@ -119,7 +120,7 @@ def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: li
     totals = result.report["totals"]
     mixed = result.report.get("mixed")
     if mixed:   # the compile's own split: ranges from one part of --calib, each round accepted on the other
-        kept = next(r for r in mixed["rounds"] if r["cosine"] == mixed["cosine"])
+        kept = next(r for r in mixed["rounds"] if r["round"] == mixed["kept"])
         print(f"  split: int8 ranges from {mixed['samples']['calibration']} calibration sentences, accepted on "
               f"{mixed['samples']['held_out']} held out; kept round {kept['round']}: {kept['cosine']:.5f} held out, "
               f"{kept['cosine_calibration']:.5f} on the calibration sentences", flush=True)
@@ -131,17 +132,18 @@ def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=ENCODERS, default=ENCODERS[0], help="the trained encoder [default: %(default)s]")
     parser.add_argument("--work", type=Path, default=None, help="keep builds here [default: a temporary folder]")
     parser.add_argument("--only", nargs="*", default=None, help="variants to run (names as printed)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="shard-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
-    model, calib, test = mpnet(work / "all-mpnet-base-v2.onnx")
+    model, calib, test = sentence_encoder(args.model, work / f"{args.model}.onnx")
     calib_file = work / "calib.npz"
     np.savez(calib_file, **calib)
     calib_samples, test_samples = samples_of(calib), samples_of(test)
     expected = reference(model, test_samples)
-    print(f"all-mpnet-base-v2 sentence embedding, seq 128: {len(calib_samples)} calibration and "
+    print(f"{args.model} sentence embedding, seq 128: {len(calib_samples)} calibration and "
           f"{len(test_samples)} test sentences; rknn-toolkit2 simulator against onnxruntime fp32", flush=True)
     rows = []
     variants = [*VENDOR, "shard int8", "shard mixed"]
@@ -163,7 +165,7 @@ def main() -> None:
     cycles = {r["name"]: r["cycles"] for r in rows if "cosines" in r}
     mixed = next((r for r in rows if r["name"] == "shard mixed" and "cosines" in r), {})
     fmt = lambda v: "n/a" if v is None else f"{v:.5f}"  # noqa: E731  (5 digits: 0.99897 must not read as 0.9990)
-    print(f"RESULT vendor_int8={fmt(worst.get('vendor int8'))} vendor_mmse={fmt(worst.get('vendor mmse'))} "
+    print(f"RESULT model={args.model} vendor_int8={fmt(worst.get('vendor int8'))} vendor_mmse={fmt(worst.get('vendor mmse'))} "
           f"vendor_hybrid={fmt(worst.get('vendor auto_hybrid'))} shard_int8={fmt(worst.get('shard int8'))} "
           f"shard_mixed={fmt(worst.get('shard mixed'))} int8_macs={fmt(share.get('shard mixed'))} "
           f"hybrid_int8_macs={fmt(share.get('vendor auto_hybrid'))} "

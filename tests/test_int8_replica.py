@@ -12,7 +12,8 @@ from onnx import helper, numpy_helper
 
 from shard.calibration import collect_stats
 from shard.graph import infer_shapes
-from shard.precision import GATES, int8_replica, is_int8_candidate, next_prefix, rank_linears
+from shard.compilation.variants import kept_before, next_count
+from shard.precision import GATES, bisect_prefix, int8_replica, is_int8_candidate, next_prefix, rank_linears
 
 
 def two_linears(seed: int = 0, loud: float = 1.0):
@@ -80,3 +81,34 @@ def test_next_round_takes_the_fewest_linears_the_replica_says_suffice():
     assert next_prefix(ranking, 1e-3, predicted=2e-3, measured=4e-3, done=0) == 3
     assert next_prefix(ranking, 1e-3, predicted=2e-3, measured=1e-3, done=3) == 4   # always at least one more
     assert next_prefix(ranking, 1e-5, predicted=1e-3, measured=1e-3, done=0) == 5   # none suffices: all
+
+
+def test_after_a_round_reaches_the_target_the_next_bisects_by_macs():
+    ranking = [{"macs": m} for m in (10, 10, 40, 20, 20)]   # cumulative 0, 10, 20, 60, 80, 100
+    assert bisect_prefix(ranking, failed=0, passed=5) == 3      # halfway in MACs (50) is nearest 60
+    assert bisect_prefix(ranking, failed=1, passed=3) == 2
+    assert bisect_prefix(ranking, failed=2, passed=3) is None   # no count between
+    assert bisect_prefix(ranking, failed=0, passed=2) == 1
+
+
+def round_of(promoted: int, cosine: float, share: float = 0.5, predicted: float = 0.998) -> dict:
+    return {"promoted": tuple(range(promoted)), "cosine": cosine, "int8_mac_share": share, "predicted": predicted}
+
+
+def test_mixed_rounds_search_for_the_most_int8_that_reaches_the_target():
+    linears = [{"macs": 10, "cosine_after": c} for c in (0.9985, 0.999, 0.9993, 0.9995, 0.9997, 0.9999, 1.0, 1.0)]
+    first = round_of(0, 0.998, predicted=0.998)
+    assert next_count([first], linears, 0.999) == 3                 # the fewest predicted under 0.8 of the loss allowed
+    assert next_count([first], [], 0.999) is None                    # nothing ranked: the first round reached it
+    reached = round_of(3, 0.9993)
+    assert next_count([first, reached], linears, 0.999) == 1         # halfway in MACs between 0 (short) and 3
+    short = round_of(1, 0.9985)
+    assert next_count([first, reached, short], linears, 0.999) == 2
+    assert next_count([first, reached, short, round_of(2, 0.9991)], linears, 0.999) is None   # 1 short, 2 reached
+    missing = [first, round_of(1, 0.9982), round_of(2, 0.9984), round_of(3, 0.9986)]
+    assert next_count(missing, linears, 0.999) == len(linears)       # the last round: every linear in fp16
+    assert next_count([*missing, round_of(8, 0.9999)], linears, 0.999) is None   # no rounds left
+    # which round is kept: one that reaches the target, the most int8 among those; else the most faithful
+    assert kept_before(round_of(3, 0.9991, share=0.6), round_of(4, 0.9995, share=0.5), 0.999)
+    assert not kept_before(round_of(2, 0.9989, share=0.8), round_of(4, 0.9991, share=0.5), 0.999)
+    assert kept_before(round_of(2, 0.9989), round_of(0, 0.998), 0.999)

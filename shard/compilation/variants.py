@@ -21,7 +21,7 @@ from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
 from shard.graph import fix_input_values, load_model
 from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions
-from shard.precision import MAX_MIXED_ROUNDS, next_prefix
+from shard.precision import MAX_MIXED_ROUNDS, bisect_prefix, next_prefix
 from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
 
 
@@ -61,6 +61,35 @@ def mixed_samples(model: Path, options: CompileOptions) -> tuple[list[dict], str
     return compile_samples(replace(options, precision="int8"), specs)
 
 
+def kept_before(this: dict, best: dict, target: float) -> bool:
+    """Whether mixed precision keeps round `this` before `best`: a round that reaches the target before
+    one that does not, then the more int8 among those that reach it, else the more faithful."""
+    if (this["cosine"] >= target) != (best["cosine"] >= target):
+        return this["cosine"] >= target
+    return this["int8_mac_share"] > best["int8_mac_share"] if this["cosine"] >= target else \
+        this["cosine"] > best["cosine"]
+
+
+def next_count(rounds: list[dict], linears: list[dict], target: float) -> int | None:
+    """How many of the ranked linears the next round of mixed precision moves to fp16; None to stop.
+    Until a round reaches the target, the replica's prediction scaled by the last miss (next_prefix),
+    and all of them in the last round; after, the count halfway in MACs between the fewest that
+    reached it and the most that fell short (bisect_prefix), while rounds are left."""
+    if len(rounds) == MAX_MIXED_ROUNDS or not linears:
+        return None
+    counts = {len(r["promoted"]): r["cosine"] >= target for r in rounds}
+    passed = [c for c, ok in counts.items() if ok]
+    if passed:
+        fewest = min(passed)
+        return bisect_prefix(linears, max((c for c in counts if c < fewest), default=0), fewest)
+    last = rounds[-1]
+    if len(last["promoted"]) == len(linears):
+        return None
+    if len(rounds) + 1 == MAX_MIXED_ROUNDS:
+        return len(linears)
+    return next_prefix(linears, 1.0 - target, 1.0 - last["predicted"], 1.0 - last["cosine"], len(last["promoted"]))
+
+
 def compile_mixed(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
     """--precision mixed: compile with the linears in int8 (their outlier channels on fp16 side
     linears) and everything else in fp16, their ranges from three quarters of the calibration samples,
@@ -68,9 +97,10 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
     the samples they came from, and the next input is not one of them). Where that falls short of
     options.min_cosine, rank the linears once with the int8 replica (shard.precision) and move,
     round by round, as many of the most harmful to fp16 as the replica predicts the target needs
-    (scaled by how far the last round missed its prediction). Builds are cached by content, so a
-    round rebuilds only the shards it changed. The bundle of the first round that reaches the
-    target is kept (else the most faithful), its report listing every round with both cosines."""
+    (scaled by how far the last round missed its prediction); once one reaches it, the rounds left
+    bisect towards more int8 (next_count). Builds are cached by content, so a round rebuilds only
+    the shards it changed. The round with the most int8 that reaches the target is kept (else the
+    most faithful), its report listing every round with both cosines."""
     from dataclasses import replace
 
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
@@ -86,7 +116,7 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
             result = compile_one(model, target, work / f"round{k}.shard", replace(fitted, promote=tuple(promoted)),
                                  progress)
-            cosine = simulator_cosine(result.bundle, Path(model), held[:FIDELITY_SAMPLES])
+            cosine = simulator_cosine(result.bundle, Path(model), held)   # every sample held out: what --min-cosine holds on
             on_fit = simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit else cosine
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
                 ranking = result.rank()
@@ -100,19 +130,19 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
                            "estimated_cycles": result.report["totals"]["estimated_cycles"]})
             progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f} held out ({on_fit:.5f} on the "
                      f"calibration samples), int8 MACs {100 * int8:.1f} %", 1, 1)
-            if best is None or not best[0] >= options.min_cosine and cosine > best[0]:
-                best = (cosine, result)
-            if cosine >= options.min_cosine or len(promoted) == len(linears) or k + 1 == MAX_MIXED_ROUNDS:
+            if best is None or kept_before(rounds[-1], best[0], options.min_cosine):
+                best = (rounds[-1], result)
+            count = next_count(rounds, linears, options.min_cosine)
+            if count is None:
                 break
-            count = next_prefix(linears, 1.0 - options.min_cosine, 1.0 - predicted, 1.0 - cosine, len(promoted))
-            promoted = [c["node"] for c in linears[:count if k + 2 < MAX_MIXED_ROUNDS else len(linears)]]
-        cosine, result = best
+            promoted = [c["node"] for c in linears[:count]]
+        cosine, result = best[0]["cosine"], best[1]
         report = result.report
         report["mixed"] = {"min_cosine": options.min_cosine, "samples": {"calibration": len(fit), "held_out": len(
-            held) if held is not fit else 0, "compared": min(len(held), FIDELITY_SAMPLES)},
+            held) if held is not fit else 0, "compared": len(held)},
                            "ranking": ranking,
                            "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds], "cosine": cosine,
-                           "reached": cosine >= options.min_cosine}
+                           "kept": best[0]["round"], "reached": cosine >= options.min_cosine}
         if warning:
             report["warnings"].append(warning)
         if cosine < options.min_cosine:
