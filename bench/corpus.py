@@ -50,8 +50,8 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
-      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "eos_pool",
-      "float_mask", "value_pad", "yolo_head"]
+      "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "euler_loop",
+      "eos_pool", "float_mask", "value_pad", "yolo_head"]
 
 
 @dataclass
@@ -212,6 +212,51 @@ def rate_switch(path: Path, width: int = 64) -> Path:
     return path
 
 
+def euler_loop(path: Path, steps: int = 8, width: int = 64, trips: str | None = None) -> Path:
+    """A denoising loop as a Loop node: `steps` Euler steps x <- x + dt * v(x, t), the velocity a
+    small MLP of x and the step's time (from the iteration number), its weights from the outer
+    graph; the trajectory a scan output. The vendor cannot build a Loop. `trips`: the trip count as
+    that graph input instead of a constant (a loop decided at run time)."""
+    rng = np.random.default_rng(5)
+    f = onnx.TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Cast", ["k"], ["kf"], to=f, name="step_time"),
+         helper.make_node("Mul", ["kf", "dt"], ["t"], name="time"),
+         helper.make_node("MatMul", ["x_in", "w1"], ["a"], name="fc1"),
+         helper.make_node("Mul", ["t", "tvec"], ["te"], name="time_embed"),
+         helper.make_node("Add", ["a", "te"], ["b"], name="add_time"),
+         helper.make_node("Tanh", ["b"], ["h"], name="act"),
+         helper.make_node("MatMul", ["h", "w2"], ["v"], name="fc2"),
+         helper.make_node("Mul", ["v", "dt"], ["dx"], name="scale"),
+         helper.make_node("Add", ["x_in", "dx"], ["x_out"], name="euler"),
+         helper.make_node("Identity", ["x_out"], ["x_seen"], name="trajectory"),
+         helper.make_node("Identity", ["c_in"], ["c_out"], name="go_on")],
+        "step", [helper.make_tensor_value_info("k", onnx.TensorProto.INT64, []),
+                 helper.make_tensor_value_info("c_in", onnx.TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("x_in", f, [1, width])],
+        [helper.make_tensor_value_info("c_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", f, [1, width]),
+         helper.make_tensor_value_info("x_seen", f, [1, width])])
+    inits = [numpy_helper.from_array((rng.standard_normal((width, width)) / 8).astype(np.float32), "w1"),
+             numpy_helper.from_array((rng.standard_normal((width, width)) / 8).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "tvec"),
+             numpy_helper.from_array(np.array(1.0 / steps, np.float32), "dt"),
+             numpy_helper.from_array(np.array(True), "go")]
+    inputs = [helper.make_tensor_value_info("x", f, [1, width])]
+    if trips is None:
+        inits.append(numpy_helper.from_array(np.array(steps, np.int64), "steps"))
+    else:
+        inputs.append(helper.make_tensor_value_info(trips, onnx.TensorProto.INT64, []))
+    loop = helper.make_node("Loop", [trips or "steps", "go", "x"], ["y", "path"], body=body, name="denoise")
+    graph = helper.make_graph([loop], "flow", inputs,
+                              [helper.make_tensor_value_info("y", f, [1, width]),
+                               helper.make_tensor_value_info("path", f, [steps, 1, width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
 def eos_pool(path: Path, tokens: int = 16, width: int = 64) -> Path:
     """A text encoder's pooled output: the hidden state at the highest token id (CLIP's end token),
     ArgMax over the ids then Gather of that row; the vendor runs both (and a Reshape) on the CPU."""
@@ -270,7 +315,7 @@ def yolo_head(path: Path, anchors: int = 3, classes: int = 85, side: int = 20, w
 INPUT_VALUES = {"rate_switch": {"sr": [16000]}}
 
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
-               "two_heads": two_heads, "rate_switch": rate_switch, "eos_pool": eos_pool, "float_mask": float_mask,
+               "two_heads": two_heads, "rate_switch": rate_switch, "euler_loop": euler_loop, "eos_pool": eos_pool, "float_mask": float_mask,
                "value_pad": value_pad, "yolo_head": yolo_head}
 
 

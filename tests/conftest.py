@@ -131,3 +131,13 @@ def save(tmp_path):
         onnx.save(model, str(path))
         return path
     return save
+
+
+def assert_one_line_error(res, *fragments):
+    """The CLI failed with exit code 1 and one `error:` line holding each fragment, no traceback."""
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, res.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -1,16 +1,7 @@
 """Bad input ends the command with one line on stderr and exit 1: no traceback, no partial bundle."""
 
 import pytest
-from conftest import add_model, shard_cli
-
-
-def assert_one_line_error(res, *fragments):
-    assert res.returncode == 1, res.stderr
-    assert "Traceback" not in res.stderr
-    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, res.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+from conftest import add_model, assert_one_line_error, shard_cli
 
 
 def test_missing_file(tmp_path):

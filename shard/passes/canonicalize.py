@@ -15,6 +15,7 @@ import onnx_graphsurgeon as gs
 
 from shard.calibration import ort_session
 from shard.errors import ModelError
+from shard.passes.control_flow import refuse_control_flow, unroll_loops
 from shard.graph import default_opset, infer_shapes, is_static, replace_uses, toposort
 from shard.passes.context import PassContext
 
@@ -143,8 +144,9 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     nodes_before = len(graph.nodes)
     fixed = fix_input_shapes(graph, ctx.options.input_shapes)
     graph = infer_shapes(graph)
-    folding_failed = None
-    # Shape ops fold only once shapes are known, and folding them reveals more shapes: iterate.
+    folding_failed, unrolled = None, []
+    # Shape ops fold only once shapes are known, and folding them reveals more shapes (and a Loop's
+    # trip count, which unrolls it): iterate.
     for _ in range(4):
         count = len(graph.nodes)
         try:
@@ -152,6 +154,7 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         except Exception as exc:  # noqa: BLE001 - graphsurgeon's folding fails on sequence values
             folding_failed = f"{type(exc).__name__}: {exc}"
             break
+        unrolled += unroll_loops(graph)
         graph = infer_shapes(graph)
         if len(graph.nodes) == count:
             break
@@ -161,6 +164,8 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     toposort(graph.cleanup())
     report = {"fixed_inputs": fixed, "nodes_before": nodes_before, "nodes_after": len(graph.nodes),
               "identities_removed": identities}
+    if unrolled:
+        report["changes"] = unrolled
     if folding_failed:
         report["constant_folding"] = f"stopped: {folding_failed}"
     if unknown_shapes(graph):
@@ -177,32 +182,6 @@ def canonicalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError(f"cannot infer a static shape for output(s) {', '.join(unknown)}, "
                          f"not even by running the model once in onnxruntime")
     return graph, report
-
-
-CONTROL_FLOW = ("If", "Loop", "Scan")
-
-
-def refuse_control_flow(graph: gs.Graph) -> None:
-    """An If whose condition folded to a constant is inlined by the folding above (graphsurgeon
-    flattens it); one still here is chosen at run time, which no NPU graph does: one line naming it
-    and the inputs its choice reads (fixed with --input-value)."""
-    node = next((n for n in graph.nodes if n.op in CONTROL_FLOW), None)
-    if node is None:
-        return
-    reads, stack, seen = set(), [t for t in node.inputs if isinstance(t, gs.Variable)], set()
-    graph_inputs = {id(t) for t in graph.inputs}
-    while stack:   # the graph inputs the node's own inputs come from
-        t = stack.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        if id(t) in graph_inputs:
-            reads.add(t.name)
-        stack += [i for producer in t.inputs for i in producer.inputs if isinstance(i, gs.Variable)]
-    hint = f"fix {'it' if len(reads) == 1 else 'them'} with --input-value NAME=VALUE ({', '.join(sorted(reads))})" \
-        if reads else "it depends on no input that could be fixed"
-    raise ModelError(f"{node.op} node {node.name!r} decides at run time ({', '.join(t.name for t in node.inputs)}): "
-                     f"an NPU graph has no control flow; {hint}")
 
 
 def unknown_shapes(graph: gs.Graph) -> list[gs.Variable]:
