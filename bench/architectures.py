@@ -59,6 +59,9 @@ def configs():
         "qwen2-layer-lm-head": text(tf.Qwen2ForCausalLM, lambda t: eager(tf.Qwen2Config(
             hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
             num_hidden_layers=1, vocab_size=151936, tie_word_embeddings=True)), seq=32, mask=False),
+        "qwen2-mqa": text(tf.Qwen2ForCausalLM, lambda t: eager(tf.Qwen2Config(   # one key/value head: repeat_kv's Expand
+            hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=1,
+            num_hidden_layers=1, vocab_size=1000)), seq=32),
         "whisper-tiny-encoder": lambda t: (tf.WhisperModel(eager(tf.WhisperConfig(
             d_model=384, encoder_layers=2, decoder_layers=1, encoder_attention_heads=6,
             decoder_attention_heads=6))).get_encoder(), {"input_features": t.randn(1, 80, 3000)}),

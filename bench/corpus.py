@@ -47,11 +47,12 @@ MIN_COSINE = 0.9999
 ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 # A fast subset over different families, for CI: old opset, Conv1d, pooling, embedding (int64 input), split,
 # transpose, reduction, pixel shuffle, a linear on a 2-D input, ops the vendor puts on the CPU (Selu on a 3-D
-# tensor, Tile), the reproducers, and a small BERT (embeddings and the attention mask on the host).
+# tensor, Tile), the reproducers, a small BERT (embeddings and the attention mask on the host) and a decoder
+# layer with one key/value head (repeat_kv's Expand).
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
       "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "euler_loop",
-      "eos_pool", "float_mask", "value_pad", "yolo_head"]
+      "eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa"]
 
 
 @dataclass

@@ -69,9 +69,10 @@ def test_control_flow_the_vendor_cannot_build_compiles_clean(rows):
         assert not row.vendor.builds and row.shard.clean and row.verdict == "better", (name, row.shard.error)
 
 
-def test_a_gather_at_host_computed_indices_a_float_mask_a_value_pad_and_a_detection_head_leave_the_cpu(rows):
+def test_a_gather_at_host_computed_indices_a_float_mask_a_value_pad_a_detection_head_and_repeat_kv_leave_the_cpu(rows):
     # ArgMax of the ids on the host, the row picked by a one-hot product on the NPU; a mask's Greater
-    # and Cast on the host; a pad of ones as a pad of zeros plus a constant; the head's edges relaid.
-    for name in ("eos_pool", "float_mask", "value_pad", "yolo_head"):
+    # and Cast on the host; a pad of ones as a pad of zeros plus a constant; the head's edges relaid;
+    # one key/value head's 5-D Expand as a Concat of its copies.
+    for name in ("eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa"):
         row = next(r for r in rows if r.name == name)
         assert row.vendor.cpu_ops >= 1 and row.shard.clean and row.verdict == "better", (name, row.shard.figures.get("line"))

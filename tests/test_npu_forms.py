@@ -136,6 +136,8 @@ FORM_CASES = {
     "Exp": lambda shape: single("Exp", shape),
     "Tile": lambda shape: single("Tile", shape, [r * d for r, d in zip([1, 2, 1, 3][-len(shape):], shape)],
                                  inits=[numpy_helper.from_array(np.array([1, 2, 1, 3][-len(shape):], np.int64), "r")]),
+    "Expand": lambda shape: single("Expand", shape, [2] + [4 if d == 1 else d for d in shape], inits=[
+        numpy_helper.from_array(np.array([2] + [4 if d == 1 else 1 for d in shape], np.int64), "s")]),
     "LayerNormalization": lambda shape: single("LayerNormalization", shape, inits=[
         numpy_helper.from_array(np.linspace(0.5, 1.5, shape[-1], dtype=np.float32), "gamma"),
         numpy_helper.from_array(np.linspace(-1, 1, shape[-1], dtype=np.float32), "beta")], axis=-1, epsilon=1e-5),
@@ -219,7 +221,21 @@ def test_forms_only_where_the_op_lands_on_the_cpu_and_what_they_cannot_take():
     model = single("LayerNormalization", [2, 4, 6], axis=1, inits=[numpy_helper.from_array(np.ones(4, np.float32), "g")])
     out, report = rewritten(model, load_profile("rk3588"), on_cpu=["LayerNormalization"])
     assert [n.op_type for n in out.graph.node] == ["LayerNormalization"] and "last axis" in report["not_fixed"][0]["reason"]
-    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "LRN", "AveragePool", "Resize", "LayerNormalization", "Pad"}
+    assert set(FORMS) == {"Selu", "Min", "Exp", "Tile", "Expand", "LRN", "AveragePool", "Resize", "LayerNormalization",
+                          "Pad"}
+
+
+def test_an_expand_past_4d_is_nominated_without_its_one_op_build():
+    # repeat_kv with one key/value head: [1, 1, 1, S, D] to [1, 1, R, S, D], on the CPU only in context
+    shape = np.array([1, 1, 4, 6, 8], np.int64)
+    model = single("Expand", [1, 1, 1, 6, 8], shape.tolist(), inits=[numpy_helper.from_array(shape, "s")])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["Selu"])   # one-op builds say it runs on the NPU
+    assert [n.op_type for n in out.graph.node] == ["Concat"] and "5-D Expand" in report["changes"][0]["reason"]
+    x = np.random.default_rng(0).standard_normal((1, 1, 1, 6, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run_ort(out, {"x0": x})[0], run_ort(model, {"x0": x})[0])
+    model = single("Expand", [1, 1, 6, 8], [1, 4, 6, 8], inits=[numpy_helper.from_array(np.array([1, 4, 1, 1]), "s")])
+    out, report = rewritten(model, load_profile("rk3588"), on_cpu=["Selu"])
+    assert [n.op_type for n in out.graph.node] == ["Expand"] and report["changes"] == []   # 4-D: the one-op build decides
 
 
 @pytest.mark.toolkit

@@ -23,13 +23,15 @@ against the vendor's 13 (simulator cosine 0.9999993); taken where the scores spa
 ROWS_SPAN on the calibration samples. A chip whose NPU runs some Softmax is left to the compiler.
 
 Other ops (FORMS), where the one-op build of the op at its real shapes lands on the CPU (RK3588,
-toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do; RK2118: LayerNorm at every
+toolkit 2.5.0: Selu, Min, Exp, Tile, Expand, LRN and a padded AveragePool do; RK2118: LayerNorm at every
 size):
 
     Selu(x)        Elu(x, alpha) * gamma
     Min(a, b, ..)  -Max(-a, -b, ..)                 (Max runs on the NPU in 4-D)
     Exp(x)         (Sigmoid(x/2) / Sigmoid(-x/2))^2
     Tile(x, r)     r copies joined by Concat, axis by axis
+    Expand(x, s)   the same, each axis of x of size 1 that s widens (grouped-query attention with one
+                   key/value head: its repeat_kv)
     Pad(x, v)      Concat of constant blocks of v, axis by axis
     LayerNorm      (x - x @ 1/C) / sqrt((d * 2^-k)^2 @ 2^2k/C + eps): the means as MatMuls with a
                    constant column (ReduceMean, Sub, Mul, ReduceMean are fused back into the CPU's
@@ -172,8 +174,11 @@ def tile_uncovered(node: gs.Node) -> str | None:
 
 
 def tile(e: Emit, node: gs.Node) -> None:
-    x, y = node.inputs[0], node.outputs[0]
-    repeats = [int(r) for r in node.inputs[1].values]
+    copies(e, node.inputs[0], node.outputs[0], [int(r) for r in node.inputs[1].values])
+
+
+def copies(e: Emit, x: gs.Tensor, y: gs.Tensor, repeats: list[int]) -> None:
+    """y: `repeats[axis]` copies of x joined by Concat along each axis, one axis after another."""
     axes = [axis for axis, r in enumerate(repeats) if r > 1]
     shape, current = list(x.shape), x
     for k, axis in enumerate(axes):
@@ -183,6 +188,30 @@ def tile(e: Emit, node: gs.Node) -> None:
         current = out
     if not axes:
         e.op("Identity", "Identity", [x], [y])
+
+
+def expand_uncovered(node: gs.Node) -> str | None:
+    x, y = node.inputs[0], node.outputs[0]
+    if not is_static(y.shape) or not is_static(x.shape):
+        return "shapes not known at compile"
+    if any(d not in (1, n) for d, n in zip(expanded_shape(x, y), y.shape)):
+        return f"{list(x.shape)} does not broadcast to {list(y.shape)}"
+    return None
+
+
+def expanded_shape(x: gs.Tensor, y: gs.Tensor) -> list[int]:
+    """x's shape with the leading 1s that broadcasting to y's rank adds."""
+    return [1] * (len(y.shape) - len(x.shape)) + list(x.shape)
+
+
+def expand(e: Emit, node: gs.Node) -> None:
+    x, y = node.inputs[0], node.outputs[0]
+    shape = expanded_shape(x, y)
+    if len(shape) > len(x.shape):
+        ranked = e.var("ranked", shape)
+        e.op("Reshape", "Rank", [x, e.const("rank_shape", shape, np.int64)], [ranked])
+        x = ranked
+    copies(e, x, y, [n // d for d, n in zip(shape, y.shape)])
 
 
 def lrn_uncovered(node: gs.Node) -> str | None:
@@ -406,6 +435,7 @@ FORMS = {
     "Min": Form(minimum, "Neg, Max and Neg on the NPU"),
     "Exp": Form(exp, "(Sigmoid(x/2) / Sigmoid(-x/2))^2 on the NPU"),
     "Tile": Form(tile, "Concat of the copies on the NPU", tile_uncovered),
+    "Expand": Form(expand, "Concat of the copies on the NPU", expand_uncovered),
     "AveragePool": Form(average_pool, "the pool counting its padding, times k*k / count (a constant map), on the NPU",
                         average_pool_uncovered),
     "Resize": Form(resize, "two MatMuls with its interpolation matrices (onnxruntime's own) on the NPU",
@@ -517,11 +547,22 @@ def on_cpu(node: gs.Node, legality) -> Verdict | None:
     return verdict if verdict.failure == "cpu-fallback" else None
 
 
+def in_context(node: gs.Node) -> Verdict | None:
+    """A float Expand past 4-D (repeat_kv's [1, kv, 1, S, D] to [1, kv, R, S, D]) builds on the NPU
+    alone and lands on the CPU in its attention (a one-head-of-keys Qwen2: both Expands): nominated
+    without the one-op build; the shard's build beside its twin decides."""
+    if node.op != "Expand" or len(node.outputs[0].shape or ()) <= 4 or \
+            dtype_name(node.outputs[0].dtype) not in ("float32", "float16"):
+        return None
+    return Verdict(ok=False, failure="cpu-fallback", reason=f"a {len(node.outputs[0].shape)}-D Expand, which the "
+                   f"vendor runs on the CPU inside attention")
+
+
 def rewrite_forms(graph: gs.Graph, legality) -> tuple[list[dict], list[dict]]:
     """Each op of FORMS that its one-op build at its real shapes places on the CPU, rewritten."""
     changes, left = [], []
     for node in [n for n in graph.nodes if n.op in FORMS]:
-        if (verdict := on_cpu(node, legality)) is None:
+        if (verdict := on_cpu(node, legality) or in_context(node)) is None:
             continue
         form, label = FORMS[node.op], node.name or node.outputs[0].name
         why_not = form.uncovered(node)
