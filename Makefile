@@ -19,7 +19,7 @@ DEMO_BUNDLE := $(DEMO)$(if $(filter rk3588,$(TARGET)),,-$(TARGET)).shard
 $(BIN)/shard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) 'torch==2.13.0'
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[zoo,test]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[zoo,test,ray]'
 	touch $@
 
 toolkit: $(BIN)/shard

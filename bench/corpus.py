@@ -1,7 +1,12 @@
 """The real-model corpus: models nobody on the team wrote, shard and the vendor alone side by side.
 
     python bench/corpus.py [--set all|onnx|transformers|packaged|ci] [--only NAME,...] [--json FILE] [--jobs 2]
-                           [--target rk3588|rk3576|...]
+                           [--target rk3588|rk3576|...] [--ray ADDRESS|local [--ray-cpus N]]
+
+Models run one after another, each compile's builds --jobs at a time. With --ray, each model is a Ray
+task of one CPU (its builds one at a time, on the node that runs it), retried where its worker dies,
+as many at once as the cluster has CPUs (`local`: a cluster started here with --ray-cpus), rows
+printed as they finish and the RESULT line over all of them.
 
 Models: the onnx package's own backend test data (`pytorch-converted`, `pytorch-operator`: each a
 conformance case for one PyTorch module or op, most at opset 6; and `simple`), small graphs that
@@ -482,6 +487,25 @@ def exported_models(which: str, only: list[str] | None, folder: Path):
         yield name, family, path
 
 
+def local(models, args):
+    """(row, model) of each model, one after another on this machine."""
+    for name, family, path in models:
+        yield evaluate(name, family, path, args.jobs, args.target), path
+
+
+def on_ray(models, args):
+    """(row, model) of each model as its Ray task finishes: one CPU each (its builds one at a time),
+    retried where its worker died; every model exported first, so the tasks all start at once."""
+    from shard.targets.rknn.remote import connect
+
+    ray = connect(args.ray, args.ray_cpus)
+    task = ray.remote(num_cpus=1, max_retries=2)(evaluate)
+    pending = {task.remote(name, family, path, 1, args.target): path for name, family, path in models}
+    while pending:
+        (done,), _ = ray.wait(list(pending), num_returns=1)
+        yield ray.get(done), pending.pop(done)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", default="all", choices=["all", "onnx", "light", "transformers", "packaged", "trained",
@@ -490,6 +514,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--target", default="rk3588", help="any Rockchip chip with fp16 (shard.targets.chips.CHIPS)")
+    parser.add_argument("--ray", help="run each model as a task on this Ray cluster (local: one started here)")
+    parser.add_argument("--ray-cpus", type=int, default=None, help="--ray local: the cluster's CPUs [default: all]")
     args = parser.parse_args()
     from shard.graph import quiet_graphsurgeon
 
@@ -497,13 +523,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="corpus-models-") as folder:
         print(f"{'model':44} {'family':18} {'shard':>24} {'vendor alone':>24} verdict")
-        for name, family, path in exported_models(args.set, args.only.split(",") if args.only else None, Path(folder)):
-            row = evaluate(name, family, path, args.jobs, args.target)
+        models = exported_models(args.set, args.only.split(",") if args.only else None, Path(folder))
+        for row, path in (on_ray(models, args) if args.ray else local(models, args)):
             rows.append(row)
             if path.is_relative_to(Path(folder)):
                 path.unlink()  # exported models are large; each is written when its turn comes
                 path.with_suffix(".calib.npz").unlink(missing_ok=True)
-            print(f"{name:44} {family:18} {describe(row.shard):>24} {describe(row.vendor):>24} {row.verdict}", flush=True)
+            print(f"{row.name:44} {row.family:18} {describe(row.shard):>24} {describe(row.vendor):>24} {row.verdict}",
+                  flush=True)
     for row in rows:
         for label, s in (("shard", row.shard), ("vendor", row.vendor)):
             if s.traceback:

@@ -79,6 +79,10 @@ def parse_value(text: str) -> tuple[str, list[float]]:
         raise ShardError(f"--input-value {text!r}: expected NAME=V0,V1,... such as sr=16000") from None
 
 
+RAY_HELP = ("Run the vendor builds on this Ray cluster (ADDRESS, as `ray start` printed it), or on one started "
+            "here (local); --jobs of them at a time. Needs `pip install 'shard[ray]'`.")
+
+
 @app.command("compile")
 def compile_command(
     model: Path = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers folder) "
@@ -95,6 +99,7 @@ def compile_command(
                                                     "and cuda: pipeline stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
+    ray: Optional[str] = typer.Option(None, "--ray", help=RAY_HELP),
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
     profile: Optional[Path] = typer.Option(None, help="Target profile JSON instead of the shipped one."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable): "
@@ -146,10 +151,9 @@ def compile_command(
     from shard.compilation import compile_model
     from shard.compilation.generative import is_causal_lm
     from shard.options import CompileOptions
-
     fixed, buckets = parse_shapes(input_shape)
     options = CompileOptions(input_shapes=fixed, input_values=dict(parse_value(v) for v in input_value), buckets=buckets,
-                             shards=shards, max_ops=max_ops, jobs=jobs, timeout=timeout, profile=str(profile) if profile else None,
+                             shards=shards, max_ops=max_ops, jobs=jobs, ray=ray, timeout=timeout, profile=str(profile) if profile else None,
                              disable=tuple(disable), dump_after={dump_after[0]: str(dump_after[1])} if dump_after else {},
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
@@ -833,6 +837,7 @@ def probe_command(
                                               "matrix-product rates) for the roofline."),
     families: Optional[str] = typer.Option(None, help="Comma-separated families [default: all]; see --list."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Builds at a time (one toolkit worker each)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help=RAY_HELP),
     max_size: Optional[int] = typer.Option(None, help="Probe no size above this (caps every family)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Profile to write [default: ./TARGET.profile.json]. "
                                                                 "An existing profile there keeps the limits not probed now."),
@@ -879,7 +884,7 @@ def probe_command(
     with progress_bar() as progress:
         profile, searches = probe(target, families.split(",") if families else None, jobs, max_size, cache,
                                   read_cache=not no_cache, slow_factor=slow_factor, timeout=timeout,
-                                  on_board=on_board, progress=progress)
+                                  on_board=on_board, ray=ray, progress=progress)
     table = Table(title=f"{target} limits ({profile.toolkit})")
     for col in ("limit", "largest ok", "first failing", "class", "builds", "evidence"):
         table.add_column(col, justify="right" if col in ("largest ok", "first failing", "builds") else "left",

@@ -16,6 +16,7 @@ class CompileOptions:
                                     # (shard.targets.rknn.memory.shards_for_memory)
     max_ops: int | None = None      # more shards if any would hold more ops than this
     jobs: int = 2                   # vendor builds in parallel
+    ray: str | None = None          # a Ray cluster the vendor builds run on ("local": one started here)
     timeout: float = 1800.0         # seconds one vendor build may take
     profile: str | None = None      # a profile file instead of the shipped one
     disable: tuple[str, ...] = ()   # optional passes to skip

@@ -44,7 +44,7 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
     c = start(model, target, output, options, progress)   # the target, its profile, the staging bundle
     with staged(c):                    # a failure leaves nothing at the output, and only the logs it names
         load(c)                        # the model, and how the vendor alone will stand beside it
-        with c.tgt.builds(options.jobs, options.timeout, c.cache, c.logs) as c.builder:
+        with c.tgt.builds(options.jobs, options.timeout, c.cache, c.logs, options.ray) as c.builder:
             start_vendor_alone(c)      # its build runs through the passes (or an earlier one's figures stand in)
             rewrite(c)                 # the target's passes: the graph rewritten and partitioned
             build_shards(c)            # each shard built once written, beside its unrewritten twin

@@ -40,7 +40,7 @@ class Search:
 
 def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_size: int | None = None,
           cache_dir: Path | None = None, read_cache: bool = True, base: Profile | None = None, slow_factor: float = DEFAULT_SLOW_FACTOR,
-          timeout: float = BUILD_TIMEOUT_S, on_board: bool = False,
+          timeout: float = BUILD_TIMEOUT_S, on_board: bool = False, ray: str | None = None,
           progress: Callable[..., None] = lambda *a, **k: None) -> tuple[Profile, list[Search]]:
     """Probe the families on `target`: a profile of their limits and the chip's measured rates (the
     other facts and cores from `base`, by default the shipped profile, else the chip's table) and
@@ -58,7 +58,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     base = base or starting_profile(target)
     from shard.targets.rknn.ops import ToolkitOps
 
-    ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board)
+    ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board, ray)
     searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]
     finished: list[str] = []
     lock = threading.Lock()

@@ -81,9 +81,10 @@ class Target:
         does): part of every cache key."""
         return ""
 
-    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> Builds:
+    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path, ray: str | None = None) -> Builds:
         """Builds of this target's shards, `workers` at a time (a context manager: see Builds).
-        cache: a build cache directory (shard.targets.build_cache), or None to build everything."""
+        cache: a build cache directory (shard.targets.build_cache), or None to build everything;
+        ray: a Ray cluster the builds run on (shard.targets.rknn.remote), or None for this machine."""
         return LogsOnly(f"{self.name}: {self.build_note}")
 
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]

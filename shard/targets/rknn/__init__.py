@@ -27,7 +27,8 @@ from shard.targets.rknn.env import find_python, installed_label
 from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.targets.rknn.memory import shards_for_memory
 from shard.targets.rknn.ops import ToolkitOps
-from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, WorkerPool, build_failure, build_request
+from shard.targets.rknn.remote import worker_pool
+from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_failure, build_request
 
 ONE_OP_TIMEOUT = 300.0   # seconds a pass's small build may take (the whole model's builds: --timeout)
 RULE_RETRIES = 3         # fusion rules turned off, one per crash, before a shard's build is given up
@@ -93,10 +94,11 @@ class RknnTarget(Target):
         # The passes' builds are of one op or a few: seconds each. One the compiler stalls on
         # is a failed build after ONE_OP_TIMEOUT, not a compile held for a whole build's timeout.
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
-                          timeout=min(options.timeout, ONE_OP_TIMEOUT))
+                          timeout=min(options.timeout, ONE_OP_TIMEOUT), ray=options.ray)
 
-    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path) -> ToolkitBuilds:
-        return ToolkitBuilds(self, workers, timeout, cache, log_dir)
+    def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path,
+               ray: str | None = None) -> ToolkitBuilds:
+        return ToolkitBuilds(self, workers, timeout, cache, log_dir, ray)
 
 
 class ToolkitBuilds:
@@ -105,9 +107,10 @@ class ToolkitBuilds:
     put the longest first. Builds seen before come from the cache, which is pruned to its cap when
     all went well."""
 
-    def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path):
+    def __init__(self, target: RknnTarget, workers: int, timeout: float, cache: Path | None, log_dir: Path,
+                 ray: str | None = None):
         self.target, self.timeout = target, timeout
-        self.pool = WorkerPool(find_python(target.name), log_dir, workers)
+        self.pool = worker_pool(target.name, log_dir, workers, ray)
         self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
         self.store = BuildCache(cache, target.name, target.toolchain()) if cache else None
 

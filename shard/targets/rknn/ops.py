@@ -25,8 +25,9 @@ from shard.errors import RunError
 from shard.profile import Profile
 from shard.targets.rknn.cache import PointCache, default_cache_dir
 from shard.targets.rknn.classify import Point, classify_build, classify_numeric
-from shard.targets.rknn.env import find_python, installed_label
+from shard.targets.rknn.env import installed_label
 from shard.targets.rknn.log import HOST_OPS, Layer, parse_build_log, unestimated_cost
+from shard.targets.rknn.remote import worker_pool
 from shard.targets.rknn.worker import WorkerFailed, WorkerPool, build_request, infer
 
 MODELS = "by-model"
@@ -40,13 +41,13 @@ class ToolkitOps:
 
     def __init__(self, target: str, profile: Profile, build: dict, jobs: int = 1, timeout: float = 300.0,
                  cache_dir: Path | None = None, read_cache: bool = True, slow_factor: float | None = None,
-                 board=None):
+                 board=None, ray: str | None = None):
         self.toolkit = installed_label(target)
         self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
         self.scratch = scratch.folder("ops")
         # The folder also goes with this object: a compile stopped while this starts leaves none.
         self._remove = weakref.finalize(self, scratch.remove, self.scratch)
-        self.pool = WorkerPool(find_python(target), self.scratch, jobs)
+        self.pool = worker_pool(target, self.scratch, jobs, ray)
         slow = slow_factor if slow_factor is not None else float(profile.facts.get("slow_factor", 4.0))
         self.prober = RknnProber(self.pool, self.scratch, build, profile, slow, timeout, board)
 

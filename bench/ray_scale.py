@@ -1,0 +1,118 @@
+"""The corpus and a probe on Ray beside the process pool, measured side by side on this machine.
+
+    python bench/ray_scale.py [--set ci] [--cpus 1,2,4] [--families F,...]
+
+1. `bench/corpus.py --set ci` as it runs by default (models one after another, each compile's
+   builds 2 at a time on the local process pool), then with `--ray local --ray-cpus N` for each N
+   (each model a Ray task of one CPU): wall time, models a minute, the ratio to the pool, and
+   whether the RESULT line is the same.
+2. The scaling to M machines of this size, predicted from the Ray runs' per-model times: the
+   models spread over 2 x M CPUs, no run shorter than its longest model (a model is one task).
+3. A probe (`--families`) of rk3588 on two Ray nodes started on this machine, each its own raylet
+   with one CPU and a resource of its own, against the same probe on the process pool, each from an
+   empty point cache: whether the limits are identical. `ray start` binds a node to the machine's
+   network address, and on the loopback address Ray refuses a second node; the two nodes are
+   started here by ray.cluster_utils.Cluster (what Ray's own tests use), on 127.0.0.1 only.
+
+Ends with one RESULT line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}   # every Ray node on 127.0.0.1
+PROBE_FAMILIES = "add-width,softmax-width,transpose-plane,matmul-n,add-magnitude"
+
+
+def corpus(work: Path, which: str, flags: list[str]) -> dict:
+    """One corpus run: its seconds, RESULT line and per-model seconds."""
+    rows = work / f"rows{len(list(work.iterdir()))}.json"
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "corpus.py"), "--set", which, "--json", str(rows), *flags],
+                         capture_output=True, text=True, env={**os.environ, **LOOPBACK})
+    seconds = time.monotonic() - started
+    if run.returncode != 0:
+        raise SystemExit(f"corpus {' '.join(flags)} failed:\n{run.stderr[-2000:]}")
+    result = next(line for line in run.stdout.splitlines() if line.startswith("RESULT"))
+    models = [r["shard"]["seconds"] + r["vendor"]["seconds"] for r in json.loads(rows.read_text())]
+    return {"seconds": seconds, "result": result, "models": models}
+
+
+def probe(work: Path, name: str, families: str, address: str | None) -> dict:
+    """A probe from an empty point cache; the profile's limits."""
+    out = work / f"{name}.json"
+    flags = ["--ray", address] if address else []
+    run = subprocess.run([sys.executable, "-m", "shard", "probe", "--target", "rk3588", "--families", families,
+                          "--cache-dir", str(work / f"{name}-points"), "-o", str(out), "--replace", *flags],
+                         capture_output=True, text=True, env={**os.environ, **LOOPBACK})
+    if run.returncode != 0:
+        raise SystemExit(f"probe {name} failed:\n{run.stderr[-2000:]}")
+    return json.loads(out.read_text())["limits"]
+
+
+def two_nodes(work: Path, families: str) -> tuple[bool, int, float]:
+    """The probe on two Ray nodes of this machine against the process pool: (identical, nodes, seconds)."""
+    os.environ.update(LOOPBACK)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"second_node": 1})
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        nodes = len([n for n in ray.nodes() if n["Alive"]])
+        ray.shutdown()
+        started = time.monotonic()
+        remote = probe(work, "ray", families, cluster.address)
+        seconds = time.monotonic() - started
+    finally:
+        cluster.shutdown()
+    local = probe(work, "pool", families, None)
+    return remote == local, nodes, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--set", default="ci")
+    parser.add_argument("--cpus", default="1,2,4", help="Ray CPUs of the local cluster, one corpus run each")
+    parser.add_argument("--families", default=PROBE_FAMILIES, help="the probe's families on two nodes")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="shard-ray-scale-"))
+    print(f"{os.cpu_count()} CPUs here; corpus --set {args.set}", flush=True)
+    pool = corpus(work, args.set, [])
+    print(f"process pool (--jobs 2)  {pool['seconds']:7.1f} s  {60 * len(pool['models']) / pool['seconds']:5.1f} "
+          f"models/min  x1.00", flush=True)
+    runs = {}
+    for cpus in [int(c) for c in args.cpus.split(",")]:
+        run = runs[cpus] = corpus(work, args.set, ["--ray", "local", "--ray-cpus", str(cpus)])
+        same = "same RESULT" if run["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] else \
+            f"RESULT differs: {run['result']}"
+        print(f"ray, {cpus} worker(s)        {run['seconds']:7.1f} s  {60 * len(run['models']) / run['seconds']:5.1f} "
+              f"models/min  x{pool['seconds'] / run['seconds']:.2f}  {same}", flush=True)
+    print(pool["result"])
+    models = runs[max(runs)]["models"]
+    total, longest = sum(models), max(models)
+    predicted = {m: max(longest, total / (2 * m)) for m in (1, 2, 4, 8, 16)}
+    print(f"per model: {total:.0f} s in all, the longest {longest:.1f} s; predicted on M machines of 2 CPUs "
+          f"(one model a task): " + ", ".join(f"M={m} {s:.0f} s" for m, s in predicted.items()), flush=True)
+    identical, nodes, seconds = two_nodes(work, args.families)
+    print(f"probe of rk3588 ({args.families}) on {nodes} Ray nodes in {seconds:.1f} s: "
+          f"{'identical limits' if identical else 'limits DIFFER'} to the process pool's", flush=True)
+    same = all(r["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] for r in runs.values())
+    print(f"RESULT same_result={'yes' if same else 'no'} "
+          + " ".join(f"speedup_{c}={pool['seconds'] / r['seconds']:.2f}" for c, r in runs.items())
+          + f" probe_identical={'yes' if identical else 'no'} probe_nodes={nodes} "
+          f"predicted_8_machines_s={predicted[8]:.0f}")
+
+
+if __name__ == "__main__":
+    main()

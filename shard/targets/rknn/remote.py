@@ -1,0 +1,238 @@
+"""Toolkit workers on a Ray cluster (`--ray ADDRESS`, or `--ray local` to start one here): the same
+pool as WorkerPool (shard.targets.rknn.worker), each worker a Ray actor that holds a toolkit
+worker process on whichever node Ray places it, so every vendor build a compile, a probe or the
+corpus asks for (shard builds, one-op builds, probe points, simulator runs) goes to the cluster
+without its caller changing.
+
+A request is a pure function of its content: the files it reads (the ONNX, its external data,
+the calibration samples, the inputs of a simulator run) travel with it, and what it writes (the
+build log, the .rknn, the outputs) comes back to the paths the caller named, so a node needs no
+folder shared with the caller, and a retried request writes the same bytes. An actor whose
+process dies (SIGKILL, a node lost) is restarted by Ray and its request asked again, up to
+RETRIES times; the toolkit's own failures (a crash, a timeout) come back as they do locally.
+
+Ray is imported only here, and only when asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from shard.errors import ShardError
+from shard.targets.rknn.worker import WorkerFailed
+
+RETRIES = 3   # a request whose actor died is asked again this many times, each on the restarted actor
+
+
+def ray_module():
+    """ray, or a ShardError in one line where the extra is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise ShardError("--ray needs Ray: pip install 'shard[ray]'") from None
+    return ray
+
+
+def connect(address: str, cpus: int | None = None):
+    """Ray, connected to the cluster at `address` ("local": one started on this machine with `cpus`
+    CPUs, ended with this process, listening on the loopback address only), once per process."""
+    if address == "local":   # read when ray is imported: a local node's own address is then 127.0.0.1
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = ray_module()
+    if not ray.is_initialized():
+        options = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+        if address == "local":
+            ray.init(num_cpus=cpus, **options)
+        else:
+            ray.init(address=address, **options)
+    return ray
+
+
+class ToolkitActor:
+    """A toolkit worker process on a Ray node: takes a request with the files it reads, answers with
+    the files it wrote (made a Ray actor by RayPool)."""
+
+    def __init__(self, target: str):
+        from shard import scratch
+        from shard.targets.rknn.env import find_python
+
+        self.python = find_python(target)
+        self.tmp = scratch.folder("ray")   # swept by a later process once this one is gone, killed or not
+        self.worker = None
+        self.count = 0
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def request(self, req: dict, files: dict[str, bytes], timeout: float | None) -> tuple[dict, dict[str, bytes]]:
+        from shard.targets.rknn.worker import ToolkitWorker
+
+        self.count += 1
+        here = self.tmp / f"r{self.count}"
+        here.mkdir()
+        for name, data in files.items():   # the request's own files, under their names
+            (here / name).write_bytes(data)
+        req = local_paths(req, here)
+        if self.worker is None or not self.worker.alive():
+            self.worker = ToolkitWorker(self.python, self.tmp / "worker.log")
+        try:
+            answer = self.worker.request(timeout=timeout, **req)
+        except WorkerFailed as exc:
+            self.worker = None
+            shutil.rmtree(here, ignore_errors=True)
+            return {"worker_failed": str(exc), "timed_out": exc.timed_out}, {}
+        back = {}
+        for key in ("log", "rknn"):
+            if req.get(key) and Path(req[key]).is_file():
+                back[key] = Path(req[key]).read_bytes()
+        for k, path in enumerate(answer.get("outputs") or []):
+            back[f"out{k}"] = Path(path).read_bytes()
+        shutil.rmtree(here, ignore_errors=True)
+        return answer, back
+
+
+def local_paths(req: dict, here: Path) -> dict:
+    """The request with its paths moved into the actor's folder `here` (the files its caller sent lie
+    there under their travel names: travel_files)."""
+    req = dict(req)
+    if req.get("onnx"):
+        req["onnx"] = str(here / "model.onnx")
+    if req.get("dataset"):
+        req["dataset"] = [[str(here / f"s{k}_{i}.npy") for i in range(len(sample))]
+                          for k, sample in enumerate(req["dataset"])]
+    if req.get("inputs"):
+        req["inputs"] = [str(here / f"in{k}.npy") for k in range(len(req["inputs"]))]
+    for key in ("log", "rknn"):
+        if req.get(key):
+            req[key] = str(here / Path(key).with_suffix(".out"))
+    if req.get("outdir"):
+        req["outdir"] = str(here)
+    return req
+
+
+def travel_files(req: dict) -> dict[str, bytes]:
+    """The files a request reads, by the names local_paths gives them on the actor's side."""
+    files = {}
+    if req.get("onnx"):
+        onnx = Path(req["onnx"])
+        files["model.onnx"] = onnx.read_bytes()
+        data = onnx.with_name(f"{onnx.name}.data")   # external data, which the model names by this file name
+        if data.is_file():
+            files[data.name.replace(onnx.name, "model.onnx")] = data.read_bytes()
+    for k, sample in enumerate(req.get("dataset") or []):
+        for i, path in enumerate(sample):
+            files[f"s{k}_{i}.npy"] = Path(path).read_bytes()
+    for k, path in enumerate(req.get("inputs") or []):
+        files[f"in{k}.npy"] = Path(path).read_bytes()
+    return files
+
+
+class RemoteWorker:
+    """What a RayPool lends: the request method of a toolkit worker, sent to a Ray actor."""
+
+    def __init__(self, pool: RayPool, actor):
+        self.pool, self.actor = pool, actor
+        self.log = pool.log_dir / "ray-workers.log"
+
+    def request(self, timeout: float | None = None, **req) -> dict:
+        ray = self.pool.ray
+        files = travel_files(req)
+        for attempt in range(RETRIES + 1):
+            ref = self.actor.request.remote(req, files, timeout)
+            try:
+                answer, back = ray.get(ref, timeout=None if timeout is None else timeout + 60)
+                break
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(self.actor, no_restart=False)
+                raise WorkerFailed(f"timed out (no answer within {timeout:g} s; its actor killed)", self.log,
+                                   timed_out=True) from None
+            except ray.exceptions.RayActorError as exc:   # its process died: Ray restarts it; ask again
+                self.pool.retried += 1
+                with open(self.log, "a") as log:
+                    log.write(f"a {req.get('op')} request's Ray actor died ({str(exc).splitlines()[0][:200]}); "
+                              f"{'asked again' if attempt < RETRIES else 'given up'}\n")
+                if attempt == RETRIES:
+                    raise WorkerFailed(f"died on its Ray node {RETRIES + 1} times ({str(exc).splitlines()[0]})",
+                                       self.log) from None
+        if "worker_failed" in answer:
+            raise WorkerFailed(answer["worker_failed"], self.log, timed_out=answer["timed_out"])
+        for key in ("log", "rknn"):
+            if req.get(key) and key in back:
+                with open(req[key], "ab" if key == "log" else "wb") as f:   # the log as a local worker appends to it
+                    f.write(back[key])
+        if answer.get("outputs"):
+            outdir = Path(req["outdir"])
+            answer["outputs"] = [str(outdir / f"out{k}.npy") for k in range(len(answer["outputs"]))]
+            for k, path in enumerate(answer["outputs"]):
+                Path(path).write_bytes(back[f"out{k}"])
+        return answer
+
+    def alive(self) -> bool:
+        return True   # Ray restarts a dead actor
+
+
+class RayPool:
+    """At most `size` toolkit workers as Ray actors (WorkerPool's interface): each started on first
+    use, placed by Ray on a node with a CPU and `memory` bytes free (a build's predicted peak,
+    shard.targets.rknn.memory), restarted by Ray when its process dies."""
+
+    def __init__(self, target: str, log_dir: Path, size: int, address: str, memory: int | None = None):
+        self.ray = connect(address, cpus=max(1, size))
+        self.target, self.log_dir, self.memory = target, Path(log_dir), memory
+        self._slots: queue.Queue = queue.Queue()
+        for _ in range(max(1, size)):
+            self._slots.put(None)
+        self.actors: list = []
+        self.retried = 0   # requests asked again after their actor died
+        self._lock = threading.Lock()
+        self.stopped = False
+
+    def _new_actor(self):
+        options = {"num_cpus": 1, "max_restarts": RETRIES, "max_task_retries": 0}
+        if self.memory:
+            options["memory"] = self.memory
+        actor = self.ray.remote(ToolkitActor).options(**options).remote(self.target)
+        self.actors.append(actor)
+        return actor
+
+    @contextmanager
+    def worker(self):
+        actor = self._slots.get()
+        try:
+            with self._lock:
+                if self.stopped:
+                    raise WorkerFailed("stopped (the compile is ending)", self.log_dir)
+                if actor is None:
+                    actor = self._new_actor()
+            yield RemoteWorker(self, actor)
+        finally:
+            self._slots.put(actor)
+
+    def start(self) -> None:
+        """Actors start on first use: Ray places each where a CPU is free then."""
+
+    def kill_all(self) -> None:
+        with self._lock:
+            self.stopped = True
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+def worker_pool(target: str, log_dir: Path, size: int, ray: str | None = None):
+    """The toolkit workers a compile or a probe builds on: local processes (WorkerPool), or Ray actors
+    where `ray` names a cluster (each reserving a worker's memory, shard.targets.rknn.memory)."""
+    from shard.targets.rknn.env import find_python
+    from shard.targets.rknn.memory import WORKER_BYTES
+    from shard.targets.rknn.worker import WorkerPool
+
+    return RayPool(target, log_dir, size, ray, int(WORKER_BYTES)) if ray else WorkerPool(find_python(target), log_dir, size)
