@@ -85,9 +85,10 @@ RAY_HELP = ("Run the vendor builds on this Ray cluster (ADDRESS, as `ray start` 
 
 @app.command("compile")
 def compile_command(
-    model: Path = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers folder) "
-                                          "for a generative bundle (`shard generate`)."),
-    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help=targets_help()),
+    models: list[Path] = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers "
+                                                 "folder) for a generative bundle (`shard generate`). Several: "
+                                                 "each compiled in turn, to MODEL[-TARGET].shard."),
+    target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help=targets_help() + " Several: T1,T2,..."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
     input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
@@ -147,9 +148,7 @@ def compile_command(
                                                             "identical shards (~/.cache/shard/builds or "
                                                             "$SHARD_BUILD_CACHE)."),
 ) -> None:
-    """Compile MODEL into a bundle of shards for TARGET."""
-    from shard.compilation import compile_model
-    from shard.compilation.generative import is_causal_lm
+    """Compile MODEL into a bundle of shards for TARGET (each of several MODELs for each of several TARGETs)."""
     from shard.options import CompileOptions
     fixed, buckets = parse_shapes(input_shape)
     options = CompileOptions(input_shapes=fixed, input_values=dict(parse_value(v) for v in input_value), buckets=buckets,
@@ -159,8 +158,42 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
+    compile_all(batch(models, target.split(","), output), options, parse_ids(max_context, "--max-context"), chunk)
+
+
+def compile_all(compiles: list[tuple[Path, str, Path | None]], options, capacity: list[int], chunk: int) -> None:
+    """Each compile of one command in turn; of several, one that fails says why and the others go on."""
+    failed = []
+    for k, (model, target, output) in enumerate(compiles):
+        if len(compiles) == 1:
+            return compile_one_command(model, target, output, options, capacity, chunk)
+        console.rule(f"{k + 1}/{len(compiles)}: {model} for {target}")
+        try:
+            compile_one_command(model, target, output, options, capacity, chunk)
+        except ShardError as exc:
+            err.print(f"[red]failed[/]: {model} for {target}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+            failed.append(f"{model.name} for {target}")
+    if failed:
+        raise ShardError(f"{len(failed)} of {len(compiles)} compiles failed ({', '.join(failed)}); each said why above")
+
+
+def batch(models: list[Path], targets: list[str], output: Path | None) -> list[tuple[Path, str, Path | None]]:
+    """(model, target, output) of each compile of one command: every model for every target; with more
+    than one, each bundle beside its model, MODEL-TARGET.shard where there are several targets."""
+    if len(models) * len(targets) == 1:
+        return [(models[0], targets[0], output)]
+    if output is not None:
+        raise ShardError("-o names one bundle: with several models or targets each goes beside its model "
+                         "(MODEL.shard, or MODEL-TARGET.shard for several targets)")
+    return [(m, t, m.with_name(f"{m.stem}-{t}.shard") if len(targets) > 1 else None) for m in models for t in targets]
+
+
+def compile_one_command(model: Path, target: str, output: Path | None, options, capacity: list[int], chunk: int) -> None:
+    from shard.compilation import compile_model
+    from shard.compilation.generative import is_causal_lm
+
     if is_causal_lm(model):
-        return compile_decoder(model, target, output, options, parse_ids(max_context, "--max-context"), chunk)
+        return compile_decoder(model, target, output, options, capacity, chunk)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_result(result)
@@ -833,7 +866,8 @@ def build_engines_command(bundle: Path = typer.Argument(..., help="A bundle from
 def probe_command(
     target: str = typer.Option(DEFAULT_TARGET, help="The chip whose compiler is probed (any Rockchip chip the toolkit "
                                               "builds for: its peak rates, quantized dtypes and limits; int8-only "
-                                              "chips in int8); cuda measures the GPU at hand (bandwidth, "
+                                              "chips in int8; several: C1,C2,...; all: every one, each to "
+                                              "./CHIP.profile.json); cuda measures the GPU at hand (bandwidth, "
                                               "matrix-product rates) for the roofline."),
     families: Optional[str] = typer.Option(None, help="Comma-separated families [default: all]; see --list."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Builds at a time (one toolkit worker each)."),
@@ -860,7 +894,6 @@ def probe_command(
     """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
     from shard.targets.rknn.cache import default_cache_dir
     from shard.probes.families import FAMILIES
-    from shard.probes.runner import merge_into, probe
 
     if diff:
         return print_profile_diff(*diff)
@@ -876,15 +909,28 @@ def probe_command(
         return
     if jobs < 1 or (max_size is not None and max_size < 1):
         raise ShardError("--jobs and --max-size must be at least 1")
-    out = out or Path(f"{target}.profile.json")
     if target == "cuda":   # a GPU: measured rates and bandwidth, no compiler limits to search
-        return probe_gpu(out, ops)
-    cache = default_cache_dir() if cache_dir is None else cache_dir
+        return probe_gpu(out or Path("cuda.profile.json"), ops)
+    from shard.targets.chips import CHIPS
+
+    chips = list(CHIPS) if target == "all" else target.split(",")
+    if len(chips) > 1 and out is not None:
+        raise ShardError("-o names one profile: with several chips each goes to ./CHIP.profile.json")
+    for chip in chips:
+        if len(chips) > 1:
+            console.rule(chip)
+        probe_chip(chip, out or Path(f"{chip}.profile.json"), replace, default_cache_dir() if cache_dir is None else
+                   cache_dir, families=families.split(",") if families else None, jobs=jobs, max_size=max_size,
+                   read_cache=not no_cache, slow_factor=slow_factor, timeout=timeout, on_board=on_board, ray=ray)
+
+
+def probe_chip(target: str, out: Path, replace: bool, cache: Path, **how) -> None:
+    """One chip's probe (shard.probes.runner.probe with `how`): its limits printed, its profile written."""
+    from shard.probes.runner import merge_into, probe
+
     started = time.perf_counter()
     with progress_bar() as progress:
-        profile, searches = probe(target, families.split(",") if families else None, jobs, max_size, cache,
-                                  read_cache=not no_cache, slow_factor=slow_factor, timeout=timeout,
-                                  on_board=on_board, ray=ray, progress=progress)
+        profile, searches = probe(target, cache_dir=cache, progress=progress, **how)
     table = Table(title=f"{target} limits ({profile.toolkit})")
     for col in ("limit", "largest ok", "first failing", "class", "builds", "evidence"):
         table.add_column(col, justify="right" if col in ("largest ok", "first failing", "builds") else "left",

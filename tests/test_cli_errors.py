@@ -305,3 +305,20 @@ def test_a_bundle_without_fixed_inputs_writes_its_manifest_as_before(tmp_path):
     assert shard_cli("compile", model, "--target", "cpu").returncode == 0
     assert "input_values" not in json.loads((tmp_path / "m.shard" / "manifest.json").read_text())
     assert read_manifest(tmp_path / "m.shard").input_values == {}
+
+
+def test_several_models_for_several_targets_each_get_a_bundle_and_one_failing_stops_none(tmp_path):
+    import onnx
+
+    for name in ("a", "b"):
+        onnx.save(add_model([1, 8]), tmp_path / f"{name}.onnx")
+    (tmp_path / "broken.onnx").write_text("not a model")
+    res = shard_cli("compile", tmp_path / "a.onnx", tmp_path / "broken.onnx", tmp_path / "b.onnx", "--target", "cpu,thor")
+    assert_one_line_error(res, "2 of 6 compiles failed (broken.onnx for cpu, broken.onnx for thor)")
+    assert sorted(p.name for p in tmp_path.glob("*.shard")) == ["a-cpu.shard", "a-thor.shard", "b-cpu.shard",
+                                                                "b-thor.shard"]
+    assert "6/6: " in res.stdout and f"failed: {tmp_path / 'broken.onnx'} for cpu:" in res.stderr
+    res = shard_cli("compile", tmp_path / "a.onnx", tmp_path / "b.onnx", "-o", tmp_path / "x.shard")
+    assert_one_line_error(res, "-o names one bundle")
+    res = shard_cli("probe", "--target", "rk3588,rk3576", "-o", tmp_path / "p.json")
+    assert_one_line_error(res, "-o names one profile")
