@@ -100,8 +100,8 @@ def local_paths(req: dict, here: Path) -> dict:
     """The request with its paths moved into the actor's folder `here` (the files its caller sent lie
     there under their travel names: travel_files)."""
     req = dict(req)
-    if req.get("onnx"):
-        req["onnx"] = str(here / "model.onnx")
+    if req.get("onnx"):   # under its own name: the model names its external data file by it
+        req["onnx"] = str(here / Path(req["onnx"]).name)
     if req.get("dataset"):
         req["dataset"] = [[str(here / f"s{k}_{i}.npy") for i in range(len(sample))]
                           for k, sample in enumerate(req["dataset"])]
@@ -120,10 +120,10 @@ def travel_files(req: dict) -> dict[str, bytes]:
     files = {}
     if req.get("onnx"):
         onnx = Path(req["onnx"])
-        files["model.onnx"] = onnx.read_bytes()
-        data = onnx.with_name(f"{onnx.name}.data")   # external data, which the model names by this file name
+        files[onnx.name] = onnx.read_bytes()
+        data = onnx.with_name(f"{onnx.name}.data")   # a shard's external weights, as shard writes them
         if data.is_file():
-            files[data.name.replace(onnx.name, "model.onnx")] = data.read_bytes()
+            files[data.name] = data.read_bytes()
     for k, sample in enumerate(req.get("dataset") or []):
         for i, path in enumerate(sample):
             files[f"s{k}_{i}.npy"] = Path(path).read_bytes()
@@ -182,7 +182,9 @@ class RayPool:
     shard.targets.rknn.memory), restarted by Ray when its process dies."""
 
     def __init__(self, target: str, log_dir: Path, size: int, address: str, memory: int | None = None):
-        self.ray = connect(address, cpus=max(1, size))
+        # local: this machine's CPUs, and one more than the pool's actors for the passes' own worker,
+        # which is alive beside the vendor alone's build (an actor holds its CPU while it lives)
+        self.ray = connect(address, cpus=max(os.cpu_count() or 1, size + 1))
         self.target, self.log_dir, self.memory = target, Path(log_dir), memory
         self._slots: queue.Queue = queue.Queue()
         for _ in range(max(1, size)):
