@@ -164,7 +164,7 @@ def test_the_passes_toolkit_folder_goes_when_its_start_is_interrupted(tmp_path, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ops, "WorkerPool", interrupted)
+    monkeypatch.setattr(ops, "worker_pool", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ops.ToolkitOps("rk3588", load_profile("rk3588"), {})
     gc.collect()
