@@ -106,6 +106,9 @@ def test_range_sandwich_is_exact_and_keeps_every_foldable_tensor_in_range(layers
     graph, ctx, report = sandwiched(model, samples, safe=64.0)
     for sample, expected in zip(samples, before):
         assert_same(expected, run_rewritten(graph, ctx, sample)["y"])
+    if any(c["op"] == "range rescale" for c in report["not_fixed"]):   # no factors within 2^MAX_SHIFT hold it
+        assert report["changes"] == [] and "compiled as it came" in report["not_fixed"][0]["action"]
+        return
     # Structure: on the NPU side every tensor is under the range but those the report names.
     stats = collect_stats(gs.export_onnx(graph.copy()), [run_host(ctx.host_pre, dict(s)) for s in samples])
     unfixed = {c["tensor"] for c in report["not_fixed"]}
