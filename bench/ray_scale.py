@@ -5,7 +5,7 @@
 1. `bench/corpus.py --set ci` as it runs by default (models one after another, each compile's
    builds 2 at a time on the local process pool), then with `--ray local --ray-cpus N` for each N
    (each model a Ray task of one CPU): wall time, models a minute, the ratio to the pool, and
-   whether the RESULT line is the same.
+   whether the RESULT line is the same. Each run starts from empty build and point caches.
 2. The scaling to M machines of this size, predicted from the Ray runs' per-model times: the
    models spread over 2 x M CPUs, no run shorter than its longest model (a model is one task).
 3. A probe (`--families`) of rk3588 on two Ray nodes started on this machine, each its own raylet
@@ -35,10 +35,12 @@ PROBE_FAMILIES = "add-width,softmax-width,transpose-plane,matmul-n,add-magnitude
 
 def corpus(work: Path, which: str, flags: list[str]) -> dict:
     """One corpus run: its seconds, RESULT line and per-model seconds."""
-    rows = work / f"rows{len(list(work.iterdir()))}.json"
+    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=work))
+    rows = run_dir / "rows.json"
+    caches = {"SHARD_BUILD_CACHE": str(run_dir / "builds"), "SHARD_PROBE_CACHE": str(run_dir / "points")}   # cold, each
     started = time.monotonic()
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "corpus.py"), "--set", which, "--json", str(rows), *flags],
-                         capture_output=True, text=True, env={**os.environ, **LOOPBACK})
+                         capture_output=True, text=True, env={**os.environ, **LOOPBACK, **caches})
     seconds = time.monotonic() - started
     if run.returncode != 0:
         raise SystemExit(f"corpus {' '.join(flags)} failed:\n{run.stderr[-2000:]}")

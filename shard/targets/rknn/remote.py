@@ -1,13 +1,14 @@
 """Toolkit workers on a Ray cluster (`--ray ADDRESS`, or `--ray local` to start one here): the same
 pool as WorkerPool (shard.targets.rknn.worker), each worker a Ray actor that holds a toolkit
-worker process on whichever node Ray places it, so every vendor build a compile, a probe or the
-corpus asks for (shard builds, one-op builds, probe points, simulator runs) goes to the cluster
-without its caller changing.
+worker process on whichever node Ray places it, so every vendor build that a compile or a probe
+asks for (shard builds, the passes' one-op builds, probe points, simulator runs) goes to the
+cluster without its caller changing.
 
-A request is a pure function of its content: the files it reads (the ONNX, its external data,
-the calibration samples, the inputs of a simulator run) travel with it, and what it writes (the
-build log, the .rknn, the outputs) comes back to the paths the caller named, so a node needs no
-folder shared with the caller, and a retried request writes the same bytes. An actor whose
+A request carries its content: the files it reads (the ONNX, its external data, the calibration
+samples, the inputs of a simulator run) travel with it, and what it writes (the build log, the
+.rknn, the outputs) comes back to the paths the caller named, so a node needs no folder shared
+with the caller, and a request asked again leaves what one asked once would (not the same bytes
+of .rknn: the toolkit writes uninitialised memory into each, docs/DESIGN.md). An actor whose
 process dies (SIGKILL, a node lost) is restarted by Ray and its request asked again, up to
 RETRIES times; the toolkit's own failures (a crash, a timeout) come back as they do locally.
 
@@ -65,9 +66,6 @@ class ToolkitActor:
         self.tmp = scratch.folder("ray")   # swept by a later process once this one is gone, killed or not
         self.worker = None
         self.count = 0
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def request(self, req: dict, files: dict[str, bytes], timeout: float | None) -> tuple[dict, dict[str, bytes]]:
         from shard.targets.rknn.worker import ToolkitWorker
@@ -152,7 +150,6 @@ class RemoteWorker:
                 raise WorkerFailed(f"timed out (no answer within {timeout:g} s; its actor killed)", self.log,
                                    timed_out=True) from None
             except ray.exceptions.RayActorError as exc:   # its process died: Ray restarts it; ask again
-                self.pool.retried += 1
                 with open(self.log, "a") as log:
                     log.write(f"a {req.get('op')} request's Ray actor died ({str(exc).splitlines()[0][:200]}); "
                               f"{'asked again' if attempt < RETRIES else 'given up'}\n")
@@ -172,13 +169,10 @@ class RemoteWorker:
                 Path(path).write_bytes(back[f"out{k}"])
         return answer
 
-    def alive(self) -> bool:
-        return True   # Ray restarts a dead actor
-
 
 class RayPool:
     """At most `size` toolkit workers as Ray actors (WorkerPool's interface): each started on first
-    use, placed by Ray on a node with a CPU and `memory` bytes free (a build's predicted peak,
+    use, placed by Ray on a node with a CPU and `memory` bytes free (what a worker holds,
     shard.targets.rknn.memory), restarted by Ray when its process dies."""
 
     def __init__(self, target: str, log_dir: Path, size: int, address: str, memory: int | None = None):
@@ -190,7 +184,6 @@ class RayPool:
         for _ in range(max(1, size)):
             self._slots.put(None)
         self.actors: list = []
-        self.retried = 0   # requests asked again after their actor died
         self._lock = threading.Lock()
         self.stopped = False
 
