@@ -8,11 +8,12 @@
    whether the RESULT line is the same. Each run starts from empty build and point caches.
 2. The scaling to M machines of this size, predicted from the Ray runs' per-model times: the
    models spread over 2 x M CPUs, no run shorter than its longest model (a model is one task).
-3. A probe (`--families`) of rk3588 on two Ray nodes started on this machine, each its own raylet
-   with one CPU and a resource of its own, against the same probe on the process pool, each from an
-   empty point cache: whether the limits are identical. `ray start` binds a node to the machine's
-   network address, and on the loopback address Ray refuses a second node; the two nodes are
-   started here by ray.cluster_utils.Cluster (what Ray's own tests use), on 127.0.0.1 only.
+3. A probe of rk3588 (every family, or `--families`) on two Ray nodes started on this machine,
+   each its own raylet with one CPU and a resource of its own, against the same probe on the
+   process pool, each from an empty point cache: whether the limits are identical (their evidence
+   less the times in the toolkit's log lines). `ray start` binds a node to the machine's network
+   address, and on the loopback address Ray refuses a second node; the two nodes are started here
+   by ray.cluster_utils.Cluster (what Ray's own tests use), on 127.0.0.1 only.
 
 Ends with one RESULT line.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}   # every Ray node on 127.0.0.1
-PROBE_FAMILIES = "add-width,softmax-width,transpose-plane,matmul-n,add-magnitude"
 
 
 def corpus(work: Path, which: str, flags: list[str]) -> dict:
@@ -49,19 +50,24 @@ def corpus(work: Path, which: str, flags: list[str]) -> dict:
     return {"seconds": seconds, "result": result, "models": models}
 
 
-def probe(work: Path, name: str, families: str, address: str | None) -> dict:
-    """A probe from an empty point cache; the profile's limits."""
+def probe(work: Path, name: str, families: str | None, address: str | None) -> dict:
+    """A probe from an empty point cache; the profile's limits, each with its evidence less the times
+    the toolkit's log lines carry."""
     out = work / f"{name}.json"
     flags = ["--ray", address] if address else []
-    run = subprocess.run([sys.executable, "-m", "shard", "probe", "--target", "rk3588", "--families", families,
+    flags += ["--families", families] if families else []
+    run = subprocess.run([sys.executable, "-m", "shard", "probe", "--target", "rk3588",
                           "--cache-dir", str(work / f"{name}-points"), "-o", str(out), "--replace", *flags],
                          capture_output=True, text=True, env={**os.environ, **LOOPBACK})
     if run.returncode != 0:
         raise SystemExit(f"probe {name} failed:\n{run.stderr[-2000:]}")
-    return json.loads(out.read_text())["limits"]
+    limits = json.loads(out.read_text())["limits"]
+    for limit in limits.values():   # the toolkit's log lines carry the time they were written
+        limit["evidence"] = re.sub(r"\[\d\d:\d\d:\d\d\.\d+\]", "[time]", limit.get("evidence") or "")
+    return limits
 
 
-def two_nodes(work: Path, families: str) -> tuple[bool, int, float]:
+def two_nodes(work: Path, families: str | None) -> tuple[bool, int, float]:
     """The probe on two Ray nodes of this machine against the process pool: (identical, nodes, seconds)."""
     os.environ.update(LOOPBACK)
     import ray
@@ -86,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--set", default="ci")
     parser.add_argument("--cpus", default="1,2,4", help="Ray CPUs of the local cluster, one corpus run each")
-    parser.add_argument("--families", default=PROBE_FAMILIES, help="the probe's families on two nodes")
+    parser.add_argument("--families", default=None, help="the probe's families on two nodes [default: all]")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="shard-ray-scale-"))
     print(f"{os.cpu_count()} CPUs here; corpus --set {args.set}", flush=True)
@@ -107,7 +113,7 @@ def main() -> None:
     print(f"per model: {total:.0f} s in all, the longest {longest:.1f} s; predicted on M machines of 2 CPUs "
           f"(one model a task): " + ", ".join(f"M={m} {s:.0f} s" for m, s in predicted.items()), flush=True)
     identical, nodes, seconds = two_nodes(work, args.families)
-    print(f"probe of rk3588 ({args.families}) on {nodes} Ray nodes in {seconds:.1f} s: "
+    print(f"probe of rk3588 ({args.families or 'every family'}) on {nodes} Ray nodes in {seconds:.1f} s: "
           f"{'identical limits' if identical else 'limits DIFFER'} to the process pool's", flush=True)
     same = all(r["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] for r in runs.values())
     print(f"RESULT same_result={'yes' if same else 'no'} "

@@ -23,15 +23,15 @@ against the vendor's 13 (simulator cosine 0.9999993); taken where the scores spa
 ROWS_SPAN on the calibration samples. A chip whose NPU runs some Softmax is left to the compiler.
 
 Other ops (FORMS), where the one-op build of the op at its real shapes lands on the CPU (RK3588,
-toolkit 2.5.0: Selu, Min, Exp, Tile, Expand, LRN and a padded AveragePool do; RK2118: LayerNorm at every
-size):
+toolkit 2.5.0: Selu, Min, Exp, Tile, LRN and a padded AveragePool do; RK2118: LayerNorm at every
+size), and a float Expand past 4-D, which builds on the NPU alone and lands on the CPU in attention:
 
     Selu(x)        Elu(x, alpha) * gamma
     Min(a, b, ..)  -Max(-a, -b, ..)                 (Max runs on the NPU in 4-D)
     Exp(x)         (Sigmoid(x/2) / Sigmoid(-x/2))^2
     Tile(x, r)     r copies joined by Concat, axis by axis
     Expand(x, s)   the same, each axis of x of size 1 that s widens (grouped-query attention with one
-                   key/value head: its repeat_kv)
+                   key/value head: its repeat_kv, [1, 1, 1, S, D] to [1, 1, R, S, D])
     Pad(x, v)      Concat of constant blocks of v, axis by axis
     LayerNorm      (x - x @ 1/C) / sqrt((d * 2^-k)^2 @ 2^2k/C + eps): the means as MatMuls with a
                    constant column (ReduceMean, Sub, Mul, ReduceMean are fused back into the CPU's

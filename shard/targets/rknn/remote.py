@@ -48,7 +48,7 @@ def connect(address: str, cpus: int | None = None):
     if not ray.is_initialized():
         options = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         if address == "local":
-            ray.init(num_cpus=cpus, **options)
+            ray.init(address="local", num_cpus=cpus, **options)   # a new one, whatever else runs here
         else:
             ray.init(address=address, **options)
     return ray
