@@ -119,15 +119,15 @@ def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: li
     report = shard.verify(result.bundle, model, backend="sim", samples=test)
     totals = result.report["totals"]
     mixed = result.report.get("mixed")
-    if mixed:   # the compile's own split: ranges from one part of --calib, each round accepted on the other
-        kept = next(r for r in mixed["rounds"] if r["round"] == mixed["kept"])
+    kept = next((r for r in mixed["rounds"] if r["round"] == mixed["kept"]), None) if mixed else None
+    if kept:   # the compile's own split: ranges from one part of --calib, each round accepted on the other
         print(f"  split: int8 ranges from {mixed['samples']['calibration']} calibration sentences, accepted on "
               f"{mixed['samples']['held_out']} held out; kept round {kept['round']}: {kept['cosine']:.5f} held out, "
               f"{kept['cosine_calibration']:.5f} on the calibration sentences", flush=True)
     return {"name": name, "cosines": [comps[0].cosine for comps in report.samples],
             "int8": totals.get("int8_mac_share") or 0.0, "cycles": totals["estimated_cycles"],
             "cpu_ops": totals["cpu_ops"], "seconds": seconds,
-            "held": kept["cosine"] if mixed else None, "fitted": kept["cosine_calibration"] if mixed else None}
+            "held": kept["cosine"] if kept else None, "fitted": kept["cosine_calibration"] if kept else None}
 
 
 def main() -> None:

@@ -79,6 +79,19 @@ def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
                                                   for s in spec.dataset)
 
 
+def test_mixed_where_no_round_with_int8_reaches_the_target_is_the_fp16_compile(tmp_path, save):
+    # a target no round reaches: the most faithful round has every linear in fp16, and its outlier
+    # splits only cost cycles, so the bundle is the model compiled in fp16
+    model = save(mlp_chain(2, width=32))
+    options = CompileOptions(precision="mixed", calib=str(calib_file(tmp_path, width=32)), min_cosine=1.0)
+    report = shard.compile(model, "rk3588", tmp_path / "m.shard", options).report
+    rounds = report["mixed"]["rounds"]
+    assert report["mixed"]["kept"] is None and not report["mixed"]["reached"]
+    assert rounds[0]["int8_mac_share"] > 0 and min(r["int8_mac_share"] for r in rounds) == 0
+    assert report["precision"] == "fp16" and {s.precision for s in read_manifest(tmp_path / "m.shard").shards} == {"fp16"}
+    assert any("the bundle is fp16" in w for w in report["warnings"])
+
+
 def test_mixed_runs_every_linear_with_its_exported_bias_in_int8(tmp_path):
     """A transformer's Linear exports as MatMul + Add(bias). The vendor folds the bias into its Conv,
     and with the bias Add marked fp16 it also fused the residual Add after it (ConvAdd), the whole in
