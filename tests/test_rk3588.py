@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 import pytest
-from conftest import add_model, make_model, mlp_chain, shard_cli
+from conftest import add_model, make_model, shard_cli
 from onnx import helper, numpy_helper
 
 import shard
@@ -188,36 +188,6 @@ def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_
     for worker in (again.siblings[0], sibling, first):
         worker.close()
         assert not worker.alive() and not worker.tmp.exists()
-
-
-def test_a_build_writes_the_same_bytes_whatever_its_worker_did_before(save, tmp_path):
-    """rknn-toolkit2 exports memory it never wrote (about 2 KB of a two-MatMul model's .rknn: leftover
-    heap, pointers among it), which made every build's bytes its own; the workers' allocator fills
-    fresh memory with a set byte, so one model's .rknn is the same from a fresh worker, a forked one
-    and one that built something else first."""
-    from shard.targets.rknn import RknnTarget
-    from shard.targets.rknn.env import find_python
-    from shard.targets.rknn.worker import ToolkitWorker, build_request
-
-    build = RknnTarget("rk3588").build_options(None)
-    model, other = save(mlp_chain(2, width=256), "mlp.onnx"), save(add_model([1, 16, 32, 32]), "add.onnx")
-    first = ToolkitWorker(find_python("rk3588"), tmp_path / "w0.log", [tmp_path / "w1.log"])
-    (sibling,) = first.siblings
-    fresh = ToolkitWorker(find_python("rk3588"), tmp_path / "w2.log")
-    try:
-        assert build_request(first.request, other, tmp_path / "o.log", build, tmp_path / "o.rknn", timeout=120)["ok"]
-        for name, worker in (("after", first), ("sibling", sibling), ("fresh", fresh)):
-            answer = build_request(worker.request, model, tmp_path / f"{name}.log", build, tmp_path / f"{name}.rknn",
-                                   timeout=120)
-            assert answer["ok"], answer
-    finally:
-        for worker in (sibling, first, fresh):
-            worker.close()
-    built = {name: (tmp_path / f"{name}.rknn").read_bytes() for name in ("after", "sibling", "fresh")}
-    assert len(built["fresh"]) > 250_000   # the weights are in it
-    for name in ("after", "sibling"):
-        differ = sum(a != b for a, b in zip(built[name], built["fresh"]))
-        assert built[name] == built["fresh"], f"{name}: {differ} of {len(built[name])} bytes differ"
 
 
 def test_a_forked_worker_is_watched_through_proc_where_the_kernel_has_no_pidfd(tmp_path, monkeypatch):

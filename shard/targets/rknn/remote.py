@@ -7,8 +7,8 @@ cluster without its caller changing.
 A request carries its content: the files it reads (the ONNX, its external data, the calibration
 samples, the inputs of a simulator run) travel with it, and what it writes (the build log, the
 .rknn, the outputs) comes back to the paths the caller named, so a node needs no folder shared
-with the caller, and a request asked again writes the bytes one asked once would (the .rknn
-included: worker.DETERMINISTIC_MALLOC). An actor whose
+with the caller, and a request asked again leaves what one asked once would (not the same bytes
+of .rknn: the toolkit writes uninitialised memory into each, docs/DESIGN.md). An actor whose
 process dies (SIGKILL, a node lost) is restarted by Ray and its request asked again, up to
 RETRIES times; the toolkit's own failures (a crash, a timeout) come back as they do locally.
 

@@ -26,13 +26,6 @@ from shard.errors import RunError
 
 WORKER_SCRIPT = Path(__file__).with_name("rknn_worker.py")
 
-# rknn-toolkit2 exports memory it allocated and never wrote into every .rknn (leftover heap
-# contents, pointers among them: two builds of one model differed in about 1,600 bytes). glibc fills
-# each allocation with a set byte (MALLOC_PERTURB_), which its per-thread cache skips (it would leave
-# the cache's own pointers there), so that cache is off: the bytes are then the same in every build,
-# and a .rknn is a function of its model and options alone (tests/test_rk3588.py).
-DETERMINISTIC_MALLOC = {"MALLOC_PERTURB_": "165", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
-
 
 class WorkerFailed(Exception):
     """The worker process died or timed out; `log` is where its own output went."""
@@ -73,7 +66,7 @@ class ToolkitWorker:
             self.proc = subprocess.Popen(
                 [str(python), "-I", str(WORKER_SCRIPT), str(self.log), *specs],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "ab"), text=True,
-                env={**os.environ, "TMPDIR": str(self.tmp), **DETERMINISTIC_MALLOC}, pass_fds=fds,
+                env={**os.environ, "TMPDIR": str(self.tmp)}, pass_fds=fds,
             )
         finally:
             for fd in fds:
