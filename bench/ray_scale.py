@@ -10,12 +10,11 @@
    fewest workers (each model without a neighbour): what that run spent besides its models (the
    exports, Ray's start), then the models spread over 2 x M CPUs, no run shorter than its longest
    model (a model is one task); beside it, the 2-worker run measured.
-3. A probe of rk3588 (every family, or `--families`) on two Ray nodes started on this machine,
-   each its own raylet with one CPU and a resource of its own, against the same probe on the
+3. A probe of rk3588 (every family, or `--families`) on two Ray nodes started on this machine by
+   `ray start --head` and `ray start --address` (the second on 127.0.0.2, with one CPU each and a
+   resource of its own; token authentication, the token made here), against the same probe on the
    process pool, each from an empty point cache: whether the limits are identical (their evidence
-   less the times in the toolkit's log lines). `ray start` binds a node to the machine's network
-   address, and on the loopback address Ray refuses a second node; the two nodes are started here
-   by ray.cluster_utils.Cluster (what Ray's own tests use), on 127.0.0.1 only.
+   less the times in the toolkit's log lines). Both nodes end with the bench.
 
 Ends with one RESULT line.
 """
@@ -26,6 +25,8 @@ import argparse
 import json
 import os
 import re
+import secrets
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,15 +53,15 @@ def corpus(work: Path, which: str, flags: list[str]) -> dict:
     return {"seconds": seconds, "result": result, "models": models}
 
 
-def probe(work: Path, name: str, families: str | None, address: str | None) -> dict:
-    """A probe from an empty point cache; the profile's limits, each with its evidence less the times
-    the toolkit's log lines carry."""
+def probe(work: Path, name: str, families: str | None, address: str | None, env: dict | None = None) -> dict:
+    """A probe from an empty point cache (on the Ray cluster at `address`, reached with `env`); the
+    profile's limits, each with its evidence less the times the toolkit's log lines carry."""
     out = work / f"{name}.json"
     flags = ["--ray", address] if address else []
     flags += ["--families", families] if families else []
     run = subprocess.run([sys.executable, "-m", "shard", "probe", "--target", "rk3588",
                           "--cache-dir", str(work / f"{name}-points"), "-o", str(out), "--replace", *flags],
-                         capture_output=True, text=True, env={**os.environ, **LOOPBACK})
+                         capture_output=True, text=True, env=env or {**os.environ, **LOOPBACK})
     if run.returncode != 0:
         raise SystemExit(f"probe {name} failed:\n{run.stderr[-2000:]}")
     limits = json.loads(out.read_text())["limits"]
@@ -71,23 +72,41 @@ def probe(work: Path, name: str, families: str | None, address: str | None) -> d
 
 def two_nodes(work: Path, families: str | None) -> tuple[bool, int, float]:
     """The probe on two Ray nodes of this machine against the process pool: (identical, nodes, seconds)."""
-    os.environ.update(LOOPBACK)
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"second_node": 1})
+    env = {k: v for k, v in os.environ.items() if k not in LOOPBACK}   # `ray start` refuses a second node with it
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    ray = [str(Path(sys.executable).with_name("ray")), "start", "--num-cpus=1", "--disable-usage-stats", "--block"]
+    nodes = []
     try:
-        ray.init(address=cluster.address, logging_level="ERROR")
-        nodes = len([n for n in ray.nodes() if n["Alive"]])
-        ray.shutdown()
+        for args in (["--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=false"],
+                     [f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.2", '--resources={"second_node": 1}']):
+            nodes.append(subprocess.Popen([*ray, *args], env=env, stdout=open(work / f"node{len(nodes)}.log", "w"),
+                                          stderr=subprocess.STDOUT))
+            alive = alive_nodes(port, env, len(nodes))
         started = time.monotonic()
-        remote = probe(work, "ray", families, cluster.address)
+        remote = probe(work, "ray", families, f"127.0.0.1:{port}", env)
         seconds = time.monotonic() - started
     finally:
-        cluster.shutdown()
+        for node in reversed(nodes):   # `ray start --block` stops its node when it ends
+            node.terminate()
+            node.wait(timeout=120)
     local = probe(work, "pool", families, None)
-    return remote == local, nodes, seconds
+    return remote == local, alive, seconds
+
+
+def alive_nodes(port: int, env: dict, want: int) -> int:
+    """The nodes alive in the cluster at 127.0.0.1:`port` once `want` are (SystemExit after 2 minutes)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = subprocess.run([str(Path(sys.executable).with_name("ray")), "status", f"--address=127.0.0.1:{port}"],
+                                capture_output=True, text=True, env=env)
+        alive = len(re.findall(r"^ 1 node_", status.stdout, flags=re.M))
+        if alive >= want:
+            return alive
+        time.sleep(2)
+    raise SystemExit(f"the Ray cluster at 127.0.0.1:{port} has not {want} nodes after 2 minutes")
 
 
 def main() -> None:

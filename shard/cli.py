@@ -512,6 +512,8 @@ def run_command(
     trace: Optional[Path] = typer.Option(None, help="Write every shard execution as a Chrome trace (Perfetto)."),
     seed: int = typer.Option(0, help="Seed of the random inputs (frame t of a stream uses seed + t)."),
     save: Optional[Path] = typer.Option(None, help="Directory to write the last frame's outputs as NAME.npy."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="--backend board on a node of this Ray cluster that owns "
+                                                          "a board of the bundle's chip, one run per board at a time."),
 ) -> None:
     """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
@@ -521,6 +523,9 @@ def run_command(
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
     check_save(save)
+    if ray:
+        return run_on_board_node(bundle, ray, input, repeat, save,
+                                 others=backend not in (None, "board") or bool(stream or trace or cores or schedule))
     if is_bucketed(bundle):
         if stream or trace:   # a stream and its trace are one bucket's (its cores, its shards)
             raise ShardError(f"--stream and --trace run one bucket of a bundle of shape buckets: shard run "
@@ -569,6 +574,47 @@ def run_command(
         console.print(f"{frames} frames in {wall:.2f} s: {frames / wall:.2f} frames/s")
     else:
         console.print(f"{1000 * wall / frames:.1f} ms per run")
+
+
+def run_on_board_node(bundle: Path, address: str, input: list[str], repeat: int, save: Path | None,
+                      others: bool = False) -> None:
+    """`shard run --backend board --ray`: the bundle packed and run by the runtime's own command on a
+    node of the cluster that owns a board of its chip (shard.targets.rknn.remote.run_pack); what it
+    printed shown here, its outputs saved here. `others`: whether options it cannot pass on were given."""
+    import io
+
+    import numpy as np
+
+    from shard import scratch
+    from shard.bundle import read_manifest
+    from shard.errors import RunError
+    from shard.pack import pack_bundle
+    from shard.runtime.__main__ import read_inputs
+    from shard.targets.rknn.remote import on_board, run_pack
+
+    if others:
+        raise ShardError("--ray runs the bundle on a board's node as `python -m shard.runtime` does: "
+                         "--backend board with --input, --repeat and --save only")
+    manifest = read_manifest(bundle)
+    given = read_inputs(input, [t.name for t in manifest.inputs]) if input else {}
+    with scratch.temporary("board-pack") as tmp:
+        pack = Path(tmp) / f"{bundle.resolve().name.removesuffix('.shard') or 'model'}.tar.gz"
+        data = pack_bundle(bundle, pack).read_bytes()
+    sent = {}
+    for name, array in given.items():
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        sent[name] = buffer.getvalue()
+    with console.status(f"running on a {manifest.target} board of the Ray cluster at {address}"):
+        code, out, err, outputs = on_board(address, manifest.target, run_pack, data, sent, repeat)
+    if code != 0:
+        lines = [line.removeprefix("error: ") for line in err.splitlines() if line.strip()]
+        raise RunError(f"on the {manifest.target} board's Ray node: {lines[-1] if lines else f'exit code {code}'}")
+    console.print(out.rstrip(), highlight=False)
+    if save:
+        save.mkdir(parents=True, exist_ok=True)
+        for name, npy in outputs.items():
+            (save / f"{name}.npy").write_bytes(npy)
 
 
 def run_buckets(bundle: Path, input: list[str], backend: str | None, repeat: int, seed: int, save: Path | None,

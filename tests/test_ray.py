@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, shard_cli
+from conftest import add_model, assert_one_line_error, shard_cli
 
 pytestmark = pytest.mark.toolkit
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shard[ray]')")
@@ -122,3 +122,91 @@ def test_ray_asked_for_where_it_is_not_installed_says_so_in_one_line(vit, tmp_pa
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert_one_line_error(res, "--ray needs Ray: pip install 'shard[ray]'")
     assert not (tmp_path / "m.shard").exists()
+
+
+def test_board_runs_go_one_at_a_time_to_the_node_that_owns_the_board(save, tmp_path, monkeypatch):
+    """A node that owns a board advertises it (rk3588_board: 1): what runs on a board goes there and
+    holds it, so two runs asked at once take their turns; a cluster without one says so in one line.
+    No board is here: `shard run --backend board --ray` reaches the board's node and stops there, in
+    one line, at the missing rknn-toolkit-lite2."""
+    from ray.cluster_utils import Cluster
+
+    from shard.targets.rknn import remote
+
+    bundle = tmp_path / "add.shard"
+    assert shard_cli("compile", save(add_model([1, 8, 16, 16])), "--target", "rk3588", "-o", bundle,
+                     "--no-vendor-baseline").returncode == 0
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # every node on 127.0.0.1
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    board_node = cluster.add_node(num_cpus=1, resources={"rk3588_board": 1})
+    try:
+        def turn(seconds: float) -> tuple[str, float, float]:
+            import time
+
+            import ray
+            started = time.time()
+            time.sleep(seconds)
+            return ray.get_runtime_context().get_node_id(), started, time.time()
+
+        turns = []
+        threads = [threading.Thread(target=lambda: turns.append(remote.on_board(cluster.address, "rk3588", turn, 1.0)))
+                   for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert [node for node, _, _ in turns] == [board_node.node_id] * 2
+        (_, start_a, end_a), (_, start_b, end_b) = sorted(turns, key=lambda t: t[1])
+        assert end_a <= start_b, turns   # one after the other
+        res = shard_cli("run", bundle, "--backend", "board", "--ray", cluster.address)
+        assert_one_line_error(res, "on the rk3588 board's Ray node", "rknn-toolkit-lite2")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    alone = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        for args in (["run", bundle], ["probe", "--target", "rk3588", "--families", "add-width", "--on-board",
+                                       "-o", tmp_path / "p.json"]):
+            assert_one_line_error(shard_cli(*args, "--ray", alone.address),
+                                  f"no node of the Ray cluster at {alone.address} owns an rk3588 board")
+    finally:
+        alone.shutdown()
+
+
+def test_an_actor_reserves_what_its_build_is_predicted_to_take(tmp_path, monkeypatch):
+    """Each toolkit actor reserves, as Ray memory, what the build it is lent for is predicted to take
+    (memory.worker_build_bytes of the shard's weights, at least an idle worker's); one that reserved
+    less than the next build needs is replaced, and a build no node has the memory for stops in one
+    line instead of waiting for ever."""
+    from shard.errors import ShardError
+    from shard.targets.rknn.memory import WORKER_BYTES, worker_build_bytes
+    from shard.targets.rknn.remote import RayPool
+
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    pool = RayPool("rk3588", tmp_path, 1, "local", int(WORKER_BYTES))
+    try:
+        def reserved(want: int) -> int:
+            """The Ray memory the cluster's actors hold, once it is `want` (Ray's count lags a moment)."""
+            deadline = time.monotonic() + 30
+            while True:
+                held = round(ray.cluster_resources()["memory"] - ray.available_resources().get("memory", 0))
+                if held == want or time.monotonic() > deadline:
+                    return held
+                time.sleep(0.2)
+
+        with pool.worker() as worker:
+            assert worker.request(op="version", timeout=120)["ok"]
+        assert reserved(int(WORKER_BYTES)) == int(WORKER_BYTES)
+        shard = worker_build_bytes(300_000_000)   # a shard of 300 MB of weights: 2.27 GB
+        with pool.worker(memory=shard) as worker:
+            assert worker.request(op="version", timeout=120)["ok"]
+        assert reserved(shard) == shard   # replaced, not added: the pool holds one
+        with pool.worker(memory=int(WORKER_BYTES)) as worker:   # a smaller build keeps the larger actor
+            assert worker.request(op="version", timeout=120)["ok"]
+        assert reserved(shard) == shard
+        with pytest.raises(ShardError, match=r"predicted to take 10000\.00 GB; no node of the Ray cluster"):
+            with pool.worker(memory=int(1e13)):
+                pass
+    finally:
+        pool.close()
+        ray.shutdown()

@@ -51,10 +51,15 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     tgt = RknnTarget(target)
     chosen = select(families)
     board = None
-    if on_board:
-        from shard.runtime.executors.rknn_board import import_rknnlite
+    if on_board and ray:   # each clean point to a node of the cluster that owns a board of the chip
+        from shard.targets.rknn.remote import board_inference
 
-        board = import_rknnlite()
+        board = board_inference(ray, target)
+    elif on_board:
+        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once
+
+        import_rknnlite()   # here, before the first build: a machine without it says so in one line
+        board = infer_once
     base = base or starting_profile(target)
     from shard.targets.rknn.ops import ToolkitOps
 

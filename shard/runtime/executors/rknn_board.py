@@ -31,6 +31,22 @@ def core_mask(rknnlite, chip: str, cores: int, core: int):
     return [rknnlite.NPU_CORE_0, rknnlite.NPU_CORE_1, rknnlite.NPU_CORE_2][core]
 
 
+def infer_once(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, core: int = 0) -> list[np.ndarray]:
+    """One .rknn loaded on NPU core `core` of this board and run once on `arrays` (ONNX layout): what
+    `shard probe --on-board` checks each clean point with, here or on a Ray node that owns the board."""
+    RKNNLite = import_rknnlite()
+    rt = RKNNLite()
+    try:
+        if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=core_mask(RKNNLite, chip, cores, core)) != 0:
+            raise RunError("load_rknn/init_runtime failed on the board")
+        outs = rt.inference(inputs=arrays, data_format=["nchw"] * len(arrays))
+        if outs is None:
+            raise RunError("inference on the board returned nothing")
+        return [np.asarray(out) for out in outs]
+    finally:
+        rt.release()
+
+
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
     """One RKNNLite runtime per shard and core, bound with that core's mask."""
     cores = manifest.profile.get("cores", 3)   # bundles made before profiles named it were RK3588's

@@ -25,7 +25,7 @@ from shard.targets.build_cache import BuildCache
 from shard.targets.chips import CHIPS
 from shard.targets.rknn.env import find_python, installed_label
 from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
-from shard.targets.rknn.memory import shards_for_memory
+from shard.targets.rknn.memory import onnx_weight_bytes, shards_for_memory, worker_build_bytes
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.remote import worker_pool
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_failure, build_request
@@ -140,7 +140,7 @@ class ToolkitBuilds:
         key = self.store.key(job, options) if self.store else None
         result = self.store.get(job, key) if self.store else None
         if result is None:
-            with self.pool.worker() as worker:
+            with self.pool.worker(memory=worker_build_bytes(onnx_weight_bytes(job.onnx))) as worker:
                 result = build_shard(worker, job, options, self.timeout)
             if job.artifact and result.error is None:
                 result.built_from = job.built_from()

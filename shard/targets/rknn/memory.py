@@ -20,6 +20,7 @@ Those runs had each worker import the toolkit itself; now the first worker forks
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 TOOLKIT_BYTES = 0.34e9              # a whole build in a process of its own
 WORKER_BYTES = 0.44e9               # a shard build in a compile's worker, at the compile's peak
@@ -31,6 +32,19 @@ MIN_SHARD_WEIGHT_BYTES = 8e6        # a smaller shard's build is nearly all the 
 def build_bytes(weight_bytes: int) -> int:
     """The peak memory of one vendor build holding `weight_bytes` of weights."""
     return int(TOOLKIT_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weight_bytes)
+
+
+def worker_build_bytes(weight_bytes: int) -> int:
+    """The peak memory of a toolkit worker while it builds a model holding `weight_bytes` of weights
+    (what a Ray actor reserves for it: shard.targets.rknn.remote)."""
+    return int(WORKER_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weight_bytes)
+
+
+def onnx_weight_bytes(onnx: Path) -> int:
+    """The bytes of an ONNX file and its external data (shard writes NAME.data beside it): its weights,
+    near enough (the graph itself is small beside them)."""
+    data = onnx.with_name(f"{onnx.name}.data")
+    return onnx.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
 def shards_for_memory(weight_bytes: int, jobs: int) -> int:

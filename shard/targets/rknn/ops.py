@@ -134,7 +134,7 @@ class RknnProber:
         self.rates: dict[bool, float] = {}
         self.use_rates(profile.facts)
         self.slow_factor = slow_factor
-        self.board = board  # the RKNNLite class when points also run on the board
+        self.board = board  # runs a built point on a board (rknn_board.infer_once's arguments), if asked
 
     def use_rates(self, facts: dict) -> None:
         """The peak MACs/cycle the `slow` class is judged against, by whether the build is quantized:
@@ -192,22 +192,11 @@ class RknnProber:
         return classify_numeric(point, compare("out", want, got.reshape(want.shape)).cosine)
 
     def _on_board(self, artifact: Path, model: onnx.ModelProto, scale: float, point: Point) -> Point:
-        rt = self.board()
+        inputs = probe_inputs(model, scale)
         try:
-            from shard.runtime.executors.rknn_board import core_mask
-
-            mask = core_mask(self.board, self.build["config"]["target_platform"], self.cores, 0)
-            if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=mask) != 0:
-                return Point(point.size, False, "board", "load_rknn/init_runtime failed on the board", point.figures)
-            inputs = probe_inputs(model, scale)
-            outs = rt.inference(inputs=list(inputs.values()), data_format=["nchw"] * len(inputs))
-            if outs is None:
-                return Point(point.size, False, "board", "inference on the board returned nothing", point.figures)
+            outs = self.board(artifact, list(inputs.values()), self.build["config"]["target_platform"], self.cores)
         except Exception as exc:  # noqa: BLE001 - any runtime failure on the board is this class
             return Point(point.size, False, "board", f"{type(exc).__name__}: {exc}", point.figures)
-        finally:
-            rt.release()
-
         want = reference_outputs(model, inputs)[0]
         checked = classify_numeric(point, compare("out", want, np.asarray(outs[0]).reshape(want.shape)).cosine)
         if not checked.ok:

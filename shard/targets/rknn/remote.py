@@ -12,6 +12,12 @@ of .rknn: the toolkit writes uninitialised memory into each, docs/DESIGN.md). An
 process dies (SIGKILL, a node lost) is restarted by Ray and its request asked again, up to
 RETRIES times; the toolkit's own failures (a crash, a timeout) come back as they do locally.
 
+Boards are Ray resources: a node that owns a board of a chip advertises it (`ray start ...
+--resources '{"rk3588_board": 1}'`), and what runs on a board (`shard probe --on-board --ray`, `shard
+run --backend board --ray`) goes to such a node as a task that holds the board while it runs, so one
+board runs one thing at a time (several processes on one NPU can panic its kernel). Such a node has
+shard and rknn-toolkit-lite2 installed.
+
 Ray is imported only here, and only when asked for.
 """
 
@@ -20,14 +26,18 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from shard.errors import ShardError
+from shard.errors import RunError, ShardError
 from shard.targets.rknn.worker import WorkerFailed
 
 RETRIES = 3   # a request whose actor died is asked again this many times, each on the restarted actor
+CONNECTING = threading.Lock()   # threads that connect at once connect once
 
 
 def ray_module():
@@ -45,12 +55,13 @@ def connect(address: str, cpus: int | None = None):
     if address == "local":   # read when ray is imported: a local node's own address is then 127.0.0.1
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = ray_module()
-    if not ray.is_initialized():
-        options = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
-        if address == "local":
-            ray.init(address="local", num_cpus=cpus, **options)   # a new one, whatever else runs here
-        else:
-            ray.init(address=address, **options)
+    with CONNECTING:
+        if not ray.is_initialized():
+            options = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
+            if address == "local":
+                ray.init(address="local", num_cpus=cpus, **options)   # a new one, whatever else runs here
+            else:
+                ray.init(address=address, **options)
     return ray
 
 
@@ -172,44 +183,55 @@ class RemoteWorker:
 
 class RayPool:
     """At most `size` toolkit workers as Ray actors (WorkerPool's interface): each started on first
-    use, placed by Ray on a node with a CPU and `memory` bytes free (what a worker holds,
-    shard.targets.rknn.memory), restarted by Ray when its process dies."""
+    use, placed by Ray on a node with a CPU and the memory its request is predicted to take (at least
+    `memory`, what an idle worker holds: shard.targets.rknn.memory); an actor that reserved less than
+    the next request needs is ended and one that reserves enough started in its place. Ray restarts
+    an actor whose process dies."""
 
-    def __init__(self, target: str, log_dir: Path, size: int, address: str, memory: int | None = None):
+    def __init__(self, target: str, log_dir: Path, size: int, address: str, memory: int = 0):
         # local: this machine's CPUs, and one more than the pool's actors for the passes' own worker,
         # which is alive beside the vendor alone's build (an actor holds its CPU while it lives)
         self.ray = connect(address, cpus=max(os.cpu_count() or 1, size + 1))
-        self.target, self.log_dir, self.memory = target, Path(log_dir), memory
-        self._slots: queue.Queue = queue.Queue()
+        self.target, self.log_dir, self.memory, self.address = target, Path(log_dir), memory, address
+        self._slots: queue.Queue = queue.Queue()   # (actor, the memory it reserved) or None
         for _ in range(max(1, size)):
             self._slots.put(None)
         self.actors: list = []
         self._lock = threading.Lock()
         self.stopped = False
 
-    def _new_actor(self):
-        options = {"num_cpus": 1, "max_restarts": RETRIES, "max_task_retries": 0}
-        if self.memory:
-            options["memory"] = self.memory
+    def _new_actor(self, memory: int):
+        largest = max((node["Resources"].get("memory", 0) for node in self.ray.nodes() if node["Alive"]), default=0)
+        if memory > largest:   # Ray would wait for such a node for ever
+            raise ShardError(f"a toolkit worker for this build is predicted to take {memory / 1e9:.2f} GB; no node "
+                             f"of the Ray cluster at {self.address} has that much memory (the most: "
+                             f"{largest / 1e9:.2f} GB)")
+        options = {"num_cpus": 1, "max_restarts": RETRIES, "max_task_retries": 0, "memory": memory}
         actor = self.ray.remote(ToolkitActor).options(**options).remote(self.target)
         self.actors.append(actor)
         return actor
 
     @contextmanager
-    def worker(self):
-        actor = self._slots.get()
+    def worker(self, memory: int | None = None):
+        """A worker whose actor reserved at least `memory` bytes (and the pool's least)."""
+        slot = self._slots.get()
+        need = max(self.memory, memory or 0)
         try:
             with self._lock:
                 if self.stopped:
                     raise WorkerFailed("stopped (the compile is ending)", self.log_dir)
-                if actor is None:
-                    actor = self._new_actor()
-            yield RemoteWorker(self, actor)
+                if slot is not None and slot[1] < need:   # too little reserved: one that reserves enough
+                    self.ray.kill(slot[0], no_restart=True)
+                    self.actors.remove(slot[0])
+                    slot = None
+                if slot is None:
+                    slot = (self._new_actor(need), need)
+            yield RemoteWorker(self, slot[0])
         finally:
-            self._slots.put(actor)
+            self._slots.put(slot)
 
     def start(self) -> None:
-        """Actors start on first use: Ray places each where a CPU is free then."""
+        """Actors start on first use: Ray places each where a CPU and its memory are free then."""
 
     def kill_all(self) -> None:
         with self._lock:
@@ -225,9 +247,77 @@ class RayPool:
 
 def worker_pool(target: str, log_dir: Path, size: int, ray: str | None = None):
     """The toolkit workers a compile or a probe builds on: local processes (WorkerPool), or Ray actors
-    where `ray` names a cluster (each reserving a worker's memory, shard.targets.rknn.memory)."""
+    where `ray` names a cluster (each reserving what its builds take, at least a worker's memory:
+    shard.targets.rknn.memory)."""
     from shard.targets.rknn.env import find_python
     from shard.targets.rknn.memory import WORKER_BYTES
     from shard.targets.rknn.worker import WorkerPool
 
     return RayPool(target, log_dir, size, ray, int(WORKER_BYTES)) if ray else WorkerPool(find_python(target), log_dir, size)
+
+
+def board_resource(chip: str) -> str:
+    """The Ray resource a node that owns a board of `chip` advertises, one per board."""
+    return f"{chip}_board"
+
+
+def require_board(address: str, chip: str) -> str:
+    """The board resource of `chip`; ShardError in one line where no node of the cluster owns one."""
+    key = board_resource(chip)
+    if not connect(address).cluster_resources().get(key):
+        raise ShardError(f"no node of the Ray cluster at {address} owns an {chip} board: start one on the board with "
+                         f"`ray start --address ADDRESS --resources '{{\"{key}\": 1}}'`")
+    return key
+
+
+def on_board(address: str, chip: str, fn, *args):
+    """fn(*args) run on a node of the Ray cluster at `address` that owns a board of `chip` (fn as Ray
+    sends a function: by reference where it is a module's, so that node has shard installed), holding
+    that board while it runs; what fn raised there is raised here (a ShardError as it was, anything
+    else as a RunError naming the node). ShardError in one line where no node owns such a board."""
+    ray, key = connect(address), require_board(address, chip)
+    task = ray.remote(fn).options(num_cpus=0, resources={key: 1}, max_retries=0)
+    try:
+        return ray.get(task.remote(*args))
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, ShardError):
+            raise cause from None
+        raise RunError(f"on the {chip} board's Ray node: {type(cause).__name__}: {cause}") from None
+
+
+def board_inference(address: str, chip: str):
+    """rknn_board.infer_once, run on a node of the cluster that owns a board of `chip` (the artifact
+    sent to it): what `shard probe --on-board --ray` checks each clean point with."""
+    require_board(address, chip)   # before the first build
+
+    def infer(artifact: Path, arrays: list, platform: str, cores: int) -> list:
+        return on_board(address, chip, infer_sent, Path(artifact).read_bytes(), arrays, platform, cores)
+    return infer
+
+
+def infer_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> list:
+    """infer_once on an artifact sent as bytes (on a board's node)."""
+    from shard.runtime.executors.rknn_board import infer_once
+
+    with tempfile.TemporaryDirectory(prefix="shard-board-") as tmp:
+        artifact = Path(tmp) / "point.rknn"
+        artifact.write_bytes(rknn)
+        return infer_once(artifact, arrays, platform, cores)
+
+
+def run_pack(pack: bytes, inputs: dict[str, bytes], repeat: int) -> tuple[int, str, str, dict[str, bytes]]:
+    """A pack (shard pack) run on this node's board by the runtime's own command (python -m
+    shard.runtime PACK --backend board), in a process of its own: (exit code, what it printed, its
+    errors, the last frame's outputs as .npy bytes by name)."""
+    with tempfile.TemporaryDirectory(prefix="shard-board-") as tmp:
+        here = Path(tmp)
+        (here / "model.tar.gz").write_bytes(pack)
+        args = [sys.executable, "-m", "shard.runtime", str(here / "model.tar.gz"), "--backend", "board",
+                "--repeat", str(repeat), "--save", str(here / "out")]
+        for name, data in inputs.items():
+            (here / f"{name}.npy").write_bytes(data)
+            args += ["--input", f"{name}={here / f'{name}.npy'}"]
+        run = subprocess.run(args, capture_output=True, text=True)
+        outputs = {path.stem: path.read_bytes() for path in sorted((here / "out").glob("*.npy"))}
+        return run.returncode, run.stdout, run.stderr, outputs

@@ -264,7 +264,9 @@ class WorkerPool:
         self.stopped = False
 
     @contextmanager
-    def worker(self):
+    def worker(self, memory: int | None = None):
+        """A worker for one request or a few (`memory`: what they are predicted to take, which a Ray
+        pool reserves; processes here take what they take)."""
         worker = self._slots.get()
         if worker is None:
             with self._lock:
