@@ -91,6 +91,26 @@ def test_the_cache_moves_up_through_its_buckets_as_the_context_grows(checkpoint,
             session.generate(list(range(5, 30)), max_new_tokens=12, stop=set())
 
 
+def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_buckets(checkpoint, tmp_path):
+    """The cache a GPU backend keeps on the GPU (Cache.empty with a device), here torch tensors on the
+    CPU: the steps' feeds are those tensors (Session.check_inputs takes them), their new entries are
+    written in, it moves up a bucket as the context grows, and the tokens stay transformers' own."""
+    from shard.runtime.generate import Cache, generate
+
+    folder, model = checkpoint
+    result = compile_generative(folder, "cpu", tmp_path / "lm.shard", capacity=[32, 8], chunk=4)
+    with load(result.bundle) as session:
+        spec = session.spec
+        cache = Cache.empty(spec.layers, spec.kv_heads, 8, spec.head_dim, buckets=(32,), device="cpu")
+        tokens = generate(session.run, session.table, session.table[PROMPT], cache, 16, spec.chunk)
+        assert tokens == transformers_greedy(model, PROMPT, 16)
+        assert isinstance(cache.keys[0], torch.Tensor) and cache.capacity == 32 and cache.length == 7 + 15
+        with torch.no_grad():
+            want = model(torch.tensor([PROMPT + tokens[:-1]]), use_cache=True).past_key_values
+        keys = want.layers[0].keys if hasattr(want, "layers") else want[0][0]
+        assert torch.allclose(cache.keys[0][:, :, :cache.length], keys, atol=1e-4)   # rotated keys, as transformers keeps them
+
+
 def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):
     _, model = checkpoint
     ids = tiny_tokenizer().apply_chat_template([{"role": "user", "content": "w3 w7 w9"}], tokenize=True,

@@ -38,11 +38,13 @@ class Session:
     one executor bound to each. schedule: balanced (list scheduling on the shards' cost estimates:
     any free core takes the most urgent ready shard, so every core loads every shard) or round-robin
     (the manifest's placement, dealt over the given cores when they differ; each shard loaded once).
-    timeout: seconds one shard may run before the session stops with an error.
+    timeout: seconds one shard may run before the session stops with an error. On a GPU backend an
+    input may be given as a torch tensor already on the GPU, and the outputs named in `on_device` come
+    back as such tensors (a decoder's cache, kept there: shard.runtime.generate).
     """
 
     def __init__(self, bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
-                 schedule: str | None = None, timeout: float | None = None):
+                 schedule: str | None = None, timeout: float | None = None, on_device: frozenset[str] = frozenset()):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
         self.files = check_files(self.bundle, self.manifest)   # {path: "ok ..."}: every file as compile wrote it
@@ -58,7 +60,7 @@ class Session:
         # GPU stages keep a stream each (each loaded once); NPU shards go to any free core by default
         self.schedule = schedule or ("round-robin" if self.backend in STAGE_BACKENDS else DEFAULT_SCHEDULE)
         self.placements = placements(self.schedule, self.manifest.shards, self.cores)
-        self.executors = make_executors(self.backend, self.bundle, self.manifest, self.placements)
+        self.executors = make_executors(self.backend, self.bundle, self.manifest, self.placements, on_device)
         try:
             self.scheduler = Scheduler(self.manifest.shards, self.executors, self.schedule, timeout)
         except BaseException:
@@ -77,10 +79,12 @@ class Session:
                            f"missing {sorted(missing) or 'none'}, unknown {sorted(extra) or 'none'}")
         checked = {}
         for name, spec in expected.items():
-            array = np.asarray(inputs[name])
+            given = inputs[name]
+            kept = getattr(given, "is_cuda", False) and self.backend in STAGE_BACKENDS   # on the GPU: stays there
+            array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
             if list(array.shape) != spec.shape:
                 raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
-            checked[name] = array.astype(spec.dtype, copy=False)
+            checked[name] = array if kept else array.astype(spec.dtype, copy=False)
         return checked
 
     def without_fixed(self, inputs: dict[str, np.ndarray], expected: dict) -> dict[str, np.ndarray]:
@@ -127,6 +131,22 @@ class Session:
         finally:
             for frame in pending:
                 self.scheduler.forget(frame)
+
+    def input_buffers(self) -> dict:
+        """{input: the fixed buffer a GPU stage reads it from} for each bundle input that one stage alone
+        reads: a caller that writes there and hands the buffer itself over as the input spares the
+        copy (a decoder's cache, kept in the decode step's own buffers: shard.runtime.generate).
+        Empty on the other backends."""
+        graph_inputs = {t.name: t for t in self.manifest.inputs}
+        readers = collections.Counter(t.name for shard in self.manifest.shards for t in shard.inputs)
+        found = {}
+        for executor in {id(e): e for e in self.executors.values()}.values():
+            for shard in self.manifest.shards:
+                prepared = getattr(executor, "prepared", {}).get(shard.name)
+                for buffer, spec in zip(prepared.inputs if prepared else [], shard.inputs):
+                    if spec.name in graph_inputs and readers[spec.name] == 1:
+                        found[spec.name] = buffer.view(graph_inputs[spec.name].shape)
+        return found
 
     def run_shard(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one shard alone on the first core that holds it, outside the scheduler (for verify)."""

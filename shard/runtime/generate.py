@@ -55,12 +55,15 @@ class Cache:
     values: list[np.ndarray]
     length: int = 0
     buckets: tuple[int, ...] = ()   # larger capacities it may grow to (a program compiled for each)
+    storage: Callable[[int], tuple[list, list]] | None = None   # a capacity's keys and values, where given
 
     @classmethod
     def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32,
-              buckets: tuple[int, ...] = ()) -> Cache:
+              buckets: tuple[int, ...] = (), device: str | None = None) -> Cache:
+        """Zeros, in numpy; or, with `device`, torch tensors there (a GPU backend's steps then read the
+        cache where it lies and hand back their new entries there: nothing crosses to the host)."""
         shape = (1, kv_heads, capacity, head_dim)
-        return cls([np.zeros(shape, dtype) for _ in range(layers)], [np.zeros(shape, dtype) for _ in range(layers)],
+        return cls([zeros(shape, dtype, device) for _ in range(layers)], [zeros(shape, dtype, device) for _ in range(layers)],
                    buckets=tuple(sorted(buckets)))
 
     @property
@@ -77,9 +80,11 @@ class Cache:
         if not larger:
             raise RunError(f"the context reaches {need} tokens, past the cache's capacity of "
                            f"{max((self.capacity, *self.buckets))} (compile with a larger --max-context)")
-        for arrays in (self.keys, self.values):
+        given = self.storage(larger[0]) if self.storage else None
+        for k, arrays in enumerate((self.keys, self.values)):
             for i, old in enumerate(arrays):
-                arrays[i] = np.zeros((*old.shape[:2], larger[0], old.shape[3]), old.dtype)
+                arrays[i] = given[k][i] if given else zeros((*old.shape[:2], larger[0], old.shape[3]), old.dtype,
+                                                           device_of(old))
                 arrays[i][:, :, :self.length] = old[:, :, :self.length]
 
     def feeds(self) -> dict[str, np.ndarray]:
@@ -90,9 +95,33 @@ class Cache:
         """The first `count` new tokens' keys and values, in place after the filled ones."""
         end = self.length + count
         for i in range(len(self.keys)):
-            self.keys[i][:, :, self.length:end] = outputs[f"key.{i}"][:, :, :count]
-            self.values[i][:, :, self.length:end] = outputs[f"value.{i}"][:, :, :count]
+            for arrays, name in ((self.keys, f"key.{i}"), (self.values, f"value.{i}")):
+                new = outputs[name][:, :, :count]
+                arrays[i][:, :, self.length:end] = new if isinstance(new, type(arrays[i])) else like(new, arrays[i])
         self.length = end
+
+
+def zeros(shape: tuple, dtype, device: str | None):
+    """np.zeros, or torch.zeros on `device` (a numpy dtype)."""
+    if device is None:
+        return np.zeros(shape, dtype)
+    import torch
+
+    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, np.dtype(dtype).name)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def device_of(array) -> str | None:
+    return None if isinstance(array, np.ndarray) else array.device
+
+
+def like(value, array):
+    """`value` (numpy, or a torch tensor) as `array` holds its kind: numpy, or a tensor on its device."""
+    if isinstance(array, np.ndarray):
+        return value.detach().cpu().numpy()
+    import torch
+
+    return torch.as_tensor(value).to(array.device, array.dtype)
 
 
 def step_mask(length: int, width: int, capacity: int) -> np.ndarray:
@@ -275,18 +304,25 @@ class Generation:
 
 
 class GenerativeSession:
-    """A generative bundle ready to run: a Session per program (shard.runtime), the cache in numpy."""
+    """A generative bundle ready to run: a Session per program (shard.runtime), the cache in numpy, or
+    on the GPU where the programs run there (a GPU backend: each step reads the cache in place, its new
+    keys and values stay there, and only its logits cross to the host)."""
 
     def __init__(self, bundle: str | Path, **session_args):
-        from shard.runtime import Session
+        from shard.bundle import read_manifest
+        from shard.runtime import STAGE_BACKENDS, Session, default_backend
 
         self.bundle = Path(bundle)
         self.spec = read_generative(self.bundle)
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         self.vision = None
+        backend = session_args.get("backend") or default_backend(read_manifest(self.bundle / self.spec.programs[0].name))
+        self.device = "cuda" if backend in STAGE_BACKENDS else None   # where the cache lives
+        entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
         try:
             for program in self.spec.programs:
-                self.sessions[program.width, program.capacity] = Session(self.bundle / program.name, **session_args)
+                self.sessions[program.width, program.capacity] = Session(
+                    self.bundle / program.name, **session_args, on_device=entries if self.device else frozenset())
             self.vision = Session(self.bundle / self.spec.vision["program"], **session_args) if self.spec.vision else None
         except BaseException:
             self.close()
@@ -305,7 +341,21 @@ class GenerativeSession:
 
     def cache(self) -> Cache:
         s = self.spec
+        if self.device:   # the decode step's own input buffers, which it reads without a copy
+            keys, values = self.stored(s.capacities[0])
+            return Cache(keys, values, buckets=tuple(s.capacities[1:]), storage=self.stored)
         return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, buckets=tuple(s.capacities[1:]))
+
+    def stored(self, capacity: int) -> tuple[list, list]:
+        """The keys and values of a cache of `capacity` on the GPU: the decode step's input buffers
+        where it holds them all (Session.input_buffers), else new tensors."""
+        s = self.spec
+        buffers = self.sessions[1, capacity].input_buffers()
+        names = [[f"past_{kind}.{i}" for i in range(s.layers)] for kind in ("key", "value")]
+        if all(name in buffers for kind in names for name in kind):
+            return [buffers[n] for n in names[0]], [buffers[n] for n in names[1]]
+        fresh = Cache.empty(s.layers, s.kv_heads, capacity, s.head_dim, device=self.device)
+        return fresh.keys, fresh.values
 
     @property
     def processor(self):

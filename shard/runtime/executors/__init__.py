@@ -31,14 +31,16 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def make_executors(backend: str, bundle: Path, manifest: Manifest,
-                   placements: dict[int, list[ShardSpec]]) -> dict[int, Executor]:
+def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
+                   on_device: frozenset[str] = frozenset()) -> dict[int, Executor]:
     """One executor per core holding the shards that core may run: the backend's module (MODULES),
-    imported only now, makes them (its `make`)."""
+    imported only now, makes them (its `make`). on_device: outputs a GPU backend hands back as tensors
+    on the GPU rather than in numpy."""
     if backend not in MODULES:
         raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     module = importlib.import_module(f"{__name__}.{MODULES[backend]}")
-    return module.make(bundle, manifest, placements)
+    return module.make(bundle, manifest, placements, on_device) if backend in STAGE_BACKENDS else \
+        module.make(bundle, manifest, placements)
 
 
 def each_core(placements: dict[int, list[ShardSpec]], make) -> dict[int, Executor]:

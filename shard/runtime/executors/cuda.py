@@ -16,9 +16,10 @@ from shard.runtime.executors.gpu import StreamExecutor, require_cuda, stage_edge
 from shard.runtime.executors.torch_graph import TorchGraph
 
 
-def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
+         on_device: frozenset[str] = frozenset()) -> dict:
     """A CUDA stream per core (pipeline stage), its stages captured as CUDA graphs, run by torch."""
-    leaving, entering = stage_edges(manifest)
+    leaving, entering = stage_edges(manifest, on_device)
     return each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
 
 

@@ -24,9 +24,12 @@ from shard.runtime.host import step_inputs, step_outputs
 Stage = Callable[[list], list]   # fixed input buffers -> output tensors (the same buffers every call)
 
 
-def stage_edges(manifest: Manifest) -> tuple[set[str], set[str]]:
-    """(the tensors that leave the stages for the host, those that enter them from it)."""
-    leaving = {t.name for t in manifest.outputs} | {n for step in manifest.host_post for n in step_inputs(step)}
+def stage_edges(manifest: Manifest, on_device: frozenset[str] = frozenset()) -> tuple[set[str], set[str]]:
+    """(the tensors that leave the stages for the host, those that enter them from it); outputs named
+    in `on_device` stay on the GPU, handed back as tensors (a decoder's new keys and values, written
+    into a cache that lives there)."""
+    leaving = {t.name for t in manifest.outputs} - set(on_device) | {n for step in manifest.host_post
+                                                                    for n in step_inputs(step)}
     entering = {t.name for t in manifest.inputs} | {n for step in manifest.host_pre for n in step_outputs(step)}
     return leaving, entering
 
@@ -139,6 +142,8 @@ class StreamExecutor:
         with torch.no_grad(), self._on_stream():
             for buffer, spec in zip(prepared.inputs, shard.inputs):
                 value = inputs[spec.name]
+                if not isinstance(value, np.ndarray) and value.data_ptr() == buffer.data_ptr():
+                    continue   # written in place by the caller (Session.input_buffers)
                 if isinstance(value, np.ndarray):
                     value = np.reshape(edge_input(shard, spec, value), spec.shape)
                     if spec.name in prepared.host:   # the previous frame's copy ended with its synchronize

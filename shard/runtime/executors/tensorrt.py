@@ -24,9 +24,10 @@ def import_tensorrt(who: str = "the tensorrt backend"):
     return tensorrt
 
 
-def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
+def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
+         on_device: frozenset[str] = frozenset()) -> dict:
     """A CUDA stream per core (pipeline stage), each stage a TensorRT engine built on this device."""
-    leaving, entering = stage_edges(manifest)
+    leaving, entering = stage_edges(manifest, on_device)
     return each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering))
 
 
