@@ -18,9 +18,9 @@ weights learned). The same prompt of 40 token ids for every side:
             one-token step (compile_config: torch.compile fullgraph, mode="reduce-overhead"): the
             baseline a PyTorch user would pick for speed.
 
-Decode tokens/s from wall time (and, for ours, a decode step's CUDA graphs replayed alone: the rest of
-its time is the host's, the cache's copies to and from the GPU among it): (N - 1) over the time of a generation of N new tokens less that of one
-(so the prompt's prefill drops out), each the best of 3 after a warm-up. Tokens: how many of the
+Decode tokens/s from wall time: (N - 1) over the time of a generation of N new tokens less that of
+one (so the prompt's prefill drops out), each the best of 3 after a warm-up; for ours also a decode
+step's CUDA graphs replayed alone (the rest of a step's time is the host's). Tokens: how many of the
 first --new greedy tokens agree with the eager fp16 side (fp16 on both: a near tie may go either way).
 Ends with: RESULT layers=L capacity=C ours_tps=... eager_tps=... compiled_tps=... vs_eager=... vs_compiled=...
 same_tokens=K/N

@@ -195,10 +195,11 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], judged: li
     int8_replica; its cosine_after: the same with it and every candidate before it moved to fp16, the
     search's prediction for that prefix. Judged on samples the ranges did not come from, a linear
     whose range an unseen input outgrows ranks where that costs: all-mpnet-base-v2, judged on its
-    calibration samples alone, lost 0.0011 on one held-out sentence whichever linears went to fp16. A linear's
-    own int8 error is a poor guide: on all-mpnet-base-v2 the output projections' inputs lose the most,
-    yet moving them and the FFN outputs (half of the linears' MACs) to fp16 took the simulator only
-    from 0.9953 to 0.9977; ranked by the replica, a quarter of the MACs took it to 0.9984."""
+    calibration samples alone, lost 0.0011 on one held-out sentence whichever linears went to fp16.
+    A linear's own int8 error is a poor guide: on all-mpnet-base-v2 the output projections' inputs
+    lose the most, yet moving them and the FFN outputs (half of the linears' MACs) to fp16 took the
+    simulator only from 0.9953 to 0.9977; ranked by the replica, a quarter of the MACs took it to
+    0.9984."""
 
     linears = [n for n in graph.nodes if is_int8_candidate(n)]
     if not linears:

@@ -108,7 +108,7 @@ def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_bucket
         with torch.no_grad():
             want = model(torch.tensor([PROMPT + tokens[:-1]]), use_cache=True).past_key_values
         keys = want.layers[0].keys if hasattr(want, "layers") else want[0][0]
-        assert torch.allclose(cache.keys[0][:, :, :cache.length], keys, atol=1e-4)   # rotated keys, as transformers keeps them
+        assert torch.allclose(cache.keys[0][:, :, :cache.length], keys, atol=1e-4)   # rotated, as transformers keeps them
 
 
 def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):

@@ -34,8 +34,8 @@ from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality, OneOpBuilds
 from shard.precision import rank_linears
 from shard.profile import load_profile
-from shard.targets.build_cache import structure_key
 from shard.runtime.host import run_host
+from shard.targets.build_cache import structure_key
 from shard.targets.registry import get_target
 
 

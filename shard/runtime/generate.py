@@ -63,7 +63,7 @@ class Cache:
         """Zeros, in numpy; or, with `device`, torch tensors there (a GPU backend's steps then read the
         cache where it lies and hand back their new entries there: nothing crosses to the host)."""
         shape = (1, kv_heads, capacity, head_dim)
-        return cls([zeros(shape, dtype, device) for _ in range(layers)], [zeros(shape, dtype, device) for _ in range(layers)],
+        return cls(*([zeros(shape, dtype, device) for _ in range(layers)] for _ in ("keys", "values")),
                    buckets=tuple(sorted(buckets)))
 
     @property
@@ -316,7 +316,8 @@ class GenerativeSession:
         self.spec = read_generative(self.bundle)
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         self.vision = None
-        backend = session_args.get("backend") or default_backend(read_manifest(self.bundle / self.spec.programs[0].name))
+        first = self.bundle / self.spec.programs[0].name
+        backend = session_args.get("backend") or default_backend(read_manifest(first))
         self.device = "cuda" if backend in STAGE_BACKENDS else None   # where the cache lives
         entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
         try:
