@@ -34,7 +34,6 @@ from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality, OneOpBuilds
 from shard.precision import rank_linears
 from shard.profile import load_profile
-from shard.runtime.host import run_host
 from shard.targets.build_cache import structure_key
 from shard.targets.registry import get_target
 
@@ -157,9 +156,8 @@ def rewrite(c: Compilation) -> None:
         c.values, c.feeds = quantization_values(c.ctx, c.graph, c.canonical, c.plans, c.originals, c.progress)
     if c.options.precision == "mixed":
         c.ctx.reports["mixed"] = {"promoted": sorted(c.options.promote)}
-        graph, feeds, progress, ctx = c.graph, c.feeds, c.progress, c.ctx
-        c.rank = lambda judged: mixed_ranking(graph, feeds, progress, [   # for compile_mixed, if it needs one
-            run_host(ctx.host_pre, dict(sample), ctx.host_tables) for sample in judged])
+        graph, feeds, progress = c.graph, c.feeds, c.progress
+        c.rank = lambda: mixed_ranking(graph, feeds, progress)   # for compile_mixed, if it needs one
     c.seconds["passes"] = time.monotonic() - c.started
 
 
@@ -300,11 +298,9 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     return graph, ctx
 
 
-def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress,
-                  judged: list[dict[str, np.ndarray]]) -> dict:
-    """The replica's ranking of a compiled graph's int8 linears (shard.precision.rank_linears): its
-    ranges from `feeds` (the calibration samples' graph inputs), its losses on `judged`."""
+def mixed_ranking(graph, feeds: list[dict[str, np.ndarray]], progress: Progress) -> dict:
+    """The replica's ranking of a compiled graph's int8 linears (shard.precision.rank_linears)."""
     progress("mixed precision: each linear's loss in int8", 0, 1)
-    ranked, every = rank_linears(graph, feeds, judged)
+    ranked, every = rank_linears(graph, feeds)
     progress("mixed precision: each linear's loss in int8", 1, 1)
     return {"linears": [asdict(c) for c in ranked], "replica_cosine": every}

@@ -36,7 +36,7 @@ class CompileResult:
     bundle: Path
     manifest: Manifest
     report: dict
-    rank: Callable[[list[dict]], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
+    rank: Callable[[], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Compilation:
     originals: list[ShardPlan | None] = field(default_factory=list)
     values: dict | None = None           # quantized: every shard input's value on each sample
     feeds: list | None = None
-    rank: Callable[[list[dict]], dict] | None = None
+    rank: Callable[[], dict] | None = None
     seconds: dict = field(default_factory=dict)
     # build_shards
     datasets: Datasets | None = None

@@ -95,8 +95,7 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
     linears) and everything else in fp16, their ranges from three quarters of the calibration samples,
     and measure the bundle on the simulator with the quarter held out (split_samples: ranges fit
     the samples they came from, and the next input is not one of them). Where that falls short of
-    options.min_cosine, rank the linears once with the int8 replica (shard.precision: its ranges from
-    the calibration part, its losses judged on the held-out one too) and move,
+    options.min_cosine, rank the linears once with the int8 replica (shard.precision) and move,
     round by round, as many of the most harmful to fp16 as the replica predicts the target needs
     (scaled by how far the last round missed its prediction); once one reaches it, the rounds left
     bisect towards more int8 (next_count). Builds are cached by content, so a round rebuilds only
@@ -121,7 +120,7 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             cosine = simulator_cosine(result.bundle, Path(model), held)   # every sample held out: what --min-cosine holds on
             on_fit = simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit else cosine
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
-                ranking = result.rank(held)
+                ranking = result.rank()
             result.rank = None   # lets go of the round's graph
             int8 = result.report["totals"].get("int8_mac_share") or 0.0
             linears = ranking["linears"] if ranking else []
