@@ -284,6 +284,8 @@ def on_board(address: str, chip: str, fn, *args):
         if isinstance(cause, ShardError):
             raise cause from None
         raise RunError(f"on the {chip} board's Ray node: {type(cause).__name__}: {cause}") from None
+    except ray.exceptions.RayError as exc:   # the node or its worker lost
+        raise RunError(f"on the {chip} board's Ray node: {str(exc).splitlines()[0]}") from None
 
 
 def board_inference(address: str, chip: str):
@@ -315,9 +317,9 @@ def run_pack(pack: bytes, inputs: dict[str, bytes], repeat: int) -> tuple[int, s
         (here / "model.tar.gz").write_bytes(pack)
         args = [sys.executable, "-m", "shard.runtime", str(here / "model.tar.gz"), "--backend", "board",
                 "--repeat", str(repeat), "--save", str(here / "out")]
-        for name, data in inputs.items():
-            (here / f"{name}.npy").write_bytes(data)
-            args += ["--input", f"{name}={here / f'{name}.npy'}"]
+        for k, (name, data) in enumerate(inputs.items()):   # numbered: a tensor's name may hold a slash
+            (here / f"in{k}.npy").write_bytes(data)
+            args += ["--input", f"{name}={here / f'in{k}.npy'}"]
         run = subprocess.run(args, capture_output=True, text=True)
         outputs = {path.stem: path.read_bytes() for path in sorted((here / "out").glob("*.npy"))}
         return run.returncode, run.stdout, run.stderr, outputs
