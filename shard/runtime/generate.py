@@ -40,6 +40,7 @@ import numpy as np
 
 from shard.bundle import read_versioned
 from shard.errors import BundleError, RunError
+from shard.runtime.executors import to_host
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
@@ -83,8 +84,7 @@ class Cache:
         given = self.storage(larger[0]) if self.storage else None
         for k, arrays in enumerate((self.keys, self.values)):
             for i, old in enumerate(arrays):
-                arrays[i] = given[k][i] if given else zeros((*old.shape[:2], larger[0], old.shape[3]), old.dtype,
-                                                           device_of(old))
+                arrays[i] = given[k][i] if given else grown(old, larger[0])
                 arrays[i][:, :, :self.length] = old[:, :, :self.length]
 
     def feeds(self) -> dict[str, np.ndarray]:
@@ -107,18 +107,19 @@ def zeros(shape: tuple, dtype, device: str | None):
         return np.zeros(shape, dtype)
     import torch
 
-    dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, np.dtype(dtype).name)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=getattr(torch, np.dtype(dtype).name), device=device)
 
 
-def device_of(array) -> str | None:
-    return None if isinstance(array, np.ndarray) else array.device
+def grown(old, capacity: int):
+    """Zeros of `old`'s kind, type and device, `capacity` entries long (axis 2)."""
+    shape = (*old.shape[:2], capacity, old.shape[3])
+    return np.zeros(shape, old.dtype) if isinstance(old, np.ndarray) else old.new_zeros(shape)
 
 
 def like(value, array):
     """`value` (numpy, or a torch tensor) as `array` holds its kind: numpy, or a tensor on its device."""
     if isinstance(array, np.ndarray):
-        return value.detach().cpu().numpy()
+        return to_host(value)
     import torch
 
     return torch.as_tensor(value).to(array.device, array.dtype)
