@@ -8,10 +8,12 @@ and values, a 49152-token vocabulary) with seeded weights, saved as a transforme
 word-level tokenizer made here (nothing downloaded: a decode step's time does not depend on what its
 weights learned). The same prompt of 40 token ids for every side:
 
-  ours:     shard compile of the folder with --target cuda (fp16 stages; the prefill of --chunk tokens
-            and the one-token decode, the cache of --capacity tokens), then GenerativeSession.generate
-            with --backend cuda: the cache in numpy on the host, each step's stages captured as CUDA
-            graphs;
+  ours:     shard compile of the folder with --target cuda (fp16, one stage a step; the prefill of
+            --chunk tokens and the one-token decode, the cache of --capacity tokens), then
+            GenerativeSession.generate with --backend cuda: the cache on the GPU in the decode step's
+            own input buffers, the step's new entries written there inside its CUDA graph; and the
+            same with the host writing them (in_place=False), and with --also-stages K, the steps cut
+            into K stages;
   eager:    transformers' LlamaForCausalLM in fp16 on the GPU (sdpa), generate with its dynamic cache,
             in a process of its own (as is the next);
   compiled: the same with cache_implementation="static", with which generate compiles its
@@ -109,28 +111,39 @@ def main() -> None:
     from shard.compilation.generative import compile_generative
     from shard.options import CompileOptions
     from shard.probes.cuda import probe_cuda
-    from shard.runtime import load
+    from shard.runtime.generate import GenerativeSession
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--capacity", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--also-stages", type=lambda text: [int(k) for k in text.split(",")], default=[],
+                        help="also compile the steps cut into these many stages (comma-separated), their cache "
+                             "written by the host")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="shard-decode-gpu-"))
     checkpoint(work / "model", args.layers)
     probe_cuda().save(work / "cuda.profile.json")   # this GPU's rates and bandwidth, as `shard probe --target cuda`
-    started = time.perf_counter()
-    result = compile_generative(work / "model", "cuda", work / "lm.shard", CompileOptions(
-        profile=str(work / "cuda.profile.json")), capacity=args.capacity, chunk=args.chunk)
-    print(f"GPU: {torch.cuda.get_device_name()}; compiled for cuda in {time.perf_counter() - started:.0f} s: "
-          f"{', '.join(f'{p.name} ({p.width} tokens)' for p in result.spec.programs)}", flush=True)
-    with load(result.bundle, backend="cuda") as session:
-        ours, ours_tokens = rate(lambda n: session.generate(PROMPT, max_new_tokens=n, stop=set()).tokens, args.new)
-        steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).to_json()["decode_ms"]
-        device = 1e3 * sum(stage_seconds(session.sessions[1, args.capacity]).values())
-    print(f"ours (cuda executor):     {ours:7.1f} tokens/s; a decode step {sorted(steps)[len(steps) // 2]:.2f} ms "
-          f"(median, host to host), its CUDA graphs {device:.2f} ms of it on the GPU", flush=True)
+    rates = {}
+    for stages in sorted({1, *args.also_stages}):
+        started = time.perf_counter()
+        result = compile_generative(work / "model", "cuda", work / f"lm{stages}.shard", CompileOptions(
+            profile=str(work / "cuda.profile.json"), shards=stages), capacity=args.capacity, chunk=args.chunk)
+        print(f"GPU: {torch.cuda.get_device_name()}; compiled for cuda in {time.perf_counter() - started:.0f} s: "
+              f"{', '.join(f'{p.name} ({p.width} tokens)' for p in result.spec.programs)}, {stages} stage(s) each",
+              flush=True)
+        for in_place in (True, False) if stages == 1 else (False,):
+            with GenerativeSession(result.bundle, in_place=in_place, backend="cuda") as session:
+                tps, tokens = rate(lambda n: session.generate(PROMPT, max_new_tokens=n, stop=set()).tokens, args.new)
+                steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).to_json()["decode_ms"]
+                device = 1e3 * sum(stage_seconds(session.sessions[1, args.capacity]).values())
+                written = len(session.sessions[1, args.capacity].written)
+            rates[stages, in_place] = tps, tokens
+            print(f"ours, {stages} stage(s), {written:2d} cache entries written in the step's graph: {tps:7.1f} "
+                  f"tokens/s; a decode step {sorted(steps)[len(steps) // 2]:.2f} ms (median, host to host), its CUDA "
+                  f"graphs {device:.2f} ms of it on the GPU", flush=True)
+    ours, ours_tokens = rates[1, True]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         eager, eager_tokens = pool.submit(transformers_side, work / "model", args.new, False).result()
     print(f"transformers, eager:      {eager:7.1f} tokens/s", flush=True)

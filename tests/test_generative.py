@@ -15,7 +15,7 @@ from conftest import cosine, shard_cli
 from shard.compilation.generative import compile_generative
 from shard.errors import RunError, ShardError
 from shard.runtime import load
-from shard.runtime.generate import GenerativeSession, sampler
+from shard.runtime.generate import GenerativeSession, sampler, step_mask
 
 WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
@@ -295,10 +295,37 @@ def test_a_generations_times_are_split_by_program():
 
 
 def test_the_same_bundle_format_for_thor(checkpoint, tmp_path):
-    """--target thor: each program a pipeline of fp16 stages (the GPU targets' passes); here run by
-    onnxruntime (the cuda backend needs a GPU), the tokens transformers' own."""
+    """--target thor: each program one fp16 stage (the GPU targets' passes; a step waits for the one
+    before it, so more stages would only hand off); here run by onnxruntime (the cuda backend needs a
+    GPU), the tokens transformers' own. The decode step's stage writes its new keys and values into
+    the cache it reads, inside its own graph (OnDevice.writes): the cuda executor's torch form, on the
+    CPU here."""
+    from shard.bundle import read_manifest
+    from shard.runtime.executors.cuda import CudaExecutor
+
     folder, model = checkpoint
     result = compile_generative(folder, "thor", tmp_path / "lm.shard", capacity=32, chunk=4)
-    assert all("stages" in report["passes"] for report in result.reports.values())
+    assert [report["passes"]["stages"]["shards"] for report in result.reports.values()] == [1, 1]
     with load(result.bundle, backend="cpu") as session:
         assert session.generate(PROMPT, max_new_tokens=8, stop=set()).tokens == transformers_greedy(model, PROMPT, 8)
+    manifest = read_manifest(result.bundle / "decode")
+    (stage,) = manifest.shards
+    entries = [f"{kind}.{i}" for i in range(2) for kind in ("key", "value")]
+    rng = np.random.default_rng(0)
+    feeds = {t.name: rng.standard_normal(t.shape).astype(np.float32) for t in manifest.inputs}
+    feeds.update(position_ids=np.array([[11]]), mask=step_mask(11, 1, 32))
+    plain = CudaExecutor(result.bundle / "decode", [stage], {t.name for t in manifest.outputs}, device="cpu")
+    want = plain.run(stage, feeds)
+    writing = CudaExecutor(result.bundle / "decode", [stage], {"logits"}, device="cpu",
+                           writes={name: (f"past_{name}", "position_ids") for name in entries})
+    buffers = dict(zip([t.name for t in stage.inputs], writing.prepared[stage.name].inputs))
+    for name, value in feeds.items():
+        buffers[name].copy_(torch.from_numpy(value).reshape(buffers[name].shape))
+    got = writing.run(stage, {name: buffers[name] for name in feeds})
+    assert writing.written == set(entries) and set(got) == {"logits"}
+    assert np.array_equal(got["logits"], want["logits"])
+    for name in entries:
+        cache = buffers[f"past_{name}"].numpy()
+        assert np.array_equal(cache[:, :, 11:12], want[name])   # the new entry, at position 11
+        cache[:, :, 11] = feeds[f"past_{name}"][:, :, 11]
+        assert np.array_equal(cache, feeds[f"past_{name}"])   # and nothing else changed

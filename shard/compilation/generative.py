@@ -25,7 +25,7 @@ from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generate import EMBEDDINGS, GENERATIVE, GenerativeSpec, Program
-from shard.targets.chips import CHIPS
+from shard.targets.chips import CHIPS, GPU_TARGETS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
@@ -80,9 +80,13 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         for name, export in steps.items():
             progress(f"{name}: export", 0, 1)
             given = options
+            if name in samples and target in GPU_TARGETS and not options.shards:
+                # one stage: a step waits for the one before it, so stages could never overlap, and each
+                # hand-off between them costs the host (bench/decode_gpu.py)
+                given = replace(given, shards=1)
             if name in samples and not options.calib:   # the check's inputs: a real prompt's, not random ones
                 np.savez(exports / f"{name}.npz", **samples[name]())
-                given = replace(options, calib=str(exports / f"{name}.npz"))
+                given = replace(given, calib=str(exports / f"{name}.npz"))
             result = compile_one_model(export(exports / f"{name}.onnx"), target, staging / name, given,
                                        lambda what, *a, name=name: progress(f"{name}: {what}", *a))
             reports[name] = result.report

@@ -18,7 +18,7 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError, TargetError
-from shard.runtime.executors import STAGE_BACKENDS, make_executors, to_host
+from shard.runtime.executors import STAGE_BACKENDS, OnDevice, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
@@ -39,12 +39,13 @@ class Session:
     any free core takes the most urgent ready shard, so every core loads every shard) or round-robin
     (the manifest's placement, dealt over the given cores when they differ; each shard loaded once).
     timeout: seconds one shard may run before the session stops with an error. On a GPU backend an
-    input may be given as a torch tensor already on the GPU, and the outputs named in `on_device` come
-    back as such tensors (a decoder's cache, kept there: shard.runtime.generate).
+    input may be given as a torch tensor already on the GPU, and `on_device` names the outputs that
+    come back as such tensors, and those written in place instead (a decoder's cache, kept there:
+    shard.runtime.generate), which come back to no one (`written`).
     """
 
     def __init__(self, bundle: str | Path, backend: str | None = None, cores: list[int] | None = None,
-                 schedule: str | None = None, timeout: float | None = None, on_device: frozenset[str] = frozenset()):
+                 schedule: str | None = None, timeout: float | None = None, on_device: OnDevice = OnDevice()):
         self.bundle = Path(bundle)
         self.manifest: Manifest = read_manifest(self.bundle)
         self.files = check_files(self.bundle, self.manifest)   # {path: "ok ..."}: every file as compile wrote it
@@ -67,6 +68,8 @@ class Session:
             self._close_executors()
             raise
         self._frames = itertools.count()
+        # the outputs written in place (on_device.writes) by the stages that hold what they need
+        self.written = frozenset().union(*(getattr(e, "written", frozenset()) for e in self.executors.values()))
 
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The graph inputs, complete and of the compiled shapes and dtypes."""
@@ -187,7 +190,7 @@ class Session:
         started = time.perf_counter()
         run_host(self.manifest.host_post, tensors, contiguous=False)
         self.host_seconds += time.perf_counter() - started
-        return {t.name: tensors[t.name] for t in self.manifest.outputs}
+        return {t.name: tensors[t.name] for t in self.manifest.outputs if t.name not in self.written}
 
     def _close_executors(self) -> None:
         for executor in {id(e): e for e in self.executors.values()}.values():

@@ -86,19 +86,38 @@ class Cache:
             for i, old in enumerate(arrays):
                 arrays[i] = given[k][i] if given else grown(old, larger[0])
                 arrays[i][:, :, :self.length] = old[:, :, :self.length]
+        settle(self.keys[0])
 
     def feeds(self) -> dict[str, np.ndarray]:
         return {f"past_{kind}.{i}": arrays[i] for i in range(len(self.keys))
                 for kind, arrays in (("key", self.keys), ("value", self.values))}
 
     def write(self, outputs: dict[str, np.ndarray], count: int) -> None:
-        """The first `count` new tokens' keys and values, in place after the filled ones."""
-        end = self.length + count
+        """The first `count` new tokens' keys and values, in place after the filled ones (those the step
+        wrote there itself, IN_PLACE, left as they are)."""
+        end, wrote = self.length + count, False
         for i in range(len(self.keys)):
             for arrays, name in ((self.keys, f"key.{i}"), (self.values, f"value.{i}")):
+                if outputs[name] is IN_PLACE:
+                    continue
                 new = outputs[name][:, :, :count]
                 arrays[i][:, :, self.length:end] = new if isinstance(new, type(arrays[i])) else like(new, arrays[i])
+                wrote = True
+        if wrote:
+            settle(self.keys[0])
         self.length = end
+
+
+IN_PLACE = "written into the cache by the step itself"   # an output the step's graph wrote (Session.written)
+
+
+def settle(array) -> None:
+    """Where the cache is on a GPU: the copies just queued on this thread's stream done, before a
+    program's stream (another) reads the cache."""
+    if getattr(array, "is_cuda", False):
+        import torch
+
+        torch.cuda.current_stream(array.device).synchronize()
 
 
 def zeros(shape: tuple, dtype, device: str | None):
@@ -307,11 +326,13 @@ class Generation:
 class GenerativeSession:
     """A generative bundle ready to run: a Session per program (shard.runtime), the cache in numpy, or
     on the GPU where the programs run there (a GPU backend: each step reads the cache in place, its new
-    keys and values stay there, and only its logits cross to the host)."""
+    keys and values stay there, and only its logits cross to the host; a decode step whose stage
+    holds the cache writes its new entries there inside its own CUDA graph, unless `in_place` is
+    False)."""
 
-    def __init__(self, bundle: str | Path, **session_args):
+    def __init__(self, bundle: str | Path, in_place: bool = True, **session_args):
         from shard.bundle import read_manifest
-        from shard.runtime import STAGE_BACKENDS, Session, default_backend
+        from shard.runtime import STAGE_BACKENDS, OnDevice, Session, default_backend
 
         self.bundle = Path(bundle)
         self.spec = read_generative(self.bundle)
@@ -321,10 +342,12 @@ class GenerativeSession:
         backend = session_args.get("backend") or default_backend(read_manifest(first))
         self.device = "cuda" if backend in STAGE_BACKENDS else None   # where the cache lives
         entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
+        writes = {name: (f"past_{name}", "position_ids") for name in entries} if in_place else {}
         try:
-            for program in self.spec.programs:
-                self.sessions[program.width, program.capacity] = Session(
-                    self.bundle / program.name, **session_args, on_device=entries if self.device else frozenset())
+            for program in self.spec.programs:   # a decode step writes at its one position, inside the cache
+                kept = OnDevice(entries, writes if program.width == 1 else {}) if self.device else OnDevice()
+                self.sessions[program.width, program.capacity] = Session(self.bundle / program.name, **session_args,
+                                                                         on_device=kept)
             self.vision = Session(self.bundle / self.spec.vision["program"], **session_args) if self.spec.vision else None
         except BaseException:
             self.close()
@@ -337,7 +360,8 @@ class GenerativeSession:
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         width = feeds["inputs_embeds"].shape[1]
         started = time.perf_counter()
-        outputs = self.sessions[width, feeds["past_key.0"].shape[2]].run(feeds)
+        session = self.sessions[width, feeds["past_key.0"].shape[2]]
+        outputs = {**session.run(feeds), **dict.fromkeys(session.written, IN_PLACE)}
         self.steps.append((width, time.perf_counter() - started))
         return outputs
 
@@ -349,15 +373,15 @@ class GenerativeSession:
         return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, buckets=tuple(s.capacities[1:]))
 
     def stored(self, capacity: int) -> tuple[list, list]:
-        """The keys and values of a cache of `capacity` on the GPU: the decode step's input buffers
-        where it holds them all (Session.input_buffers), else new tensors."""
+        """The keys and values of a cache of `capacity` on the GPU: each the decode step's own input
+        buffer where one stage alone reads it (Session.input_buffers: where it writes its new entry
+        in place), else a new tensor."""
         s = self.spec
         buffers = self.sessions[1, capacity].input_buffers()
+        shape = (1, s.kv_heads, capacity, s.head_dim)
         names = [[f"past_{kind}.{i}" for i in range(s.layers)] for kind in ("key", "value")]
-        if all(name in buffers for kind in names for name in kind):
-            return [buffers[n] for n in names[0]], [buffers[n] for n in names[1]]
-        fresh = Cache.empty(s.layers, s.kv_heads, capacity, s.head_dim, device=self.device)
-        return fresh.keys, fresh.values
+        return tuple([buffers[n] if n in buffers else zeros(shape, np.float32, self.device) for n in kind]
+                     for kind in names)
 
     @property
     def processor(self):

@@ -8,7 +8,8 @@ toolkit's client.
 from __future__ import annotations
 
 import importlib
-
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +24,18 @@ BACKENDS = tuple(MODULES)
 STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
 
 
+@dataclass(frozen=True)
+class OnDevice:
+    """What a GPU backend leaves on the GPU (shard.runtime.generate's cache lives there): the outputs
+    handed back as torch tensors there rather than in numpy (`outputs`), and those a stage writes
+    inside its own captured graph into one of its input buffers, along axis 2 at the positions
+    another of its inputs holds (`writes`: output -> (input, positions); a decode step's new key and
+    value into the cache it reads), which then come back to no one (Session.written)."""
+
+    outputs: frozenset[str] = frozenset()
+    writes: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+
+
 class Executor(Protocol):
     """Prepare a core's shards once, then run any of them; each executor is used by one thread at a time."""
 
@@ -32,10 +45,9 @@ class Executor(Protocol):
 
 
 def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
-                   on_device: frozenset[str] = frozenset()) -> dict[int, Executor]:
+                   on_device: OnDevice = OnDevice()) -> dict[int, Executor]:
     """One executor per core holding the shards that core may run: the backend's module (MODULES),
-    imported only now, makes them (its `make`). on_device: outputs a GPU backend hands back as tensors
-    on the GPU rather than in numpy."""
+    imported only now, makes them (its `make`). on_device: what a GPU backend leaves on the GPU."""
     if backend not in MODULES:
         raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     module = importlib.import_module(f"{__name__}.{MODULES[backend]}")

@@ -11,16 +11,17 @@ from pathlib import Path
 import onnx
 
 from shard.bundle import Manifest, ShardSpec
-from shard.runtime.executors import each_core
+from shard.runtime.executors import OnDevice, each_core
 from shard.runtime.executors.gpu import StreamExecutor, require_cuda, stage_edges
 from shard.runtime.executors.torch_graph import TorchGraph
 
 
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
-         on_device: frozenset[str] = frozenset()) -> dict:
+         on_device: OnDevice = OnDevice()) -> dict:
     """A CUDA stream per core (pipeline stage), its stages captured as CUDA graphs, run by torch."""
     leaving, entering = stage_edges(manifest, on_device)
-    return each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering))
+    return each_core(placements, lambda core, shards: CudaExecutor(bundle, shards, leaving, entering=entering,
+                                                                   writes=on_device.writes))
 
 
 COMPILE = "SHARD_TORCH_COMPILE"   # 0: the eager form only (loads in seconds; no torch.compile)
@@ -35,7 +36,7 @@ def compiles(device: str) -> bool:
 
 class CudaExecutor(StreamExecutor):
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
-                 graphs: bool = True, entering: set[str] = frozenset()):
+                 graphs: bool = True, entering: set[str] = frozenset(), writes: dict | None = None):
         if device == "cuda":
             require_cuda()
 
@@ -56,4 +57,4 @@ class CudaExecutor(StreamExecutor):
                 forms["compiled"] = run_compiled
             return forms
 
-        super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering)
+        super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering, writes)

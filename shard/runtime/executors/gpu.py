@@ -18,18 +18,17 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec
 from shard.errors import RunError
-from shard.runtime.executors import edge_input, to_host
+from shard.runtime.executors import OnDevice, edge_input, to_host
 from shard.runtime.host import step_inputs, step_outputs
 
 Stage = Callable[[list], list]   # fixed input buffers -> output tensors (the same buffers every call)
 
 
-def stage_edges(manifest: Manifest, on_device: frozenset[str] = frozenset()) -> tuple[set[str], set[str]]:
-    """(the tensors that leave the stages for the host, those that enter them from it); outputs named
-    in `on_device` stay on the GPU, handed back as tensors (a decoder's new keys and values, written
-    into a cache that lives there)."""
-    leaving = {t.name for t in manifest.outputs} - set(on_device) | {n for step in manifest.host_post
-                                                                    for n in step_inputs(step)}
+def stage_edges(manifest: Manifest, on_device: OnDevice = OnDevice()) -> tuple[set[str], set[str]]:
+    """(the tensors that leave the stages for the host, those that enter them from it); the outputs
+    on_device names stay on the GPU (a decoder's new keys and values, for a cache that lives there)."""
+    kept = set(on_device.outputs) | set(on_device.writes)
+    leaving = {t.name for t in manifest.outputs} - kept | {n for step in manifest.host_post for n in step_inputs(step)}
     entering = {t.name for t in manifest.inputs} | {n for step in manifest.host_pre for n in step_outputs(step)}
     return leaving, entering
 
@@ -41,6 +40,7 @@ class Prepared:
     stage: Stage          # kept alive with it: a CUDA graph holds only raw pointers to the weights it reads
     graph: object = None  # torch.cuda.CUDAGraph, or None to call the stage each time
     host: dict = None     # {tensor: page-locked host buffer} for what crosses to or from numpy
+    written: frozenset = frozenset()   # the outputs the stage writes into its own input buffers (OnDevice.writes)
     form: str = "eager"   # which of the stage's forms this is (eager torch ops, torch.compile'd)
     seconds: float | None = None   # one replay, where forms were timed against each other
 
@@ -75,12 +75,13 @@ class StreamExecutor:
 
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str],
                  make_stage: Callable[[ShardSpec, list], Stage], device: str = "cuda", graphs: bool = True,
-                 entering: set[str] = frozenset()):
+                 entering: set[str] = frozenset(), writes: dict[str, tuple[str, str]] | None = None):
         import torch
 
         self.torch = torch
         self.leaving = leaving              # tensors that leave the bundle (outputs, host steps): numpy
         self.entering = set(entering)       # tensors that come from the host (its inputs, host steps)
+        self.writes = dict(writes or {})    # output -> (input, positions), written in the stage's graph
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -98,6 +99,9 @@ class StreamExecutor:
                   for t in shard.inputs]
         forms = make_stage(shard, inputs)
         forms = forms if isinstance(forms, dict) else {"eager": forms}
+        written = self._writes(shard)
+        if written:
+            forms = {form: self._writing(stage, written) for form, stage in forms.items()}
         best = None
         for k, (form, stage) in enumerate(forms.items()):
             try:
@@ -107,12 +111,28 @@ class StreamExecutor:
                     raise
                 self.passed_over[shard.name] = f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 continue
-            prepared.form = form
+            prepared.form, prepared.written = form, frozenset(shard.outputs[k].name for k, _, _ in written)
             if len(forms) > 1 and prepared.graph is not None:
                 prepared.seconds = replay_seconds(torch, prepared.graph, self.stream)
             if best is None or (prepared.seconds or 0) < (best.seconds or 0):
                 best = prepared
         return best
+
+    def _writes(self, shard: ShardSpec) -> list[tuple[int, int, int]]:
+        """(output, input, positions) of the writes this stage holds all three tensors of, by index."""
+        ins, outs = [t.name for t in shard.inputs], [t.name for t in shard.outputs]
+        return [(outs.index(out), ins.index(into), ins.index(at)) for out, (into, at) in self.writes.items()
+                if out in outs and into in ins and at in ins]
+
+    def _writing(self, stage: Stage, written: list[tuple[int, int, int]]) -> Stage:
+        """The stage, then each written output copied into its input's buffer at the positions (axis 2),
+        in the same stream: captured with it, after the stage has read that buffer."""
+        def run(inputs: list) -> list:
+            outputs = stage(inputs)
+            for out, into, at in written:
+                inputs[into].index_copy_(2, inputs[at].reshape(-1), outputs[out].to(inputs[into].dtype))
+            return outputs
+        return run
 
     def _capture(self, shard: ShardSpec, stage, inputs: list, capture: bool) -> Prepared:
         torch = self.torch
@@ -154,16 +174,24 @@ class StreamExecutor:
                 buffer.copy_(value.reshape(buffer.shape), non_blocking=True)
             if prepared.graph is not None:
                 prepared.graph.replay()
-                results = [o.clone() for o in prepared.outputs]
+                produced = prepared.outputs
             else:
-                results = [o.clone() for o in prepared.stage(prepared.inputs)]
-            for k, spec in enumerate(shard.outputs):
-                if spec.name in prepared.host:
-                    results[k] = prepared.host[spec.name].copy_(results[k].reshape(spec.shape), non_blocking=True)
+                produced = prepared.stage(prepared.inputs)
+            results = {}
+            for spec, value in zip(shard.outputs, produced):
+                if spec.name in prepared.host:   # read before the next replay: this call synchronizes first
+                    results[spec.name] = prepared.host[spec.name].copy_(value.reshape(spec.shape), non_blocking=True)
+                elif spec.name not in prepared.written:   # the next replay writes over the graph's own
+                    results[spec.name] = value.clone()
         if self.cuda:
             self.stream.synchronize()
-        return {spec.name: to_numpy(r, spec) if spec.name in self.leaving else r.reshape(spec.shape)
-                for spec, r in zip(shard.outputs, results)}
+        return {spec.name: to_numpy(results[spec.name], spec) if spec.name in self.leaving
+                else results[spec.name].reshape(spec.shape) for spec in shard.outputs if spec.name in results}
+
+    @property
+    def written(self) -> frozenset[str]:
+        """The outputs its stages write in place (OnDevice.writes) and hand back to no one."""
+        return frozenset().union(*(p.written for p in self.prepared.values()))
 
     def close(self) -> None:
         self.prepared.clear()

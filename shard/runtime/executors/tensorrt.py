@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shard.bundle import Manifest, ShardSpec
-from shard.runtime.executors import each_core
 from shard.errors import RunError
+from shard.runtime.executors import OnDevice, each_core
 from shard.runtime.executors.gpu import StreamExecutor, require_cuda, stage_edges
 
 
@@ -25,14 +25,16 @@ def import_tensorrt(who: str = "the tensorrt backend"):
 
 
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
-         on_device: frozenset[str] = frozenset()) -> dict:
+         on_device: OnDevice = OnDevice()) -> dict:
     """A CUDA stream per core (pipeline stage), each stage a TensorRT engine built on this device."""
     leaving, entering = stage_edges(manifest, on_device)
-    return each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering))
+    return each_core(placements, lambda core, shards: TensorRTExecutor(bundle, shards, leaving, entering,
+                                                                       on_device.writes))
 
 
 class TensorRTExecutor(StreamExecutor):
-    def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], entering: set[str] = frozenset()):
+    def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], entering: set[str] = frozenset(),
+                 writes: dict | None = None):
         trt = import_tensorrt()
         torch = require_cuda()
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -60,7 +62,7 @@ class TensorRTExecutor(StreamExecutor):
                 return outputs
             return run
 
-        super().__init__(bundle, shards, leaving, make_stage, entering=entering)
+        super().__init__(bundle, shards, leaving, make_stage, entering=entering, writes=writes)
 
     def close(self) -> None:
         super().close()
