@@ -524,7 +524,7 @@ def run_command(
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
     check_save(save)
     if ray:
-        return run_on_board_node(bundle, ray, input, repeat, save,
+        return run_on_board_node(bundle, ray, input, repeat, save, timeout,
                                  others=backend not in (None, "board") or bool(stream or trace or cores or schedule))
     if is_bucketed(bundle):
         if stream or trace:   # a stream and its trace are one bucket's (its cores, its shards)
@@ -577,10 +577,11 @@ def run_command(
 
 
 def run_on_board_node(bundle: Path, address: str, input: list[str], repeat: int, save: Path | None,
-                      others: bool = False) -> None:
+                      timeout: float | None = None, others: bool = False) -> None:
     """`shard run --backend board --ray`: the bundle packed and run by the runtime's own command on a
-    node of the cluster that owns a board of its chip (shard.targets.rknn.remote.run_pack); what it
-    printed shown here, its outputs saved here. `others`: whether options it cannot pass on were given."""
+    node of the cluster that owns a board of its chip (shard.targets.rknn.remote.run_pack), each shard
+    stopped past `timeout` seconds there; what it printed shown here, its outputs saved here. `others`:
+    whether options it cannot pass on were given."""
     import io
 
     import numpy as np
@@ -594,7 +595,7 @@ def run_on_board_node(bundle: Path, address: str, input: list[str], repeat: int,
 
     if others:
         raise ShardError("--ray runs the bundle on a board's node as `python -m shard.runtime` does: "
-                         "--backend board with --input, --repeat and --save only")
+                         "--backend board with --input, --repeat, --save and --timeout only")
     manifest = read_manifest(bundle)
     given = read_inputs(input, [t.name for t in manifest.inputs]) if input else {}
     with scratch.temporary("board-pack") as tmp:
@@ -606,7 +607,7 @@ def run_on_board_node(bundle: Path, address: str, input: list[str], repeat: int,
         np.save(buffer, array)
         sent[name] = buffer.getvalue()
     with console.status(f"running on a {manifest.target} board of the Ray cluster at {address}"):
-        code, out, err, outputs = on_board(address, manifest.target, run_pack, data, sent, repeat)
+        code, out, err, outputs = on_board(address, manifest.target, run_pack, data, sent, repeat, timeout)
     if code != 0:
         lines = [line.removeprefix("error: ") for line in err.splitlines() if line.strip()]
         raise RunError(f"on the {manifest.target} board's Ray node: {lines[-1] if lines else f'exit code {code}'}")

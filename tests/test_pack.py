@@ -54,7 +54,8 @@ def test_pack_runs_in_a_fresh_environment_like_shard_run(bundle, tmp_path):
     x = np.random.default_rng(7).standard_normal((1, 3, 224, 224)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     ran = subprocess.run([str(venv / "bin" / "python"), "run.py", "--input", str(tmp_path / "x.npy"),
-                          "--save", str(tmp_path / "packed")], cwd=unpacked / "vit", capture_output=True, text=True)
+                          "--save", str(tmp_path / "packed"), "--timeout", "600"], cwd=unpacked / "vit",
+                         capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     assert "on cpu" in ran.stdout
     res = shard_cli("run", bundle, "--backend", "cpu", "--input", tmp_path / "x.npy", "--save", tmp_path / "shard")

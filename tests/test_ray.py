@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import add_model, assert_one_line_error, shard_cli
 
+from shard.errors import RunError
+
 pytestmark = pytest.mark.toolkit
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'shard[ray]')")
 
@@ -158,6 +160,12 @@ def test_board_runs_go_one_at_a_time_to_the_node_that_owns_the_board(save, tmp_p
         assert [node for node, _, _ in turns] == [board_node.node_id] * 2
         (_, start_a, end_a), (_, start_b, end_b) = sorted(turns, key=lambda t: t[1])
         assert end_a <= start_b, turns   # one after the other
+        # A run past its timeout is stopped, and the board is free for the next at once.
+        started = time.monotonic()
+        with pytest.raises(RunError, match="on the rk3588 board's Ray node: no answer within 3 s; stopped"):
+            remote.on_board(cluster.address, "rk3588", turn, 600.0, timeout=3)
+        node, _, _ = remote.on_board(cluster.address, "rk3588", turn, 0.1, timeout=60)
+        assert node == board_node.node_id and time.monotonic() - started < 60
         res = shard_cli("run", bundle, "--backend", "board", "--ray", cluster.address)
         assert_one_line_error(res, "on the rk3588 board's Ray node", "rknn-toolkit-lite2")
     finally:

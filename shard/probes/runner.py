@@ -54,7 +54,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     if on_board and ray:   # each clean point to a node of the cluster that owns a board of the chip
         from shard.targets.rknn.remote import board_inference
 
-        board = board_inference(ray, target)
+        board = board_inference(ray, target, timeout)
     elif on_board:
         from shard.runtime.executors.rknn_board import import_rknnlite, infer_once
 

@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", help="board, cpu, cuda or tensorrt [default: what this machine has]")
     ap.add_argument("--repeat", type=int, default=1, help="frames to run one after another")
     ap.add_argument("--save", type=Path, help="write the last frame's outputs here as NAME.npy")
+    ap.add_argument("--timeout", type=float, help="stop with an error if one shard runs longer (seconds)")
     args = ap.parse_args(argv)
     try:
         check_save(args.save)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = read_manifest(bundle / read_buckets(bundle).buckets[0].name if is_bucketed(bundle) else bundle)
             backend = args.backend or pick_backend(manifest)
             given = read_inputs(args.input, [t.name for t in manifest.inputs])
-            with load(bundle, backend) as session:
+            with load(bundle, backend, timeout=args.timeout) as session:
                 started = time.perf_counter()
                 for _ in range(max(1, args.repeat)):
                     outputs = session.run(given or random_inputs(manifest.inputs))

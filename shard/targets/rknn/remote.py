@@ -270,15 +270,21 @@ def require_board(address: str, chip: str) -> str:
     return key
 
 
-def on_board(address: str, chip: str, fn, *args):
+def on_board(address: str, chip: str, fn, *args, timeout: float | None = None):
     """fn(*args) run on a node of the Ray cluster at `address` that owns a board of `chip` (fn as Ray
     sends a function: by reference where it is a module's, so that node has shard installed), holding
     that board while it runs; what fn raised there is raised here (a ShardError as it was, anything
-    else as a RunError naming the node). ShardError in one line where no node owns such a board."""
+    else as a RunError naming the node). ShardError in one line where no node owns such a board.
+    `timeout`: seconds it may take, board included; past them its process there is ended (the board
+    free for the next) and a RunError says so."""
     ray, key = connect(address), require_board(address, chip)
     task = ray.remote(fn).options(num_cpus=0, resources={key: 1}, max_retries=0)
+    ref = task.remote(*args)
     try:
-        return ray.get(task.remote(*args))
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)   # its worker process ends, and with it what it held of the board
+        raise RunError(f"on the {chip} board's Ray node: no answer within {timeout:g} s; stopped") from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause
         if isinstance(cause, ShardError):
@@ -288,13 +294,15 @@ def on_board(address: str, chip: str, fn, *args):
         raise RunError(f"on the {chip} board's Ray node: {str(exc).splitlines()[0]}") from None
 
 
-def board_inference(address: str, chip: str):
+def board_inference(address: str, chip: str, timeout: float | None = None):
     """rknn_board.infer_once, run on a node of the cluster that owns a board of `chip` (the artifact
-    sent to it): what `shard probe --on-board --ray` checks each clean point with."""
+    sent to it), stopped past `timeout` seconds: what `shard probe --on-board --ray` checks each clean
+    point with."""
     require_board(address, chip)   # before the first build
 
     def infer(artifact: Path, arrays: list, platform: str, cores: int) -> list:
-        return on_board(address, chip, infer_sent, Path(artifact).read_bytes(), arrays, platform, cores)
+        return on_board(address, chip, infer_sent, Path(artifact).read_bytes(), arrays, platform, cores,
+                        timeout=timeout)
     return infer
 
 
@@ -308,15 +316,16 @@ def infer_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> list:
         return infer_once(artifact, arrays, platform, cores)
 
 
-def run_pack(pack: bytes, inputs: dict[str, bytes], repeat: int) -> tuple[int, str, str, dict[str, bytes]]:
+def run_pack(pack: bytes, inputs: dict[str, bytes], repeat: int, timeout: float | None = None
+             ) -> tuple[int, str, str, dict[str, bytes]]:
     """A pack (shard pack) run on this node's board by the runtime's own command (python -m
-    shard.runtime PACK --backend board), in a process of its own: (exit code, what it printed, its
-    errors, the last frame's outputs as .npy bytes by name)."""
+    shard.runtime PACK --backend board, each shard stopped past `timeout` seconds), in a process of its
+    own: (exit code, what it printed, its errors, the last frame's outputs as .npy bytes by name)."""
     with tempfile.TemporaryDirectory(prefix="shard-board-") as tmp:
         here = Path(tmp)
         (here / "model.tar.gz").write_bytes(pack)
         args = [sys.executable, "-m", "shard.runtime", str(here / "model.tar.gz"), "--backend", "board",
-                "--repeat", str(repeat), "--save", str(here / "out")]
+                "--repeat", str(repeat), "--save", str(here / "out"), *(["--timeout", str(timeout)] if timeout else [])]
         for k, (name, data) in enumerate(inputs.items()):   # numbered: a tensor's name may hold a slash
             (here / f"in{k}.npy").write_bytes(data)
             args += ["--input", f"{name}={here / f'in{k}.npy'}"]
