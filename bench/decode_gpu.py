@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import time
@@ -123,39 +124,42 @@ def main() -> None:
                              "written by the host")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="shard-decode-gpu-"))
-    checkpoint(work / "model", args.layers)
-    probe_cuda().save(work / "cuda.profile.json")   # this GPU's rates and bandwidth, as `shard probe --target cuda`
-    rates = {}
-    for stages in sorted({1, *args.also_stages}):
-        started = time.perf_counter()
-        result = compile_generative(work / "model", "cuda", work / f"lm{stages}.shard", CompileOptions(
-            profile=str(work / "cuda.profile.json"), shards=stages), capacity=args.capacity, chunk=args.chunk)
-        print(f"GPU: {torch.cuda.get_device_name()}; compiled for cuda in {time.perf_counter() - started:.0f} s: "
-              f"{', '.join(f'{p.name} ({p.width} tokens)' for p in result.spec.programs)}, {stages} stage(s) each",
+    try:
+        checkpoint(work / "model", args.layers)
+        probe_cuda().save(work / "cuda.profile.json")   # this GPU's rates and bandwidth, as `shard probe --target cuda`
+        rates = {}
+        for stages in sorted({1, *args.also_stages}):
+            started = time.perf_counter()
+            result = compile_generative(work / "model", "cuda", work / f"lm{stages}.shard", CompileOptions(
+                profile=str(work / "cuda.profile.json"), shards=stages), capacity=args.capacity, chunk=args.chunk)
+            print(f"GPU: {torch.cuda.get_device_name()}; compiled for cuda in {time.perf_counter() - started:.0f} s: "
+                  f"{', '.join(f'{p.name} ({p.width} tokens)' for p in result.spec.programs)}, {stages} stage(s) each",
+                  flush=True)
+            for in_place in (True, False) if stages == 1 else (False,):
+                with GenerativeSession(result.bundle, in_place=in_place, backend="cuda") as session:
+                    tps, tokens = rate(lambda n: session.generate(PROMPT, max_new_tokens=n, stop=set()).tokens, args.new)
+                    steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).to_json()["decode_ms"]
+                    device = 1e3 * sum(stage_seconds(session.sessions[1, args.capacity]).values())
+                    written = len(session.sessions[1, args.capacity].written)
+                rates[stages, in_place] = tps, tokens
+                print(f"ours, {stages} stage(s), {written:2d} cache entries written in the step's graph: {tps:7.1f} "
+                      f"tokens/s; a decode step {sorted(steps)[len(steps) // 2]:.2f} ms (median, host to host), its CUDA "
+                      f"graphs {device:.2f} ms of it on the GPU", flush=True)
+        ours, ours_tokens = rates[1, True]
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            eager, eager_tokens = pool.submit(transformers_side, work / "model", args.new, False).result()
+        print(f"transformers, eager:      {eager:7.1f} tokens/s", flush=True)
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            compiled, _ = pool.submit(transformers_side, work / "model", args.new, True).result()
+        print(f"transformers, compiled:   {compiled:7.1f} tokens/s (static cache, torch.compile reduce-overhead)",
               flush=True)
-        for in_place in (True, False) if stages == 1 else (False,):
-            with GenerativeSession(result.bundle, in_place=in_place, backend="cuda") as session:
-                tps, tokens = rate(lambda n: session.generate(PROMPT, max_new_tokens=n, stop=set()).tokens, args.new)
-                steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).to_json()["decode_ms"]
-                device = 1e3 * sum(stage_seconds(session.sessions[1, args.capacity]).values())
-                written = len(session.sessions[1, args.capacity].written)
-            rates[stages, in_place] = tps, tokens
-            print(f"ours, {stages} stage(s), {written:2d} cache entries written in the step's graph: {tps:7.1f} "
-                  f"tokens/s; a decode step {sorted(steps)[len(steps) // 2]:.2f} ms (median, host to host), its CUDA "
-                  f"graphs {device:.2f} ms of it on the GPU", flush=True)
-    ours, ours_tokens = rates[1, True]
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        eager, eager_tokens = pool.submit(transformers_side, work / "model", args.new, False).result()
-    print(f"transformers, eager:      {eager:7.1f} tokens/s", flush=True)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        compiled, _ = pool.submit(transformers_side, work / "model", args.new, True).result()
-    print(f"transformers, compiled:   {compiled:7.1f} tokens/s (static cache, torch.compile reduce-overhead)",
-          flush=True)
-    same = next((k for k, (a, b) in enumerate(zip(ours_tokens, eager_tokens)) if a != b), len(ours_tokens))
-    print(f"RESULT layers={args.layers} capacity={args.capacity} ours_tps={ours:.1f} eager_tps={eager:.1f} "
-          f"compiled_tps={compiled:.1f} vs_eager={ours / eager:.3f} vs_compiled={ours / compiled:.3f} "
-          f"same_tokens={same}/{args.new}")
+        same = next((k for k, (a, b) in enumerate(zip(ours_tokens, eager_tokens)) if a != b), len(ours_tokens))
+        print(f"RESULT layers={args.layers} capacity={args.capacity} ours_tps={ours:.1f} eager_tps={eager:.1f} "
+              f"compiled_tps={compiled:.1f} vs_eager={ours / eager:.3f} vs_compiled={ours / compiled:.3f} "
+              f"same_tokens={same}/{args.new}")
 
+    finally:   # the bundles and models it made: hundreds of MB
+        shutil.rmtree(work, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

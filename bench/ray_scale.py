@@ -28,6 +28,7 @@ import re
 import secrets
 import socket
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -116,35 +117,38 @@ def main() -> None:
     parser.add_argument("--families", default=None, help="the probe's families on two nodes [default: all]")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="shard-ray-scale-"))
-    print(f"{os.cpu_count()} CPUs here; corpus --set {args.set}", flush=True)
-    pool = corpus(work, args.set, [])
-    print(f"process pool (--jobs 2)  {pool['seconds']:7.1f} s  {60 * len(pool['models']) / pool['seconds']:5.1f} "
-          f"models/min  x1.00", flush=True)
-    runs = {}
-    for cpus in [int(c) for c in args.cpus.split(",")]:
-        run = runs[cpus] = corpus(work, args.set, ["--ray", "local", "--ray-cpus", str(cpus)])
-        same = "same RESULT" if run["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] else \
-            f"RESULT differs: {run['result']}"
-        print(f"ray, {cpus} worker(s)        {run['seconds']:7.1f} s  {60 * len(run['models']) / run['seconds']:5.1f} "
-              f"models/min  x{pool['seconds'] / run['seconds']:.2f}  {same}", flush=True)
-    print(pool["result"])
-    alone = runs[min(runs)]   # each model without a neighbour on the cluster
-    total, longest = sum(alone["models"]), max(alone["models"])
-    serial = max(0.0, alone["seconds"] - total) if min(runs) == 1 else 0.0   # exports, Ray's start: not spread
-    predicted = {m: serial + max(longest, total / (2 * m)) for m in (1, 2, 4, 8, 16)}
-    print(f"per model (the {min(runs)}-worker run): {total:.0f} s in all, the longest {longest:.1f} s, {serial:.0f} s "
-          f"besides; predicted on M machines of 2 CPUs (one model a task): "
-          + ", ".join(f"M={m} {s:.0f} s" for m, s in predicted.items())
-          + (f" (measured here with 2 workers: {runs[2]['seconds']:.0f} s)" if 2 in runs else ""), flush=True)
-    identical, nodes, seconds = two_nodes(work, args.families)
-    print(f"probe of rk3588 ({args.families or 'every family'}) on {nodes} Ray nodes in {seconds:.1f} s: "
-          f"{'identical limits' if identical else 'limits DIFFER'} to the process pool's", flush=True)
-    same = all(r["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] for r in runs.values())
-    print(f"RESULT same_result={'yes' if same else 'no'} "
-          + " ".join(f"speedup_{c}={pool['seconds'] / r['seconds']:.2f}" for c, r in runs.items())
-          + f" probe_identical={'yes' if identical else 'no'} probe_nodes={nodes} "
-          f"predicted_8_machines_s={predicted[8]:.0f}")
+    try:
+        print(f"{os.cpu_count()} CPUs here; corpus --set {args.set}", flush=True)
+        pool = corpus(work, args.set, [])
+        print(f"process pool (--jobs 2)  {pool['seconds']:7.1f} s  {60 * len(pool['models']) / pool['seconds']:5.1f} "
+              f"models/min  x1.00", flush=True)
+        runs = {}
+        for cpus in [int(c) for c in args.cpus.split(",")]:
+            run = runs[cpus] = corpus(work, args.set, ["--ray", "local", "--ray-cpus", str(cpus)])
+            same = "same RESULT" if run["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] else \
+                f"RESULT differs: {run['result']}"
+            print(f"ray, {cpus} worker(s)        {run['seconds']:7.1f} s  {60 * len(run['models']) / run['seconds']:5.1f} "
+                  f"models/min  x{pool['seconds'] / run['seconds']:.2f}  {same}", flush=True)
+        print(pool["result"])
+        alone = runs[min(runs)]   # each model without a neighbour on the cluster
+        total, longest = sum(alone["models"]), max(alone["models"])
+        serial = max(0.0, alone["seconds"] - total) if min(runs) == 1 else 0.0   # exports, Ray's start: not spread
+        predicted = {m: serial + max(longest, total / (2 * m)) for m in (1, 2, 4, 8, 16)}
+        print(f"per model (the {min(runs)}-worker run): {total:.0f} s in all, the longest {longest:.1f} s, {serial:.0f} s "
+              f"besides; predicted on M machines of 2 CPUs (one model a task): "
+              + ", ".join(f"M={m} {s:.0f} s" for m, s in predicted.items())
+              + (f" (measured here with 2 workers: {runs[2]['seconds']:.0f} s)" if 2 in runs else ""), flush=True)
+        identical, nodes, seconds = two_nodes(work, args.families)
+        print(f"probe of rk3588 ({args.families or 'every family'}) on {nodes} Ray nodes in {seconds:.1f} s: "
+              f"{'identical limits' if identical else 'limits DIFFER'} to the process pool's", flush=True)
+        same = all(r["result"].split(" ", 1)[1] == pool["result"].split(" ", 1)[1] for r in runs.values())
+        print(f"RESULT same_result={'yes' if same else 'no'} "
+              + " ".join(f"speedup_{c}={pool['seconds'] / r['seconds']:.2f}" for c, r in runs.items())
+              + f" probe_identical={'yes' if identical else 'no'} probe_nodes={nodes} "
+              f"predicted_8_machines_s={predicted[8]:.0f}")
 
+    finally:   # the bundles and models it made: hundreds of MB
+        shutil.rmtree(work, ignore_errors=True)
 
 if __name__ == "__main__":
     main()
