@@ -102,6 +102,7 @@ class StreamExecutor:
         written = self._writes(shard)
         if written:
             forms = {form: self._writing(stage, written) for form, stage in forms.items()}
+        written_names = frozenset(shard.outputs[k].name for k, _, _ in written)
         best = None
         for k, (form, stage) in enumerate(forms.items()):
             try:
@@ -111,7 +112,7 @@ class StreamExecutor:
                     raise
                 self.passed_over[shard.name] = f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                 continue
-            prepared.form, prepared.written = form, frozenset(shard.outputs[k].name for k, _, _ in written)
+            prepared.form, prepared.written = form, written_names
             if len(forms) > 1 and prepared.graph is not None:
                 prepared.seconds = replay_seconds(torch, prepared.graph, self.stream)
             if best is None or (prepared.seconds or 0) < (best.seconds or 0):
