@@ -5,7 +5,7 @@ then transformers' own answer fed one token a step) against transformers' one fu
     python bench/decoder.py                                   # the steps in onnxruntime fp32
     python bench/decoder.py --bundle lm.shard --backend sim   # a generative bundle (shard compile of the GGUF)
 
-Ends with: RESULT prompts=... same_tokens=... forced_steps=... top1=... min_cosine=... mean_cosine=...
+Ends with: RESULT prompts=... same_tokens=... fp16_ties=... forced_steps=... top1=... min_cosine=... mean_cosine=...
 """
 
 from __future__ import annotations
@@ -91,14 +91,17 @@ def main() -> None:
                                                 add_generation_prompt=True, return_dict=False)
             checks.append(check_prompt(run, table, cache, chunk, model, ids, args.new, args.forced))
             c = checks[-1]
-            print(f"{prompt!r}: {len(ids)} prompt tokens; {'same' if c.same_tokens else 'DIFFERENT'} {args.new} tokens "
+            parted = f"DIFFERENT {c.parting}" if c.parting else "same"
+            print(f"{prompt!r}: {len(ids)} prompt tokens; {parted}; {args.new} tokens "
                   f"{tokenizer.decode(c.tokens)!r}; {c.steps} teacher-forced steps: top-1 {c.top1:.4f}, worst cosine "
                   f"{c.min_cosine:.7f}", flush=True)
         if args.bundle:
             session.close()
     print(f"{where}: {time.perf_counter() - started:.0f} s")
     steps = sum(c.steps for c in checks)
-    print(f"RESULT prompts={len(checks)} same_tokens={sum(c.same_tokens for c in checks)} forced_steps={steps} "
+    ties = sum(bool(c.parting and c.parting.fp16_tie) for c in checks)
+    print(f"RESULT prompts={len(checks)} same_tokens={sum(c.same_tokens for c in checks)} fp16_ties={ties} "
+          f"forced_steps={steps} "
           f"top1={sum(c.top1 * c.steps for c in checks) / steps:.4f} min_cosine={min(c.min_cosine for c in checks):.7f} "
           f"mean_cosine={sum(c.mean_cosine * c.steps for c in checks) / steps:.7f}")
 

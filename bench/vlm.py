@@ -53,6 +53,7 @@ def main() -> None:
 
     from shard.compare import compare
     from shard.runtime.generate import GenerativeSession
+    from shard.verifier import parting
     from shard.zoo.decoder import load_causal_lm
     from shard.zoo.vlm import build_smolvlm
 
@@ -94,14 +95,9 @@ def main() -> None:
             cosines += [compare("logits", w, g).cosine for g, w in zip(got, want)]
             same += out.tokens == theirs == again.tokens
             note = "same" if out.tokens == theirs == again.tokens else "DIFFERENT"
-            if out.tokens != theirs:   # where: the reference's margin there, beside fp16's spacing at that logit
-                k = next(i for i, (a, b) in enumerate(zip(out.tokens, theirs)) if a != b)
-                top = np.sort(want[k])[-2:]
-                tie = top[1] - top[0] < np.spacing(np.float16(top[1]))
-                ties += tie
-                note += (f" from token {k}: the reference's top two {top[1]:.4f} and {top[0]:.4f} differ by "
-                         f"{top[1] - top[0]:.4f}, fp16's spacing there is {np.spacing(np.float16(top[1])):.4f}"
-                         f"{' (a tie in fp16)' if tie else ''}")
+            parted = parting(out.tokens, theirs, want)
+            ties += bool(parted and parted.fp16_tie)
+            note += f" {parted}" if parted else ""
             times = out.to_json()
             print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; {note}; {args.new} tokens "
                   f"{out.text!r}; image {times['vision_ms'][0]:.0f} ms, prefill {sum(times['prefill_ms']):.0f} ms, "

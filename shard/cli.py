@@ -780,6 +780,9 @@ def verify_decoder(bundle: Path, reference: Path, backend, prompts: list[str], n
         table.add_row(p.prompt, str(p.prompt_tokens), "same" if p.same_tokens else "[yellow]differ[/]", str(p.steps),
                       f"{p.top1:.4f}", f"{p.min_cosine:.7f}", f"{p.mean_cosine:.7f}")
     console.print(table)
+    for p in report.prompts:
+        if p.parting:
+            console.print(f"{p.prompt!r} parts {p.parting}")
     if not report.reference_is_source:
         console.print("[yellow]warning[/]: the reference is not the checkpoint this bundle was compiled from (sha256 differs)")
     if json_out:

@@ -156,10 +156,39 @@ class PromptCheck:
     top1: float                      # the share of those steps whose most likely token is the reference's
     min_cosine: float
     mean_cosine: float
+    parting: Parting | None = None   # where the greedy answers part, if they do
 
     @property
     def same_tokens(self) -> bool:
         return self.tokens == self.reference_tokens[:len(self.tokens)]
+
+
+@dataclass
+class Parting:
+    """Where a greedy answer leaves the reference's: the token, and the reference's own margin there
+    (its top two logits) beside fp16's spacing at that logit. A margin under the spacing is a tie in
+    fp16: logits written in fp16 cannot tell those two tokens apart, whatever computed them."""
+    token: int
+    margin: float
+    spacing: float
+
+    @property
+    def fp16_tie(self) -> bool:
+        return self.margin < self.spacing
+
+    def __str__(self) -> str:
+        return (f"from token {self.token}: the reference's top two differ by {self.margin:.4f}, fp16's spacing there "
+                f"is {self.spacing:.4f}{' (a tie in fp16)' if self.fp16_tie else ''}")
+
+
+def parting(ours: list[int], theirs: list[int], logits: np.ndarray) -> Parting | None:
+    """Where `ours` leaves `theirs`, with the reference's margin there (`logits`: the reference's, a row
+    per token of `theirs`); None where they agree."""
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if k is None:
+        return None
+    top = np.sort(logits[k].astype(np.float32))[-2:]
+    return Parting(k, float(top[1] - top[0]), float(np.spacing(np.float16(top[1]))))
 
 
 @dataclass
@@ -197,7 +226,7 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
     return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),
-                       float(np.mean([r.cosine for r in rows])))
+                       float(np.mean([r.cosine for r in rows])), parting(ours, theirs, want))
 
 
 def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS, new: int = 32, forced: int = 32,

@@ -16,6 +16,7 @@ from shard.compilation.generative import compile_generative
 from shard.errors import RunError, ShardError
 from shard.runtime import load
 from shard.runtime.generate import GenerativeSession, sampler, step_mask
+from shard.verifier import parting
 
 WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
@@ -138,6 +139,18 @@ def test_sampling_is_seeded_and_top_p_narrows_it_to_greedy():
     assert set(draws(5, 1e-6)) == {int(np.argmax(logits))}
     with pytest.raises(RunError, match="top-p"):
         sampler(1.0, 0.0)
+
+
+def test_where_greedy_answers_part_says_whether_fp16_could_tell_the_two_tokens_apart():
+    logits = np.zeros((3, 5), np.float32)
+    logits[1, [2, 4]] = 31.118, 31.105   # the trained SmolLM2's spider prompt, token 6: a margin of 0.013
+    logits[2, [0, 1]] = 24.0, 23.9
+    assert parting([7, 2, 1], [7, 2, 1], logits) is None
+    tie = parting([7, 4, 1], [7, 2, 0], logits)
+    assert (tie.token, tie.spacing, tie.fp16_tie) == (1, 2 ** -6, True) and "a tie in fp16" in str(tie)
+    assert np.float16(31.118) != np.float16(31.105)   # both round to neighbours: any error over 0.006 swaps them
+    clear = parting([7, 2, 1], [7, 2, 0], logits)
+    assert clear.token == 2 and not clear.fp16_tie and abs(clear.margin - 0.1) < 1e-5
 
 
 def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
