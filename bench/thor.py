@@ -25,9 +25,16 @@ vs_eager_graph: ours at K stages, batch 1, over the eager graph at batch 1 (the 
 the same over torch.compile at batch 1; vs_compile_same_batch: the best of K x B over torch.compile
 at that B; device_vs_compile: torch.compile's device time over the sum of our stages' at K = 1,
 B = 1; cosine: the worst of all runs; predicted_ratio: the median of measured / predicted stage time
-(the cost model sums unfused ops: it does not know the fused kernels yet); over_floor: the median of
+(with --ops: each op's share of its fused kernel, as measured alone); over_floor: the median of
 measured / floor (roofline.stage_floor: FLOPs at the peak, weights and the stage's own inputs and
 outputs moved once).
+With --precision fp16,fp8 each further precision is compiled and measured beside the first, and
+gets its own line:
+    RESULT model=... precision=fp8 vs=fp16 at_1x1=... best=... (K=.. B=..) cosine=...
+at_1x1: its frames/s over the first precision's at K = 1, B = 1; best: the same ratio at the K x B
+where it is highest. With --ops, every op's time alone and its share of the fused kernel that runs
+it (shard probe --target cuda --ops) go into the profile before the bundles are compiled, so the
+predictions are for the fused stages.
 """
 
 from __future__ import annotations
@@ -142,8 +149,8 @@ def baseline(name: str, batch: int, mode: str, frames: int) -> dict:
 
 
 
-def ours(name: str, args, profile: Path, build: Path, batch: int) -> dict:
-    """Every stage count at one batch: {K: measured}, printed as it goes."""
+def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str) -> dict:
+    """Every stage count at one batch and precision: {K: measured}, printed as it goes."""
     model = exported(name, build, batch)
     graph = onnx.load(str(model), load_external_data=False).graph
     x = random_inputs([TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim], "float32")
@@ -151,15 +158,17 @@ def ours(name: str, args, profile: Path, build: Path, batch: int) -> dict:
     reference = next(run_each(onnx.load(str(model)), [x], [o.name for o in graph.output]))
     runs = {}
     for k in [int(s) for s in args.stages.split(",")]:
-        bundle = build / f"{name}-b{batch}-cuda{k}-{args.precision}.shard"
+        bundle = build / f"{name}-b{batch}-cuda{k}-{precision}.shard"
         started = time.perf_counter()
         result = compile_model(model, "cuda", bundle, CompileOptions(shards=k, profile=str(profile),
-                                                                      precision=args.precision))
+                                                                      precision=precision))
         compiled = time.perf_counter() - started
         started = time.perf_counter()
         r = runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs),
                        "table": result.report["passes"]["stages"]["stages"]}
-        print(f"{name} K={k} B={batch}: {r['fps']:.1f} frames/s, latency {1e3 * r['latency']:.2f} ms, device "
+        fp8 = f", {100 * result.report['passes']['fp8_linears']['fp8_linear_macs']:.0f} % of the linears' MACs in FP8" \
+            if precision == "fp8" else ""
+        print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s, latency {1e3 * r['latency']:.2f} ms, device "
               f"{1e3 * sum(r['stages'].values()):.2f} ms over its stages, cosine {r['cosine']:.6f} (compiled in "
               f"{compiled:.0f} s, loaded and measured in {time.perf_counter() - started:.0f} s; forms "
               f"{sorted(set(r['forms'].values()))}{'; passed over: ' + str(r['passed_over']) if r['passed_over'] else ''})",
@@ -181,7 +190,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=200)
     ap.add_argument("--latency-runs", type=int, default=30)
     ap.add_argument("--build", default="build")
-    ap.add_argument("--precision", default="fp16", help="fp16 or fp8")
+    ap.add_argument("--precision", default="fp16", help="fp16, fp8, or both (fp16,fp8: fp8 measured against fp16)")
     ap.add_argument("--ops", action="store_true", help="time every op of the one-stage bundle into the profile")
     ap.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
     args = ap.parse_args()
@@ -212,13 +221,17 @@ def main() -> None:
                 continue
             print(f"{name} baseline {mode} B={batch}: {b['fps']:.1f} frames/s, latency {1e3 * b['latency']:.2f} ms, "
                   f"device {1e3 * b['device']:.2f} ms (built in {b['built_s']:.0f} s)", flush=True)
-        if args.ops:
-            whole = build / f"{name}-cuda-ops.shard"
-            compile_model(exported(name, build, 1), "cuda", whole, CompileOptions(shards=1, profile=str(profile), precision=args.precision))
+        precisions = args.precision.split(",")
+        for precision in precisions if args.ops else ():
+            whole = build / f"{name}-cuda-ops-{precision}.shard"
+            compile_model(exported(name, build, 1), "cuda", whole, CompileOptions(shards=1, profile=str(profile),
+                                                                                   precision=precision))
             measured = load_profile("cuda", profile)
             add_measured_ops(measured, whole)
             measured.save(profile)
-        runs = {(k, batch): r for batch in batches for k, r in ours(name, args, profile, build, batch).items()}
+        every = {(k, batch, p): r for p in precisions for batch in batches
+                 for k, r in ours(name, args, profile, build, batch, p).items()}
+        runs = {(k, batch): r for (k, batch, p), r in every.items() if p == precisions[0]}
         print(f"{name}: K, B, frames/s, latency ms, x eager graph, x torch.compile (at B; host to host), device ms, "
               f"x eager graph, x torch.compile (device)")
         for (k, batch), r in runs.items():
@@ -237,6 +250,12 @@ def main() -> None:
                        f"device_vs_compile={over(runs, base, (1, 1), 'reduce-overhead', True)} "
                        f"cosine={min(r['cosine'] for r in runs.values()):.6f} "
                        f"predicted_ratio={statistics.median(ratios):.3f} over_floor={statistics.median(floors):.3f}")
+        for p in precisions[1:]:   # each further precision against the first, at the same K and B
+            pairs = {(k, b): r["fps"] / runs[k, b]["fps"] for (k, b, q), r in every.items() if q == p}
+            top = max(pairs, key=pairs.get)
+            results.append(f"RESULT model={name} precision={p} vs={precisions[0]} at_1x1={pairs.get((1, 1), 0):.3f} "
+                           f"best={pairs[top]:.3f} (K={top[0]} B={top[1]}) "
+                           f"cosine={min(r['cosine'] for (_, _, q), r in every.items() if q == p):.6f}")
     print("\n".join(results))
 
 

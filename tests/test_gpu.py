@@ -144,6 +144,9 @@ def test_roofline_uses_measured_kernels_where_the_profile_has_them():
     assert cost.floor_s == max(cost.compute_s, cost.memory_s) and cost.predicted_s >= facts["min_kernel_s"]
     measured = {**facts, "op_seconds": {op_signature(matmul): 1e-3}}
     assert node_cost(matmul, measured).predicted_s == 1e-3
+    # inside a fused kernel the op is charged its share of that kernel, not its time alone
+    fused = {**measured, "fused_op_seconds": {op_signature(matmul): 4e-4}}
+    assert node_cost(matmul, fused).predicted_s == 4e-4
     low, high = measured_rate(facts, "fp16", 1e8), measured_rate(facts, "fp16", 1e11)
     assert 0 < low < high <= facts["peak_tflops"]["fp16"] * 1e12
 

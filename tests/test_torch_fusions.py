@@ -98,6 +98,57 @@ def test_linear_with_its_bias():
     assert "w" not in graph.values   # the weight is held once, in the fused step's layout
 
 
+def fp8_linear_model(bias: bool, width: int = 48) -> onnx.ModelProto:
+    """x (fp16) through QuantizeLinear/DequantizeLinear to E4M3 at one scale, times an E4M3 weight
+    dequantized per output column, plus a bias: the form fp8_linears writes."""
+    import ml_dtypes
+
+    w = rng.standard_normal((32, width)).astype(np.float32)
+    scales = (np.abs(w).max(0) / 448).astype(np.float16)
+    fp8 = lambda name, v: numpy_helper.from_array(v.astype(ml_dtypes.float8_e4m3fn), name)  # noqa: E731
+    inits = [fp8("w8", w / scales.astype(np.float32)), numpy_helper.from_array(scales, "ws"), fp8("z", np.zeros(())),
+             numpy_helper.from_array(np.array(3.0 / 448, np.float16), "xs"),
+             numpy_helper.from_array(rng.standard_normal(width).astype(np.float16), "b")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "xs"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w8", "ws"], ["wd"], axis=1),
+             helper.make_node("MatMul", ["xd", "wd"], ["t" if bias else "y"])]
+    nodes += [helper.make_node("Add", ["t", "b"], ["y"])] if bias else []
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 5, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 5, width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_fp8_linear_runs_as_one_scaled_product(bias):
+    from shard.runtime.executors import torch_fusions
+
+    model = fp8_linear_model(bias)
+    x = rng.uniform(-3, 3, (2, 5, 32)).astype(np.float16)
+    want = run_ort(model, {"x": x}, optimize=False)[0].astype(np.float32)
+    graph = TorchGraph(model, "cpu")
+    assert graph.fused == {"fp8_linear": 1} and len(graph.steps) == 2   # the quantize, then one product
+    assert not {"w8", "wd", "xd"} & set(graph.values)   # the weight kept once, in the product's layout
+    unfused = TorchGraph(model, "cpu", fuse=False)
+    with torch.no_grad():
+        got = graph(torch.from_numpy(x))[0].float().numpy()
+        plain = unfused(torch.from_numpy(x))[0].float().numpy()
+    # the ONNX form rounds the dequantized weight to fp16 before its product; the fused one does not
+    np.testing.assert_allclose(got, want, atol=0.05, rtol=0.01)
+    np.testing.assert_allclose(plain, want, atol=0.05, rtol=0.01)
+    # one scale for the whole weight and the rest after the product: the form for torch builds without
+    # a scale per row and column in fp16
+    w8, ws = (torch.from_numpy(numpy_helper.to_array(t).astype(np.float32)) for t in model.graph.initializer[:2])
+    bias_values = torch.from_numpy(numpy_helper.to_array(model.graph.initializer[4])) if bias else None
+    scale = float(np.float16(3.0 / 448))
+    q = (torch.from_numpy(x).float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    for rows in (10, None):
+        run = torch_fusions.scaled_product(w8.to(torch.float8_e4m3fn), ws.reshape(1, -1), scale, bias_values, rows)
+        np.testing.assert_allclose(run(q).float().numpy(), got, atol=2e-2, rtol=2e-3)
+
+
 def elementwise(kind: str):
     """GELU (erf and tanh forms) and SiLU as exporters spell them."""
     c = lambda name, v: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(v, np.float32)))  # noqa: E731

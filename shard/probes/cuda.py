@@ -105,10 +105,12 @@ def probe_cuda(progress: Callable[[str, int, int], None] = lambda *a: None) -> P
                    facts=facts)
 
 
-def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None) -> dict[str, float]:
-    """{op signature (shard.targets.gpu.roofline.op_signature): seconds} for every distinct op of the
-    bundle's stages, as the cuda executor runs it: the op's torch form captured alone in a CUDA graph."""
-    import numpy as np
+def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """For every distinct op of the bundle's stages (shard.targets.gpu.roofline.op_signature), as the
+    cuda executor runs it, each step captured alone in a CUDA graph and replayed: ({signature: seconds}
+    op by op, {signature: its share of the fused kernel that computes it}). A fused kernel's time is
+    shared among its ops in proportion to their times alone; an op no step needs once fused costs 0."""
     import onnx
     import onnx_graphsurgeon as gs
 
@@ -120,34 +122,58 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
     torch = require_cuda("shard probe --target cuda --ops", "run it on the machine whose GPU the profile is for")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    seconds: dict[str, float] = {}
+    alone: dict[str, float] = {}
+    shares: dict[str, float] = {}
     for k, shard in enumerate(manifest.shards):
         progress(f"ops of {shard.name}", k, len(manifest.shards))
         model = onnx.load(str(bundle / shard.onnx))
-        graph = TorchGraph(model, "cuda", shard.name, fuse=False)   # op by op: each signature its own kernel
         nodes = {t.name: n for n in gs.import_onnx(model).nodes for t in n.outputs}
-        env = dict(graph.values)
-        for spec in shard.inputs:
-            value = np.random.default_rng(0).standard_normal(spec.shape) if spec.dtype.startswith(("float", "bfloat")) \
-                else np.zeros(spec.shape)
-            env[spec.name] = torch.from_numpy(value).to("cuda", getattr(torch, spec.dtype))
-        with torch.no_grad():
-            for fn, ins, outs in graph.steps:
-                args = [env[i] if i else None for i in ins]
-                signature = op_signature(nodes[outs[0]])
-                if signature not in seconds:
-                    seconds[signature] = time_graph(torch, lambda: fn(*args))
-                results = fn(*args)
-                env.update(zip(outs, results if isinstance(results, tuple) else (results,)))
+        signature = lambda node: op_signature(nodes[node.output[0]])  # noqa: E731
+        for covers, seconds in timed_steps(torch, TorchGraph(model, "cuda", shard.name, fuse=False), shard.inputs,
+                                           lambda covers: signature(covers[0]) in alone):
+            alone[signature(covers[0])] = seconds
+        fused = TorchGraph(model, "cuda", shard.name)
+        for covers, seconds in timed_steps(torch, fused, shard.inputs,
+                                           lambda covers: all(signature(n) in shares for n in covers)):
+            parts = [alone[signature(n)] for n in covers]
+            for node, part in zip(covers, parts):
+                shares.setdefault(signature(node), seconds * part / (sum(parts) or 1.0))
+        shares.update({signature(n): 0.0 for n in fused.dropped if signature(n) not in shares})
+        del fused
     progress("ops", len(manifest.shards), len(manifest.shards))
-    return seconds
+    return alone, shares
+
+
+def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
+    """(the nodes a step computes, its seconds captured alone) for each step of a TorchGraph that
+    `seen(nodes)` does not already have, run in order on seeded inputs."""
+    import numpy as np
+
+    env = dict(graph.values)
+    for spec in inputs:
+        value = np.random.default_rng(0).standard_normal(spec.shape) if spec.dtype.startswith(("float", "bfloat")) \
+            else np.zeros(spec.shape)
+        env[spec.name] = torch.from_numpy(value).to("cuda", getattr(torch, spec.dtype))
+    timed = []
+    with torch.no_grad():
+        for (fn, ins, outs), covers in zip(graph.steps, graph.covers):
+            args = [env[i] if i else None for i in ins]
+            if not seen(covers):
+                timed.append((covers, time_graph(torch, lambda: fn(*args))))
+            results = fn(*args)
+            env.update(zip(outs, results if isinstance(results, tuple) else (results,)))
+    return timed
 
 
 def add_measured_ops(profile: Profile, bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None
                      ) -> int:
     """measure_ops into the profile's facts (kept beside the ops measured before); returns how many."""
-    measured = measure_ops(bundle, progress)
-    profile.facts["op_seconds"] = {**profile.facts.get("op_seconds", {}), **measured}
+    alone, shares = measure_ops(bundle, progress)
+    profile.facts["op_seconds"] = {**profile.facts.get("op_seconds", {}), **alone}
     profile.facts["op_seconds_source"] = ("shard probe --target cuda --ops: each op of a bundle alone, captured in "
                                           "a CUDA graph and replayed")
-    return len(measured)
+    profile.facts["fused_op_seconds"] = {**profile.facts.get("fused_op_seconds", {}), **shares}
+    profile.facts["fused_op_seconds_source"] = ("shard probe --target cuda --ops: each step of the cuda executor's "
+                                                "fused form alone, captured and replayed, shared among the ops it "
+                                                "computes in proportion to their times alone")
+    return len(alone)

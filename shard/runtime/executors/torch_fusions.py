@@ -6,6 +6,10 @@ that computes them in one kernel.
   reach memory);
 - linear: MatMul by a constant weight and Add of a constant bias as F.linear (the bias added in the
   product's epilogue);
+- fp8 linear: MatMul of an FP8-quantized activation (QuantizeLinear, then DequantizeLinear at one
+  scale) by an FP8 weight (DequantizeLinear, a scale per output channel), with or without a bias, as
+  one FP8 matrix product (torch._scaled_mm: E4M3 operands, fp32 accumulation, the scales and the
+  bias in its epilogue) where the ONNX spells it as an fp16 product of dequantized operands;
 - an elementwise function of one tensor (GELU in its erf or tanh form, SiLU), whatever ops the
   exporter spelled it with: the region is recognised by its values on a grid, not by its shape.
 
@@ -15,6 +19,8 @@ nothing else, so a stage computes the same function with or without the fusions.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +33,7 @@ REGION_NODES = 16   # an elementwise function spelled in more ops than this is l
 
 @dataclass
 class Fused:
-    kind: str                       # attention, linear, gelu, gelu_tanh, silu
+    kind: str                       # attention, linear, fp8_linear, gelu, gelu_tanh, silu
     fn: Callable
     inputs: list[str]
     outputs: list[str]
@@ -41,6 +47,8 @@ class Nodes:
     order: list[onnx.NodeProto]
     values: dict                    # constants: torch tensors
     lower: Callable                 # a node -> the torch function that computes it
+    folded: dict = field(default_factory=dict)   # constants computed at load: the node that made each
+    shapes: dict = field(default_factory=dict)   # static shapes the stage's file records
     producer: dict = field(default_factory=dict)
     consumers: dict = field(default_factory=dict)
     uses: Counter = field(default_factory=Counter)
@@ -54,11 +62,14 @@ class Nodes:
                     self.uses[i] += 1
 
 
-def plan(nodes: list[onnx.NodeProto], values: dict, keep: set[str], lower: Callable) -> list:
-    """The stage's steps: each node, or a Fused in place of the last node of the run it replaces.
-    `values` holds the constants (torch tensors), `keep` the tensors that must exist (stage outputs),
-    `lower` gives a node's torch function."""
-    stage = Nodes(nodes, values, lower)
+def plan(nodes: list[onnx.NodeProto], values: dict, keep: set[str], lower: Callable, folded: dict | None = None,
+         shapes: dict | None = None) -> list:
+    """The stage's steps: each node, or a Fused in place of the last node of the run it replaces; a
+    node whose outputs nothing reads any more (an activation's DequantizeLinear once every linear
+    reading it runs in FP8) is left out. `values` holds the constants (torch tensors), `keep` the
+    tensors that must exist (stage outputs), `lower` gives a node's torch function, `folded` the node
+    that made each constant computed at load, `shapes` the static shapes the stage's file records."""
+    stage = Nodes(nodes, values, lower, folded or {}, shapes or {})
     stage.uses.update(keep)
     taken: dict[int, Fused] = {}
     matched: list[Fused] = []
@@ -72,7 +83,14 @@ def plan(nodes: list[onnx.NodeProto], values: dict, keep: set[str], lower: Calla
     for name in (name for f in matched for name in f.drops):   # after matching: matchers read the constants
         values.pop(name, None)
     anchors = {id(f.nodes[-1]) for f in matched}   # a fusion's nodes are in stage order: its last one
-    return [taken[id(n)] if id(n) in anchors else n for n in nodes if id(n) not in taken or id(n) in anchors]
+    steps = [taken[id(n)] if id(n) in anchors else n for n in nodes if id(n) not in taken or id(n) in anchors]
+    needed, live = set(keep), []
+    for step in reversed(steps):
+        outputs = step.outputs if isinstance(step, Fused) else step.output
+        if any(o in needed for o in outputs):
+            live.append(step)
+            needed.update(i for i in (step.inputs if isinstance(step, Fused) else step.input) if i)
+    return live[::-1]
 
 
 def single_use(tensor: str, uses: Counter) -> bool:
@@ -150,6 +168,86 @@ def linear(node, stage: Nodes) -> Fused | None:
         return Fused("linear", lambda x: torch.nn.functional.linear(x, packed, b), [x], list(node.output),
                      [product, node], [name for name in (w, node.input[1 - k]) if single_use(name, uses)])
     return None
+
+
+def fp8_linear(node, stage: Nodes) -> Fused | None:
+    """MatMul(DequantizeLinear(q, s), W) [+ b]: q an FP8 tensor, s one scale, W a constant made at load
+    by DequantizeLinear(W8, per-column scales) from an FP8 [K, N] weight; K and N multiples of 16 (the
+    FP8 products' own rule)."""
+    producer, values = stage.producer, stage.values
+    if node.op_type != "MatMul" or node.input[0] in values:
+        return None
+    dequantize, made = producer.get(node.input[0]), stage.folded.get(node.input[1])
+    if dequantize is None or dequantize.op_type != "DequantizeLinear" or made is None \
+            or made.op_type != "DequantizeLinear" or scalar(values, dequantize.input[1]) is None:
+        return None
+    import torch
+
+    if values[dequantize.input[1]].dtype != torch.float16:   # the product is fp16, as the ONNX's
+        return None
+
+    w8, scales = values.get(made.input[0]), values.get(made.input[1])
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in made.attribute}
+    if w8 is None or w8.dtype != torch.float8_e4m3fn or w8.dim() != 2 or attrs.get("axis", 1) != 1 \
+            or scales is None or scales.numel() != w8.shape[1] or w8.shape[0] % 16 or w8.shape[1] % 16:
+        return None
+    nodes, output, bias = [node], node.output[0], None
+    readers = stage.consumers.get(output, [])
+    if len(readers) == 1 and readers[0].op_type == "Add" and single_use(output, stage.uses):
+        other = values.get(next((i for i in readers[0].input if i != output), ""))
+        if other is not None and other.numel() == w8.shape[1] and other.shape[-1] == other.numel() \
+                and other.dtype == torch.float16:
+            nodes, output, bias = [node, readers[0]], readers[0].output[0], other.reshape(-1).contiguous()
+    shape = stage.shapes.get(dequantize.input[0]) or stage.shapes.get(node.input[0])
+    rows = math.prod(shape[:-1]) if shape else None
+    run = scaled_product(w8, scales.float().reshape(1, -1), scalar(values, dequantize.input[1]), bias, rows)
+    constants = [node.input[1], *made.input, *(i for i in nodes[-1].input if bias is not None and i in values)]
+    drops = [name for name in constants if stage.uses[name] <= 1]   # read by these nodes alone, or by none live
+    return Fused("fp8_linear", run, [dequantize.input[0]], [output], nodes, drops)
+
+
+def scaled_product(w8, column_scales, scale: float, bias, rows: int | None) -> Callable:
+    """q [..., K] (E4M3, `rows` rows of K where known) -> q x w8 (E4M3 [K, N]) scaled by `scale` per row
+    and `column_scales` per column, plus `bias`, in fp16: one torch._scaled_mm with a scale per row and
+    per column where this torch and device take it, else one scale for the whole weight (its
+    smallest: no output can overflow) and the rest in one fused multiply-add."""
+    import torch
+
+    b = w8.t().contiguous().t()   # column-major, as the FP8 products read their second operand
+    k, n = w8.shape
+    if rows and rowwise_scales(w8.device):
+        per_row = torch.full((rows, 1), scale, dtype=torch.float32, device=w8.device)
+        return lambda q: rowwise(q.reshape(rows, k), b, per_row, column_scales, bias).reshape(*q.shape[:-1], n)
+    least = column_scales.min().reshape(())
+    ratio, one = (column_scales / least).reshape(-1).to(torch.float16), torch.tensor(scale, device=w8.device)
+
+    def run(q):
+        y = torch._scaled_mm(q.reshape(-1, k), b, one, least, out_dtype=torch.float16)
+        y = y * ratio if bias is None else torch.addcmul(bias, y, ratio)
+        return y.reshape(*q.shape[:-1], n)
+    return run
+
+
+def rowwise(a, b, rows, columns, bias):
+    """a x b in FP8, scaled by `rows` ([M, 1]) and `columns` ([1, N]), fp16 out."""
+    import torch
+
+    return torch._scaled_mm(a, b, rows, columns, bias=bias, out_dtype=torch.float16)
+
+
+@functools.cache
+def rowwise_scales(device) -> bool:
+    """Whether torch._scaled_mm takes a scale per row and per column with an fp16 result and a bias
+    on this device (older torch builds: bfloat16 results only), tried once on small operands."""
+    import torch
+
+    a = torch.ones(32, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        y = rowwise(a, a[:16].t(), torch.ones(32, 1, device=device), torch.ones(1, 16, device=device),
+                    torch.zeros(16, dtype=torch.float16, device=device))
+        return bool((y == 16).all())
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
 
 
 def elementwise_function(node, stage: Nodes) -> Fused | None:
@@ -239,4 +337,4 @@ def identify(region: list, x: str, y: str, stage: Nodes) -> str | None:
     return kind if errors[kind] <= 2e-3 else None
 
 
-MATCHERS = (elementwise_function, attention, linear)
+MATCHERS = (elementwise_function, attention, fp8_linear, linear)

@@ -64,26 +64,37 @@ class TorchGraph:
         self.inputs = [i.name for i in graph.input if i.name not in self.values]
         self.outputs = [o.name for o in graph.output]
         self.steps: list[tuple[Callable, list[str], list[str]]] = []
+        self.covers: list[list[onnx.NodeProto]] = []   # the nodes each step computes (a fused one: several)
+        self.dropped: list[onnx.NodeProto] = []   # nodes no step needs once fused (a DequantizeLinear no one reads)
         self.fused: Counter = Counter()   # how many runs of ops each fused kernel replaced
-        live = []
+        live, folded = [], {}
         with torch.no_grad():
             for node in graph.node:
                 if all(not i or i in self.values for i in node.input):   # constant: computed once, here
                     results = self._lower(node)(*[self.values.get(i) for i in node.input])
                     for name, value in zip(node.output, results if isinstance(results, tuple) else (results,)):
                         self.values[name] = value
+                        folded[name] = node
                         if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() < 4096:
                             self.host[name] = value.cpu().numpy()
                 else:
                     live.append(node)
-            steps = torch_fusions.plan(live, self.values, set(self.outputs), self._lower) if fuse else live
+            shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+                      for v in [*graph.input, *graph.value_info, *graph.output]
+                      if all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
+            steps = torch_fusions.plan(live, self.values, set(self.outputs), self._lower, folded, shapes) \
+                if fuse else live
         wrap = (lambda fn: fn) if self._on_gpu() else on_cpu
         for step in steps:
             if isinstance(step, torch_fusions.Fused):
                 self.fused[step.kind] += 1
                 self.steps.append((wrap(step.fn), step.inputs, step.outputs))
+                self.covers.append(step.nodes)
             else:
                 self.steps.append((wrap(self._lower(step)), list(step.input), list(step.output)))
+                self.covers.append([step])
+        covered = {id(n) for nodes in self.covers for n in nodes}
+        self.dropped = [n for n in live if id(n) not in covered]
 
     def __call__(self, *args):
         env = dict(self.values)

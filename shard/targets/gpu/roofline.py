@@ -2,7 +2,9 @@
 over the peak rate of its precision, bytes over DRAM bandwidth) and the predicted time, which uses
 what `shard probe --target cuda` measured where the profile has it: the op's own kernel where its
 signature (op, operand shapes and types, attributes) was timed (`--ops BUNDLE`), else matrix-product
-rates by size and the shortest kernel, else the floor.
+rates by size and the shortest kernel, else the floor. An op the cuda executor runs inside a fused
+kernel (attention as one sdpa, a linear with its bias, an FP8 product) is charged its share of that
+kernel's measured time, as `--ops` measured it.
 
 Why measured kernels: on an H100 the floor missed SigLIP-so400m's attention products (head size 72:
 37 us against 8), its LayerNorms (12 us against 1.4) and cuDNN's patch convolution (89.5 us against
@@ -89,7 +91,8 @@ def op_signature(node: gs.Node) -> str:
 
 
 def node_cost(node: gs.Node, facts: dict) -> Cost:
-    measured = facts.get("op_seconds", {}).get(op_signature(node)) if "op_seconds" in facts else None
+    signature = op_signature(node) if "op_seconds" in facts else None
+    measured = facts.get("fused_op_seconds", {}).get(signature, facts.get("op_seconds", {}).get(signature))
     if node.op in VIEWS or (node.op == "DequantizeLinear" and isinstance(node.inputs[0], gs.Constant)):
         # a view, or a weight's dequantization folded into its product (a reshape of a transposed
         # tensor is a copy in torch: measured where the profile has it)
