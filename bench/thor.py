@@ -5,8 +5,9 @@ stage really takes. Needs an NVIDIA GPU and torch.
     python bench/thor.py --models siglip-base-512,siglip-so400m-384 --stages 1,2 --batches 1,4
 
 1. The GPU's profile: `shard probe --target cuda` (bandwidth, matrix-product rates by size, the
-   shortest kernel), written to BUILD/cuda.profile.json once; with --ops, per model, every distinct
-   op of its one-stage bundle timed alone (what the cost model sums).
+   shortest kernel), written to BUILD/cuda.profile.json once; with --ops, per model, batch and
+   precision, every distinct op of its one-stage bundle timed alone, and each step of the fused
+   stage (what the cost model sums).
 2. The baselines, the same seeded weights (shard.zoo.build_model) in fp16 on the GPU: transformers'
    model with sdpa attention captured as one CUDA graph ("eager graph"), and
    torch.compile(mode="reduce-overhead") ("compile"); with --max-autotune, also
@@ -193,6 +194,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp16", help="fp16, fp8, or both (fp16,fp8: fp8 measured against fp16)")
     ap.add_argument("--ops", action="store_true", help="time every op of the one-stage bundle into the profile")
     ap.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
+    ap.add_argument("--no-baselines", action="store_true", help="ours alone (fp8 against fp16 needs no peer)")
     args = ap.parse_args()
     import torch
 
@@ -209,7 +211,7 @@ def main() -> None:
           f"{facts['peak_tflops']['fp16']:.0f} TFLOP/s, shortest kernel {1e6 * facts['min_kernel_s']:.1f} us); "
           f"torch {torch.__version__}", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
-    modes = ["eager graph", "reduce-overhead"] + (["max-autotune"] if args.max_autotune else [])
+    modes = [] if args.no_baselines else ["eager graph", "reduce-overhead"] + (["max-autotune"] if args.max_autotune else [])
     results = []
     for name in args.models.split(","):
         base = {}
@@ -222,10 +224,10 @@ def main() -> None:
             print(f"{name} baseline {mode} B={batch}: {b['fps']:.1f} frames/s, latency {1e3 * b['latency']:.2f} ms, "
                   f"device {1e3 * b['device']:.2f} ms (built in {b['built_s']:.0f} s)", flush=True)
         precisions = args.precision.split(",")
-        for precision in precisions if args.ops else ():
-            whole = build / f"{name}-cuda-ops-{precision}.shard"
-            compile_model(exported(name, build, 1), "cuda", whole, CompileOptions(shards=1, profile=str(profile),
-                                                                                   precision=precision))
+        for precision, batch in itertools.product(precisions, batches) if args.ops else ():
+            whole = build / f"{name}-b{batch}-cuda-ops-{precision}.shard"
+            compile_model(exported(name, build, batch), "cuda", whole, CompileOptions(shards=1, profile=str(profile),
+                                                                                       precision=precision))
             measured = load_profile("cuda", profile)
             add_measured_ops(measured, whole)
             measured.save(profile)

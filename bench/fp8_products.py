@@ -1,0 +1,81 @@
+"""FP8 matrix products against fp16 at the linear shapes of the zoo's vision models, on the GPU at
+hand: what the cuda executor's fp8_linear fusion can gain per product, and which FP8 form is fastest.
+Needs an NVIDIA GPU with FP8 (Hopper, Blackwell) and torch.
+
+    python bench/fp8_products.py
+
+Per shape [M, K] x [K, N] (M = tokens x batch), each captured in a CUDA graph and replayed:
+fp16 F.linear with its bias; torch._scaled_mm with a scale per row and per column, fp16 out, the
+bias in its epilogue (the form the executor uses where torch takes it); the same with fast
+accumulation; one scale per tensor, then the column scales and the bias in one addcmul (the
+executor's other form). Ends with one line per shape:
+    RESULT m=... k=... n=... fp16_us=... rowwise=... rowwise_fast=... tensorwise=...   (fp16 time over each)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# SigLIP-base-512 (1024 tokens, 768 wide, MLP 3072) and SigLIP-so400m-384 (729 tokens, 1152, 4304)
+SHAPES = [(1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (729, 1152, 1152), (729, 1152, 4304),
+          (729, 4304, 1152)]
+
+
+def timed(torch, fn, repeats: int = 200) -> float:
+    """Seconds per call, fn captured in a CUDA graph and replayed."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,4", help="M is tokens x each of these")
+    args = ap.parse_args()
+    import torch
+
+    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for tokens, k, n in SHAPES:
+            m = tokens * batch
+            x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.float16) / k ** 0.5
+            bias = torch.randn(n, device="cuda", dtype=torch.float16)
+            q = (x / (x.abs().max() / 448)).to(torch.float8_e4m3fn)
+            w8 = (w / (w.abs().amax(1, keepdim=True) / 448)).to(torch.float8_e4m3fn).t()   # column-major [K, N]
+            rows, cols = torch.full((m, 1), 0.01, device="cuda"), torch.rand(1, n, device="cuda") / 100
+            one, least = torch.tensor(0.01, device="cuda"), cols.min().reshape(())
+            ratio = (cols / least).reshape(-1).half()
+            forms = {
+                "fp16": lambda: torch.nn.functional.linear(x, w, bias),
+                "rowwise": lambda: torch._scaled_mm(q, w8, rows, cols, bias=bias, out_dtype=torch.float16),
+                "rowwise_fast": lambda: torch._scaled_mm(q, w8, rows, cols, bias=bias, out_dtype=torch.float16,
+                                                         use_fast_accum=True),
+                "tensorwise": lambda: torch.addcmul(bias, torch._scaled_mm(q, w8, one, least, out_dtype=torch.float16),
+                                                    ratio),
+            }
+            seconds = {}
+            for name, fn in forms.items():
+                try:
+                    seconds[name] = timed(torch, fn)
+                except Exception as exc:   # noqa: BLE001 - a form this torch lacks is said, not fatal
+                    print(f"  {name} at {m}x{k}x{n}: did not run ({type(exc).__name__}: {str(exc)[:120]})")
+            base = seconds["fp16"]
+            tflops = 2 * m * k * n / base / 1e12
+            print(f"RESULT m={m} k={k} n={n} fp16_us={1e6 * base:.1f} ({tflops:.0f} TFLOP/s) " + " ".join(
+                f"{name}={base / s:.2f}" for name, s in seconds.items() if name != "fp16"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
