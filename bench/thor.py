@@ -169,7 +169,8 @@ def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str
                        "table": result.report["passes"]["stages"]["stages"]}
         fp8 = f", {100 * result.report['passes']['fp8_linears']['fp8_linear_macs']:.0f} % of the linears' MACs in FP8" \
             if precision == "fp8" else ""
-        print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s, latency {1e3 * r['latency']:.2f} ms, device "
+        print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s, latency "
+              f"{1e3 * r['latency']:.2f} ms, device "
               f"{1e3 * sum(r['stages'].values()):.2f} ms over its stages, cosine {r['cosine']:.6f} (compiled in "
               f"{compiled:.0f} s, loaded and measured in {time.perf_counter() - started:.0f} s; forms "
               f"{sorted(set(r['forms'].values()))}{'; passed over: ' + str(r['passed_over']) if r['passed_over'] else ''})",
@@ -211,7 +212,8 @@ def main() -> None:
           f"{facts['peak_tflops']['fp16']:.0f} TFLOP/s, shortest kernel {1e6 * facts['min_kernel_s']:.1f} us); "
           f"torch {torch.__version__}", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
-    modes = [] if args.no_baselines else ["eager graph", "reduce-overhead"] + (["max-autotune"] if args.max_autotune else [])
+    modes = [] if args.no_baselines else \
+        ["eager graph", "reduce-overhead"] + (["max-autotune"] if args.max_autotune else [])
     results = []
     for name in args.models.split(","):
         base = {}

@@ -939,7 +939,8 @@ def probe_command(
                                                                         "between two profiles (files, or shipped "
                                                                         "ones by target name), and exit."),
     ops: Optional[Path] = typer.Option(None, "--ops", help="--target cuda: also time every distinct op of this "
-                                                           "thor/cuda bundle on the GPU (added to --out)."),
+                                                           "thor/cuda bundle on the GPU, and each step of its "
+                                                           "fused form (added to --out)."),
 ) -> None:
     """Learn a target's real limits: tiny ONNX graphs through the real compiler, double then bisect."""
     from shard.targets.rknn.cache import default_cache_dir
