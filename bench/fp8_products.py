@@ -4,10 +4,11 @@ Needs an NVIDIA GPU with FP8 (Hopper, Blackwell) and torch.
 
     python bench/fp8_products.py
 
-Per shape [M, K] x [K, N] (M = tokens x batch), each captured in a CUDA graph and replayed:
+Per shape [M, K] x [K, N] (M = tokens x batch), each captured in a CUDA graph and replayed as the
+probe times its kernels (shard.probes.cuda.time_graph):
 fp16 F.linear with its bias; torch._scaled_mm with a scale per row and per column, fp16 out, the
-bias in its epilogue (the form the executor uses where torch takes it); the same with fast
-accumulation; one scale per tensor, then the column scales and the bias in one addcmul (the
+bias in its epilogue; the same with fast accumulation (the form the executor uses where torch
+takes it); one scale per tensor, then the column scales and the bias in one addcmul (the
 executor's other form). Ends with one line per shape:
     RESULT m=... k=... n=... fp16_us=... rowwise=... rowwise_fast=... tensorwise=...   (fp16 time over each)
 """
@@ -21,29 +22,13 @@ SHAPES = [(1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (729, 1152, 11
           (729, 4304, 1152)]
 
 
-def timed(torch, fn, repeats: int = 200) -> float:
-    """Seconds per call, fn captured in a CUDA graph and replayed."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,4", help="M is tokens x each of these")
     args = ap.parse_args()
     import torch
+
+    from shard.probes.cuda import time_graph
 
     print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}")
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -68,7 +53,7 @@ def main() -> None:
             seconds = {}
             for name, fn in forms.items():
                 try:
-                    seconds[name] = timed(torch, fn)
+                    seconds[name] = time_graph(torch, fn)
                 except Exception as exc:   # noqa: BLE001 - a form this torch lacks is said, not fatal
                     print(f"  {name} at {m}x{k}x{n}: did not run ({type(exc).__name__}: {str(exc)[:120]})")
             base = seconds["fp16"]
