@@ -167,8 +167,8 @@ def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str
         started = time.perf_counter()
         r = runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs),
                        "table": result.report["passes"]["stages"]["stages"]}
-        fp8 = f", {100 * result.report['passes']['fp8_linears']['fp8_linear_macs']:.0f} % of the linears' MACs in FP8" \
-            if precision == "fp8" else ""
+        share = result.report["passes"]["fp8_linears"].get("fp8_linear_macs", 0.0)
+        fp8 = f", {100 * share:.0f} % of the linears' MACs in FP8" if precision == "fp8" else ""
         print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s, latency "
               f"{1e3 * r['latency']:.2f} ms, device "
               f"{1e3 * sum(r['stages'].values()):.2f} ms over its stages, cosine {r['cosine']:.6f} (compiled in "

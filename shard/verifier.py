@@ -167,7 +167,8 @@ class PromptCheck:
 class Parting:
     """Where a greedy answer leaves the reference's: the token, and the reference's own margin there
     (its top two logits) beside fp16's spacing at that logit. A margin under the spacing is a tie in
-    fp16: logits written in fp16 cannot tell those two tokens apart, whatever computed them."""
+    fp16: an error of half a spacing, fp16's own rounding of each, can make the two one value, and
+    argmax then takes the lower id."""
     token: int
     margin: float
     spacing: float

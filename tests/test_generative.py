@@ -148,7 +148,7 @@ def test_where_greedy_answers_part_says_whether_fp16_could_tell_the_two_tokens_a
     assert parting([7, 2, 1], [7, 2, 1], logits) is None
     tie = parting([7, 4, 1], [7, 2, 0], logits)
     assert (tie.token, tie.spacing, tie.fp16_tie) == (1, 2 ** -6, True) and "a tie in fp16" in str(tie)
-    assert np.float16(31.118) != np.float16(31.105)   # both round to neighbours: any error over 0.006 swaps them
+    assert np.float16(31.118) != np.float16(31.105)   # neighbours: an error over 0.006 can make them one value
     clear = parting([7, 2, 1], [7, 2, 0], logits)
     assert clear.token == 2 and not clear.fp16_tie and abs(clear.margin - 0.1) < 1e-5
 

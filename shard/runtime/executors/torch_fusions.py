@@ -8,7 +8,7 @@ that computes them in one kernel.
   product's epilogue);
 - fp8 linear: MatMul of an FP8-quantized activation (QuantizeLinear, then DequantizeLinear at one
   scale) by an FP8 weight (DequantizeLinear, a scale per output channel), with or without a bias, as
-  one FP8 matrix product (torch._scaled_mm: E4M3 operands, fp32 accumulation, the scales and the
+  one FP8 matrix product (torch._scaled_mm: E4M3 operands, fast accumulation, the scales and the
   bias in its epilogue) where the ONNX spells it as an fp16 product of dequantized operands;
 - an elementwise function of one tensor (GELU in its erf or tanh form, SiLU), whatever ops the
   exporter spelled it with: the region is recognised by its values on a grid, not by its shape.
@@ -185,7 +185,6 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
 
     if values[dequantize.input[1]].dtype != torch.float16:   # the product is fp16, as the ONNX's
         return None
-
     w8, scales = values.get(made.input[0]), values.get(made.input[1])
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in made.attribute}
     if w8 is None or w8.dtype != torch.float8_e4m3fn or w8.dim() != 2 or attrs.get("axis", 1) != 1 \
@@ -240,7 +239,7 @@ def rowwise(a, b, rows, columns, bias):
 @functools.cache
 def rowwise_scales(device) -> bool:
     """Whether torch._scaled_mm takes a scale per row and per column with an fp16 result and a bias
-    on this device (older torch builds: bfloat16 results only), tried once on small operands."""
+    on this device (not every torch build and device does), tried once on small operands."""
     import torch
 
     a = torch.ones(32, 16, device=device).to(torch.float8_e4m3fn)
