@@ -228,9 +228,9 @@ def scaled_product(w8, column_scales, scale: float, bias, rows: int | None) -> C
 
 
 def rowwise(a, b, rows, columns, bias):
-    """a x b in FP8, scaled by `rows` ([M, 1]) and `columns` ([1, N]), fp16 out. Fast accumulation, as
-    FP8 inference takes it (torchao's default): on an H200, 1.03-1.59x the products without it at
-    SigLIP's linear shapes (bench/fp8_products.py), and bench/thor.py checks the cosine it gives."""
+    """a x b in FP8, scaled by `rows` ([M, 1]) and `columns` ([1, N]), fp16 out. Fast accumulation: on
+    an H200 0.94-1.47x the products without it at SigLIP's linear shapes, at least 1.10x on 9 of 12
+    (bench/fp8_products.py); bench/thor.py checks the cosine it gives."""
     import torch
 
     return torch._scaled_mm(a, b, rows, columns, bias=bias, out_dtype=torch.float16, use_fast_accum=True)
