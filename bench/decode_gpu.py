@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import shutil
 import sys
 import tempfile
 import time
@@ -123,8 +122,8 @@ def main() -> None:
                         help="also compile the steps cut into these many stages (comma-separated), their cache "
                              "written by the host")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="shard-decode-gpu-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="shard-decode-gpu-") as tmp:   # its bundles and models: hundreds of MB
+        work = Path(tmp)
         checkpoint(work / "model", args.layers)
         probe_cuda().save(work / "cuda.profile.json")   # this GPU's rates and bandwidth, as `shard probe --target cuda`
         rates = {}
@@ -158,8 +157,6 @@ def main() -> None:
               f"compiled_tps={compiled:.1f} vs_eager={ours / eager:.3f} vs_compiled={ours / compiled:.3f} "
               f"same_tokens={same}/{args.new}")
 
-    finally:   # the bundles and models it made: hundreds of MB
-        shutil.rmtree(work, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,6 @@ import re
 import secrets
 import socket
 import subprocess
-import shutil
 import sys
 import tempfile
 import time
@@ -116,8 +115,8 @@ def main() -> None:
     parser.add_argument("--cpus", default="1,2,4", help="Ray CPUs of the local cluster, one corpus run each")
     parser.add_argument("--families", default=None, help="the probe's families on two nodes [default: all]")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="shard-ray-scale-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="shard-ray-scale-") as tmp:   # its bundles and models: hundreds of MB
+        work = Path(tmp)
         print(f"{os.cpu_count()} CPUs here; corpus --set {args.set}", flush=True)
         pool = corpus(work, args.set, [])
         print(f"process pool (--jobs 2)  {pool['seconds']:7.1f} s  {60 * len(pool['models']) / pool['seconds']:5.1f} "
@@ -147,8 +146,6 @@ def main() -> None:
               + f" probe_identical={'yes' if identical else 'no'} probe_nodes={nodes} "
               f"predicted_8_machines_s={predicted[8]:.0f}")
 
-    finally:   # the bundles and models it made: hundreds of MB
-        shutil.rmtree(work, ignore_errors=True)
 
 if __name__ == "__main__":
     main()

@@ -147,13 +147,10 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
 def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
     """(the nodes a step computes, its seconds captured alone) for each step of a TorchGraph that
     `seen(nodes)` does not already have, run in order on seeded inputs."""
-    import numpy as np
+    from shard.runtime import random_inputs
 
     env = dict(graph.values)
-    for spec in inputs:
-        value = np.random.default_rng(0).standard_normal(spec.shape) if spec.dtype.startswith(("float", "bfloat")) \
-            else np.zeros(spec.shape)
-        env[spec.name] = torch.from_numpy(value).to("cuda", getattr(torch, spec.dtype))
+    env.update({name: torch.from_numpy(value).to("cuda") for name, value in random_inputs(inputs).items()})
     timed = []
     with torch.no_grad():
         for (fn, ins, outs), covers in zip(graph.steps, graph.covers):

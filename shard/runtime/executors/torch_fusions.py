@@ -179,7 +179,10 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
         return None
     dequantize, made = producer.get(node.input[0]), stage.folded.get(node.input[1])
     if dequantize is None or dequantize.op_type != "DequantizeLinear" or made is None \
-            or made.op_type != "DequantizeLinear" or scalar(values, dequantize.input[1]) is None:
+            or made.op_type != "DequantizeLinear":
+        return None
+    scale = scalar(values, dequantize.input[1])
+    if scale is None:
         return None
     import torch
 
@@ -199,7 +202,7 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
             nodes, output, bias = [node, readers[0]], readers[0].output[0], other.reshape(-1).contiguous()
     shape = stage.shapes.get(dequantize.input[0]) or stage.shapes.get(node.input[0])
     rows = math.prod(shape[:-1]) if shape else None
-    run = scaled_product(w8, scales.float().reshape(1, -1), scalar(values, dequantize.input[1]), bias, rows)
+    run = scaled_product(w8, scales.float().reshape(1, -1), scale, bias, rows)
     constants = [node.input[1], *made.input, *(i for i in nodes[-1].input if bias is not None and i in values)]
     drops = [name for name in constants if stage.uses[name] <= 1]   # read by these nodes alone, or by none live
     return Fused("fp8_linear", run, [dequantize.input[0]], [output], nodes, drops)
