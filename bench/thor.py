@@ -12,20 +12,25 @@ stage really takes. Needs an NVIDIA GPU and torch.
    model with sdpa attention captured as one CUDA graph ("eager graph"), and
    torch.compile(mode="reduce-overhead") ("compile"); with --max-autotune, also
    torch.compile(mode="max-autotune"). Each at every batch of --batches.
-3. Each zoo model exported at each batch (seeded weights), compiled with --target cuda for each
-   stage count K, and run by the cuda executor (each stage's eager and torch.compile'd forms, the
-   faster kept): frames/s through run_stream, one batch's latency, the cosine against onnxruntime
-   fp32 on the CPU, and each stage's own time next to the cost model's prediction.
+3. Each zoo model exported once with a dynamic batch axis (seeded weights), compiled with --target
+   cuda for each stage count K and batch B (--batch B), and run by the cuda executor (each stage's
+   eager and torch.compile'd forms, the faster kept): frames/s through run_stream fed whole batches,
+   and for B > 1 fed single frames (micro-batching: run_stream stacks them B to a run), one batch's
+   latency, the cosine against onnxruntime fp32 on the CPU, and each stage's own time next to the
+   cost model's prediction.
 Frames/s counts images, host to host for both sides, with the same data in and out: a float32 numpy
 batch in, the float32 numpy output back (the baseline as a user writes it: copy_ from
 torch.from_numpy, .float().cpu().numpy()). "device" is the GPU time alone: the baseline's forward,
 the sum of our stages' CUDA graphs. Ends with one line per model:
     RESULT model=... stages=K batch=B fps=... vs_eager_graph=... vs_compile=... vs_compile_same_batch=...
-        device_vs_compile=... cosine=... predicted_ratio=... over_floor=...
+        device_vs_compile=... [micro_batch=(KxB) micro_fps=... micro_vs_compile_same_batch=...] cosine=...
+        predicted_ratio=... over_floor=...
 vs_eager_graph: ours at K stages, batch 1, over the eager graph at batch 1 (the best K); vs_compile:
 the same over torch.compile at batch 1; vs_compile_same_batch: the best of K x B over torch.compile
 at that B; device_vs_compile: torch.compile's device time over the sum of our stages' at K = 1,
-B = 1; cosine: the worst of all runs; predicted_ratio: the median of measured / predicted stage time
+B = 1; micro_batch, micro_fps, micro_vs_compile_same_batch: the K x B (B > 1) whose bundle, fed single
+frames that run_stream stacks B to a run (--batch B), is fastest against torch.compile at B; cosine:
+the worst of all runs; predicted_ratio: the median of measured / predicted stage time
 (with --ops: each op's share of its fused kernel, as measured alone); over_floor: the median of
 measured / floor (roofline.stage_floor: FLOPs at the peak, weights and the stage's own inputs and
 outputs moved once).
@@ -43,7 +48,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,16 +97,28 @@ def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: i
             started = time.perf_counter()
             session.run(x)
             latencies.append(time.perf_counter() - started)
-        for _ in session.run_stream(itertools.repeat(x, 2 * len(session.cores))):
-            pass
-        started = time.perf_counter()
-        for _ in session.run_stream(itertools.repeat(x, frames)):
-            pass
-        rate = frames / (time.perf_counter() - started)
+        rate = stream_rate(session, [x], frames)
+        batch = session.batching.size
+        single = None
+        if batch > 1:   # micro-batching: single frames in, stacked `batch` to a run, each one's outputs out
+            singles = [{name: value[k:k + 1] for name, value in x.items()} for k in range(batch)]
+            got = list(session.run_stream(singles))
+            worst = min(worst, *(compare(t.name, reference[t.name], np.concatenate([g[t.name] for g in got])).cosine
+                                 for t in session.manifest.outputs))
+            single = stream_rate(session, singles, frames * batch)
         stages = stage_seconds(session)
-    batch = next(iter(x.values())).shape[0]
-    return {"fps": rate * batch, "latency": statistics.median(latencies), "cosine": worst, "stages": stages,
-            "forms": forms, "passed_over": passed}
+    return {"fps": rate * batch, "fps_single": single, "latency": statistics.median(latencies), "cosine": worst,
+            "stages": stages, "forms": forms, "passed_over": passed}
+
+
+def stream_rate(session: Session, frames: list[dict], count: int) -> float:
+    """run_stream's inputs per second over `count` of `frames` in turn, after a warm stream."""
+    for _ in session.run_stream(itertools.islice(itertools.cycle(frames), 2 * len(session.cores) * len(frames))):
+        pass
+    started = time.perf_counter()
+    for _ in session.run_stream(itertools.islice(itertools.cycle(frames), count)):
+        pass
+    return count / (time.perf_counter() - started)
 
 
 def baseline(name: str, batch: int, mode: str, frames: int) -> dict:
@@ -152,9 +171,9 @@ def baseline(name: str, batch: int, mode: str, frames: int) -> dict:
 
 def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str) -> dict:
     """Every stage count at one batch and precision: {K: measured}, printed as it goes."""
-    model = exported(name, build, batch)
+    model = exported(name, build)
     graph = onnx.load(str(model), load_external_data=False).graph
-    x = random_inputs([TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim], "float32")
+    x = random_inputs([TensorSpec(i.name, [batch, *(d.dim_value for d in i.type.tensor_type.shape.dim[1:])], "float32")
                        for i in graph.input])
     reference = next(run_each(onnx.load(str(model)), [x], [o.name for o in graph.output]))
     runs = {}
@@ -162,14 +181,15 @@ def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str
         bundle = build / f"{name}-b{batch}-cuda{k}-{precision}.shard"
         started = time.perf_counter()
         result = compile_model(model, "cuda", bundle, CompileOptions(shards=k, profile=str(profile),
-                                                                      precision=precision))
+                                                                      precision=precision, batch=batch))
         compiled = time.perf_counter() - started
         started = time.perf_counter()
         r = runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs),
                        "table": result.report["passes"]["stages"]["stages"]}
         share = result.report["passes"]["fp8_linears"].get("fp8_linear_macs", 0.0)
         fp8 = f", {100 * share:.0f} % of the linears' MACs in FP8" if precision == "fp8" else ""
-        print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s, latency "
+        micro = f" ({r['fps_single']:.1f} fed single frames)" if r["fps_single"] else ""
+        print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s{micro}, latency "
               f"{1e3 * r['latency']:.2f} ms, device "
               f"{1e3 * sum(r['stages'].values()):.2f} ms over its stages, cosine {r['cosine']:.6f} (compiled in "
               f"{compiled:.0f} s, loaded and measured in {time.perf_counter() - started:.0f} s; forms "
@@ -197,6 +217,10 @@ def main() -> None:
     ap.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
     ap.add_argument("--no-baselines", action="store_true", help="ours alone (fp8 against fp16 needs no peer)")
     args = ap.parse_args()
+    # Inductor's kernels compiled afresh in each run, ours and the baseline's: with an earlier run's
+    # cache, torch.compile(mode="reduce-overhead") of SigLIP-base at batch 1 took 8.0 ms a frame host
+    # to host on an H200 (device 1.05 ms), 2.2 ms with an empty one.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     import torch
 
     from shard.probes.cuda import add_measured_ops, probe_cuda
@@ -228,8 +252,8 @@ def main() -> None:
         precisions = args.precision.split(",")
         for precision, batch in itertools.product(precisions, batches) if args.ops else ():
             whole = build / f"{name}-b{batch}-cuda-ops-{precision}.shard"
-            compile_model(exported(name, build, batch), "cuda", whole, CompileOptions(shards=1, profile=str(profile),
-                                                                                       precision=precision))
+            compile_model(exported(name, build), "cuda", whole, CompileOptions(shards=1, profile=str(profile),
+                                                                                precision=precision, batch=batch))
             measured = load_profile("cuda", profile)
             add_measured_ops(measured, whole)
             measured.save(profile)
@@ -237,14 +261,17 @@ def main() -> None:
                  for k, r in ours(name, args, profile, build, batch, p).items()}
         runs = {(k, batch): r for (k, batch, p), r in every.items() if p == precisions[0]}
         print(f"{name}: K, B, frames/s, latency ms, x eager graph, x torch.compile (at B; host to host), device ms, "
-              f"x eager graph, x torch.compile (device)")
+              f"x eager graph, x torch.compile (device), frames/s fed single frames, x torch.compile (at B)")
         for (k, batch), r in runs.items():
             print(f"    {k}  {batch}  {r['fps']:8.1f}  {1e3 * r['latency']:7.2f}  {over(runs, base, (k, batch), 'eager graph'):>6}"
                   f"  {over(runs, base, (k, batch), 'reduce-overhead'):>6}  {1e3 * sum(r['stages'].values()):6.2f}  "
                   f"{over(runs, base, (k, batch), 'eager graph', True):>6}  "
-                  f"{over(runs, base, (k, batch), 'reduce-overhead', True):>6}")
+                  f"{over(runs, base, (k, batch), 'reduce-overhead', True):>6}  "
+                  f"{r['fps_single'] or 0:8.1f}  {over(runs, base, (k, batch), 'reduce-overhead', single=True):>6}")
         single = max((key for key in runs if key[1] == 1), key=lambda key: runs[key]["fps"], default=None)
         best = max(runs, key=lambda key: runs[key]["fps"] / base.get(("reduce-overhead", key[1]), {"fps": 1})["fps"])
+        micro = max((key for key in runs if key[1] > 1), default=None,
+                    key=lambda key: runs[key]["fps_single"] / base.get(("reduce-overhead", key[1]), {"fps": 1})["fps"])
         ratios = [r["stages"][row["stage"]] / row["predicted_s"] for r in runs.values() for row in r["table"]]
         floors = [r["stages"][row["stage"]] / row["floor_s"] for r in runs.values() for row in r["table"]]
         results.append(f"RESULT model={name} stages={best[0]} batch={best[1]} fps={runs[best]['fps']:.1f} "
@@ -252,6 +279,9 @@ def main() -> None:
                        f"vs_compile={over(runs, base, single, 'reduce-overhead')} "
                        f"vs_compile_same_batch={over(runs, base, best, 'reduce-overhead')} "
                        f"device_vs_compile={over(runs, base, (1, 1), 'reduce-overhead', True)} "
+                       + (f"micro_batch=({micro[0]}x{micro[1]}) micro_fps={runs[micro]['fps_single']:.1f} "
+                          f"micro_vs_compile_same_batch={over(runs, base, micro, 'reduce-overhead', single=True)} "
+                          if micro else "") +
                        f"cosine={min(r['cosine'] for r in runs.values()):.6f} "
                        f"predicted_ratio={statistics.median(ratios):.3f} over_floor={statistics.median(floors):.3f}")
         for p in precisions[1:]:   # each further precision against the first, at the same K and B
@@ -263,24 +293,26 @@ def main() -> None:
     print("\n".join(results))
 
 
-def over(runs: dict, base: dict, key: tuple | None, mode: str, device: bool = False) -> str:
-    """Ours at key (K, B) over the baseline `mode` at B: frames/s, or device time per frame."""
-    if key not in runs or (mode, key[1]) not in base:
+def over(runs: dict, base: dict, key: tuple | None, mode: str, device: bool = False, single: bool = False) -> str:
+    """Ours at key (K, B) over the baseline `mode` at B: frames/s (fed whole batches, or `single` frames
+    that run_stream stacks), or device time per frame."""
+    if key not in runs or (mode, key[1]) not in base or (single and not runs[key]["fps_single"]):
         return "-"
     if device:
         return f"{base[mode, key[1]]['device'] / sum(runs[key]['stages'].values()):.3f}"
-    return f"{runs[key]['fps'] / base[mode, key[1]]['fps']:.3f}"
+    return f"{runs[key]['fps_single' if single else 'fps'] / base[mode, key[1]]['fps']:.3f}"
 
 
-def exported(name: str, build: Path, batch: int) -> Path:
-    """The zoo model's ONNX at this batch, exported once into build/."""
+def exported(name: str, build: Path) -> Path:
+    """The zoo model's ONNX with a dynamic batch axis (each bundle fixes it: --batch), exported once
+    into build/."""
     from shard.zoo import export_model
 
-    model = build / f"{name}-b{batch}.onnx"
+    model = build / f"{name}-batch.onnx"
     if not model.exists():
         started = time.perf_counter()
-        export_model(name, model, batch=batch)
-        print(f"{name}: exported at batch {batch} in {time.perf_counter() - started:.0f} s", flush=True)
+        export_model(name, model, dynamic_batch=True)
+        print(f"{name}: exported in {time.perf_counter() - started:.0f} s", flush=True)
     return model
 
 

@@ -64,6 +64,7 @@ class Manifest:
     host_post: list[dict] = field(default_factory=list)
     executors: list[str] = field(default_factory=list)   # the backends its target runs it on, default first
     input_values: dict[str, list] = field(default_factory=dict)   # inputs fixed at compile (--input-value)
+    batch: int = 1   # frames a run takes at once (--batch): every input and output leads with this axis
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
     files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads
@@ -78,11 +79,13 @@ class Manifest:
         return hashlib.sha256(json.dumps({**self.written(), "digest": ""}, indent=2).encode()).hexdigest()
 
     def written(self) -> dict:
-        """What the file holds: without input_values where none was fixed, so a bundle written before
-        the field existed keeps its digest."""
+        """What the file holds: without input_values where none was fixed and batch where it is 1, so a
+        bundle written before those fields existed keeps its digest."""
         data = asdict(self)
         if not data["input_values"]:
             del data["input_values"]
+        if data["batch"] == 1:
+            del data["batch"]
         return data
 
     @property

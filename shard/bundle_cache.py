@@ -28,7 +28,8 @@ from shard.cache_folder import entry_file, prune, size_limit, store_entry
 
 VERSION = 1
 MARKER = "bundle.json"     # an entry's record, touched on each hit
-IGNORED = ("jobs", "build_cache", "ray")   # options that do not change the bundle
+IGNORED = ("jobs", "build_cache", "ray", "latency_budget")   # options that do not change the bundle (the
+                                                              # budget only picks --batch auto's batch)
 
 
 @cache

@@ -79,6 +79,15 @@ def parse_value(text: str) -> tuple[str, list[float]]:
         raise ShardError(f"--input-value {text!r}: expected NAME=V0,V1,... such as sr=16000") from None
 
 
+def parse_batch(text: str) -> int | None:
+    """--batch: a number of frames, or auto (None: the cost model picks)."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ShardError(f"--batch {text!r}: expected a number of frames of at least 1, or auto")
+    return int(text)
+
+
 RAY_HELP = ("Run the vendor builds on this Ray cluster (ADDRESS, as `ray start` printed it), or on one started "
             "here (local); --jobs of them at a time. Needs `pip install 'shard[ray]'`.")
 
@@ -143,6 +152,13 @@ def compile_command(
     max_context: str = typer.Option("512", help="A decoder: the KV cache's tokens, prompt and answer together; "
                                                 "or buckets, 256,2048 (a program each; the cache moves up)."),
     chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
+    batch_size: str = typer.Option("1", "--batch", help="Frames a run takes at once: the inputs' leading axis, "
+                                                        "dynamic in the model, fixed at this; `shard run --stream` "
+                                                        "and run_stream stack single frames that many to a run. "
+                                                        "auto (thor, cuda): the cost model's choice, the most "
+                                                        "frames/s within --latency-budget."),
+    latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take "
+                                                              "through the stages."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
                                                             "the bundle of an unchanged compile and the builds of "
                                                             "identical shards (~/.cache/shard/builds or "
@@ -157,7 +173,9 @@ def compile_command(
                              tile_attention=tile_attention, fusion_barrier=fusion_barrier,
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
-                             precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine)
+                             precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine,
+                             batch=parse_batch(batch_size),
+                             latency_budget=latency_budget / 1e3 if latency_budget is not None else None)
     compile_all(batch(models, target.split(","), output), options, parse_ids(max_context, "--max-context"), chunk)
 
 
@@ -305,10 +323,16 @@ def print_stage_report(report: dict) -> None:
     if fp8:
         console.print(f"fp8_linears: {len(fp8)} linears in FP8 E4M3 with explicit Q/DQ "
                       f"({report['passes']['fp8_linears']['samples']} calibration samples); the rest fp16")
-    slowest = max(s["predicted_s"] for s in stages)
-    console.print(f"predicted: one frame {1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, "
-                  f"pipelined {1 / slowest:.1f} frames/s (the slowest stage); "
-                  f"engines: `shard build-engines BUNDLE` on the device")
+    slowest, batch = max(s["predicted_s"] for s in stages), report.get("batch", 1)
+    console.print(f"predicted: {f'one batch of {batch} frames' if batch > 1 else 'one frame'} "
+                  f"{1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, pipelined {batch / slowest:.1f} frames/s "
+                  f"(the slowest stage); engines: `shard build-engines BUNDLE` on the device")
+    auto = report.get("batch_auto")
+    if auto:
+        budget = auto["latency_budget_s"]
+        console.print("--batch auto, predicted per batch size: " + ", ".join(
+            f"{c['batch']}: {c['fps']:.0f} frames/s, {1e3 * c['latency_s']:.2f} ms" for c in auto["candidates"])
+            + f"; chose {auto['batch']}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
 
 
 def compile_time(report: dict) -> str:
@@ -386,9 +410,11 @@ def print_totals(report: dict) -> None:
     print_kept_whole(report["passes"].get("partition", {}).get("kept_whole"))
     predicted = report.get("predicted")
     if predicted:
-        console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): one frame "
+        batch = report.get("batch", 1)
+        console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): "
+                      f"{f'one batch of {batch} frames' if batch > 1 else 'one frame'} "
                       f"{1e3 * predicted['latency_s']:.1f} ms; run_stream "
-                      + ", ".join(f"{fps:.1f}" for fps in predicted["stream_fps"].values())
+                      + ", ".join(f"{batch * fps:.1f}" for fps in predicted["stream_fps"].values())
                       + f" frames/s on {'/'.join(map(str, predicted['stream_fps']))} cores")
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
@@ -503,7 +529,8 @@ def run_command(
                                                      "with torch) or tensorrt (engines from build-engines) "
                                                      "[default: sim for Rockchip chips, cuda for thor and cuda]."),
     repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
-    stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
+    stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput); on a "
+                                       "bundle compiled with --batch B, single frames stacked B to a run."),
     cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
     schedule: Optional[str] = typer.Option(None, help="balanced (any free core takes the most urgent ready shard) or "
                                                       "round-robin (the manifest's placement; less memory) "
@@ -538,7 +565,9 @@ def run_command(
         session = Session(bundle, backend, parse_cores(cores), schedule, timeout)
         try:
             given = read_inputs(input, [t.name for t in session.manifest.inputs]) if input else None
-            inputs = (given or random_inputs(session.manifest.inputs, seed + t) for t in range(frames))
+            # a stream on a bundle of --batch B: single frames, stacked B to a run
+            specs = session.batching.frame_inputs if stream and session.batching.size > 1 else session.manifest.inputs
+            inputs = (given or random_inputs(specs, seed + t) for t in range(frames))
             started = time.perf_counter()
             if stream:
                 for k, outputs in enumerate(session.run_stream(inputs)):
@@ -1151,6 +1180,7 @@ def zoo_export(
     image_size: Optional[int] = typer.Option(None, help="Input image side, at least one patch (16; 14 for so400m)."),
     outliers: float = typer.Option(0.0, help="Plant a massive-activation channel of this magnitude."),
     seed: int = typer.Option(0, help="Seed of the random weights."),
+    dynamic_batch: bool = typer.Option(False, help="Leave the batch axis dynamic (for `shard compile --batch`)."),
 ) -> None:
     """Export a zoo model (seeded random weights, eager attention, opset 17) to ONNX, offline."""
     import warnings
@@ -1159,7 +1189,8 @@ def zoo_export(
 
     with err.status(f"exporting {name}"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = export_model(name, output, layers=layers, image_size=image_size, outliers=outliers, seed=seed)
+        path = export_model(name, output, layers=layers, image_size=image_size, outliers=outliers, seed=seed,
+                            dynamic_batch=dynamic_batch)
     console.print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

@@ -37,3 +37,6 @@ class CompileOptions:
     min_cosine: float = 0.999       # mixed: the simulator cosine on the calibration samples to reach
     promote: tuple[str, ...] | None = None   # mixed: linears kept in fp16 (None: search, compile_mixed)
     buckets: list[dict[str, tuple[int, ...]]] = field(default_factory=list)   # input shapes per bucket
+    batch: int | None = 1           # frames a run takes at once (the inputs' leading axis); None: the GPU
+                                    # cost model picks it (shard.compilation.batching)
+    latency_budget: float | None = None   # --batch auto: seconds one batch may take through the stages

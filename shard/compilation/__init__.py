@@ -11,12 +11,15 @@ through cached.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from shard.compilation.batching import batched
 from shard.compilation.cached import compile_one_model, default_output
 from shard.compilation.generative import compile_generative, is_causal_lm
 from shard.compilation.staging import check_options
 from shard.compilation.state import CompileResult, Progress
+from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.targets.chips import DEFAULT_TARGET
 
@@ -31,5 +34,12 @@ def compile_model(model: str | Path, target: str = DEFAULT_TARGET, output: str |
     model = Path(model)
     output = Path(output) if output else default_output(model)
     if is_causal_lm(model):   # a decoder's checkpoint: a generative bundle, its default context and chunk
+        if options.batch != 1:
+            raise ShardError("--batch is for models that take frames; a decoder generates one sequence")
         return compile_generative(model, target, output, options, progress=progress)
-    return compile_one_model(model, target, output, options, progress)
+    options, choice = batched(model, target, options, progress)
+    result = compile_one_model(model, target, output, options, progress)
+    if choice:   # the cost model's weighing, in the report beside what it chose
+        result.report["batch_auto"] = choice
+        (result.bundle / "report.json").write_text(json.dumps(result.report, indent=2) + "\n")
+    return result

@@ -17,6 +17,7 @@ from shard import __version__
 from shard.bundle import MANIFEST, Manifest, ShardSpec, record_files
 from shard.cache_folder import link_or_copy
 from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE
+from shard.errors import ModelError
 from shard.graph import graph_tensors, sha256_file, tensor_spec
 from shard.options import CompileOptions
 from shard.passes import PassContext
@@ -75,7 +76,8 @@ class BundleWriter:
             build=self.build, inputs=inputs, outputs=ctx.model_outputs or [tensor_spec(t) for t in self.graph.outputs],
             host_pre=host_pre, host_post=host_post, shards=specs, executors=list(self.tgt.executors),
             input_values={name: list(np.asarray(v).reshape(-1).tolist()) for name, v in self.options.input_values.items()
-                          if name not in {t.name for t in inputs}})
+                          if name not in {t.name for t in inputs}}, batch=self.options.batch)
+        check_outputs(manifest.outputs, manifest.batch)
         report = make_report(ctx.reports, manifest, self.builds,
                              {**self.seconds, "total": time.monotonic() - self.started})
         report["predicted"] = npu_prediction(manifest, report["shards"], self.profile)
@@ -84,7 +86,7 @@ class BundleWriter:
         report["profile"] = {"target": self.profile.target, "file": str(self.options.profile or "shipped"),
                              "toolkit": self.profile.toolkit, "cores": self.profile.cores,
                              "probed": dates[-1] if dates else None}
-        report.update(precision=self.options.precision, warnings=self.ctx.warnings, choices=self.choices,
+        report.update(precision=self.options.precision, batch=manifest.batch, warnings=self.ctx.warnings, choices=self.choices,
                       versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
                       host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder,
@@ -96,6 +98,14 @@ class BundleWriter:
         (folder / MANIFEST).write_text(manifest.to_json())
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         return manifest, report
+
+
+def check_outputs(outputs, batch: int) -> None:
+    """Every output of a batched bundle leads with the batch (run_stream cuts each frame's out of it)."""
+    for t in outputs:
+        if batch > 1 and (not t.shape or t.shape[0] != batch):
+            raise ModelError(f"--batch {batch}: output {t.name} has shape {t.shape}, not led by the batch, so one "
+                             f"frame's part of it cannot be cut out; compile without --batch")
 
 
 def time_host_steps(steps: list[dict], tensors: list, bundle: Path, before: bool = True) -> float | None:

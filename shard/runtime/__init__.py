@@ -18,6 +18,7 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError, TargetError
+from shard.runtime.batching import Batching
 from shard.runtime.executors import STAGE_BACKENDS, OnDevice, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
@@ -51,6 +52,7 @@ class Session:
         self.files = check_files(self.bundle, self.manifest)   # {path: "ok ..."}: every file as compile wrote it
         check_dataflow(self.manifest)
         self.tables = load_tables(self.bundle, self.manifest.host_pre)
+        self.batching = Batching.of(self.manifest)   # --batch B: single frames stacked B to a run
         self.host_seconds = 0.0   # all frames' host steps, before and after the shards
         self.frames_run = 0
         self.backend = backend or default_backend(self.manifest)
@@ -100,7 +102,10 @@ class Session:
         return {name: array for name, array in inputs.items() if name not in fixed}
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one frame: every shard in dependency order, independent shards on different cores at once."""
+        """Run one frame: every shard in dependency order, independent shards on different cores at once.
+        On a bundle compiled for batches (--batch B), one frame (leading axis 1) or a whole batch."""
+        if self.batching.single(inputs):
+            return self.batching.split(self.run(self.batching.stack([inputs] * self.batching.size)), 1)[0]
         return self._outputs(self.scheduler.wait(self._submit(inputs)))
 
     def run_all(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -112,11 +117,25 @@ class Session:
     def run_stream(self, frames: Iterable[dict[str, np.ndarray]], depth: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Pipeline frames through the cores; yield each frame's outputs in input order.
 
-        At most `depth` frames (default two per core) are in flight, counting those finished but not
-        yet taken: the next frame is read from `frames` only when one leaves.
+        At most `depth` runs (default two per core) are in flight, counting those finished but not
+        yet taken: the next frame is read from `frames` only when one leaves. On a bundle compiled
+        for batches of B (--batch B), frames of one item each are stacked B to a run
+        (shard.runtime.batching) and each gets its own outputs back.
         """
-        depth = depth or 2 * len(self.cores)
         frames = iter(frames)
+        first = next(frames, None)
+        if first is None:
+            return
+        frames = itertools.chain([first], frames)
+        if not self.batching.single(first):
+            yield from self._stream(frames, depth)
+            return
+        counts: collections.deque[int] = collections.deque()
+        for outputs in self._stream(self.batching.group(frames, counts), depth):
+            yield from self.batching.split(outputs, counts.popleft())
+
+    def _stream(self, frames: Iterator[dict[str, np.ndarray]], depth: int | None) -> Iterator[dict[str, np.ndarray]]:
+        depth = depth or 2 * len(self.cores)
         pending: collections.deque[int] = collections.deque()
         exhausted = False
         try:

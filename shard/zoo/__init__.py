@@ -75,9 +75,11 @@ def get_model(name: str) -> ZooModel:
 
 
 def export_model(name: str, output: str | Path, layers: int | None = None, image_size: int | None = None,
-                 outliers: float = 0.0, seed: int = 0, opset: int = 17, batch: int = 1) -> Path:
+                 outliers: float = 0.0, seed: int = 0, opset: int = 17, batch: int = 1,
+                 dynamic_batch: bool = False) -> Path:
     """Export a zoo model's encoder (input pixel_values, output last_hidden_state) to ONNX, for
-    `batch` images at a time. The weights are build_model's with the same seed."""
+    `batch` images at a time, or any number with `dynamic_batch` (for `shard compile --batch`). The
+    weights are build_model's with the same seed."""
     try:
         import torch
     except ImportError:
@@ -108,7 +110,9 @@ def export_model(name: str, output: str | Path, layers: int | None = None, image
     x = torch.randn(batch, 3, image_size, image_size)
     with torch.no_grad():
         torch.onnx.export(Encoder(model), (x,), str(output), opset_version=opset, dynamo=False,
-                          input_names=["pixel_values"], output_names=["last_hidden_state"])
+                          input_names=["pixel_values"], output_names=["last_hidden_state"],
+                          dynamic_axes={"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}}
+                          if dynamic_batch else None)
     return output
 
 
