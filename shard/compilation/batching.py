@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
 
 from shard.compilation.stages import run_passes
 from shard.compilation.state import Progress
@@ -43,7 +44,10 @@ def batch_shapes(model: Path, batch: int, options: CompileOptions) -> dict[str, 
     """--input-shape with every input's leading axis at `batch` (its other axes as the model or
     --input-shape has them); at the default batch 1, only a dynamic leading axis whose other axes
     are fixed is set, and nothing is refused."""
-    graph = onnx.load(str(model), load_external_data=False).graph
+    try:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except (DecodeError, ValueError, RuntimeError, OSError):   # the compile's own load says why, in one line
+        return dict(options.input_shapes)
     weights = {t.name for t in graph.initializer}
     shapes = dict(options.input_shapes)
     for value in graph.input:
