@@ -6,7 +6,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-from conftest import cosine, run_ort
+from conftest import assert_one_line_error, cosine, run_ort, shard_cli
 
 from shard.compilation import compile_model
 from shard.compilation.batching import BATCHES, pick
@@ -78,3 +78,17 @@ def test_pick_takes_the_smallest_batch_near_the_best_within_the_budget():
     assert pick(rows, 1.5) == 2             # batch 4 and 8 take longer than the budget
     assert pick(rows, 0.5) == 1             # nothing fits: the smallest
     assert pick(rows[:2] + [{"batch": 4, "latency_s": 1.3, "fps": 4 / 1.3}], None) == 4
+
+
+def test_the_command_line_streams_single_frames_through_a_batched_bundle(dynamic_vit):
+    model, root = dynamic_vit
+    bundle = root / "cli.shard"
+    res = shard_cli("compile", model, "--target", "thor", "--batch", "2", "-o", bundle)
+    assert res.returncode == 0, res.stderr
+    assert "one batch of 2 frames" in res.stdout
+    res = shard_cli("run", bundle, "--backend", "cpu", "--stream", "5")
+    assert res.returncode == 0, res.stderr
+    assert "5 frames in" in res.stdout
+    assert "output last_hidden_state: shape [1, 17, 192]" in res.stdout   # the last frame's own, one image
+    assert_one_line_error(shard_cli("compile", model, "--target", "thor", "--batch", "0", "-o", root / "x.shard"),
+                          "--batch '0'")

@@ -86,8 +86,8 @@ class BundleWriter:
         report["profile"] = {"target": self.profile.target, "file": str(self.options.profile or "shipped"),
                              "toolkit": self.profile.toolkit, "cores": self.profile.cores,
                              "probed": dates[-1] if dates else None}
-        report.update(precision=self.options.precision, batch=manifest.batch, warnings=self.ctx.warnings, choices=self.choices,
-                      versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
+        report.update(precision=self.options.precision, batch=manifest.batch, warnings=self.ctx.warnings,
+                      choices=self.choices, versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
                       host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder,
                                                    before=False),
@@ -102,8 +102,8 @@ class BundleWriter:
 
 def check_outputs(outputs, batch: int) -> None:
     """Every output of a batched bundle leads with the batch (run_stream cuts each frame's out of it)."""
-    for t in outputs:
-        if batch > 1 and (not t.shape or t.shape[0] != batch):
+    for t in outputs if batch > 1 else ():
+        if not t.shape or t.shape[0] != batch:
             raise ModelError(f"--batch {batch}: output {t.name} has shape {t.shape}, not led by the batch, so one "
                              f"frame's part of it cannot be cut out; compile without --batch")
 
