@@ -152,13 +152,9 @@ def compile_command(
     max_context: str = typer.Option("512", help="A decoder: the KV cache's tokens, prompt and answer together; "
                                                 "or buckets, 256,2048 (a program each; the cache moves up)."),
     chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
-    batch_size: str = typer.Option("1", "--batch", help="Frames a run takes at once: the inputs' leading axis, "
-                                                        "dynamic in the model, fixed at this; `shard run --stream` "
-                                                        "and run_stream stack single frames that many to a run. "
-                                                        "auto (thor, cuda): the cost model's choice, the most "
-                                                        "frames/s within --latency-budget."),
-    latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take "
-                                                              "through the stages."),
+    batch_size: str = typer.Option("1", "--batch", help="Frames a run takes at once (the inputs' leading axis, "
+                                                        "dynamic in the model); auto: the GPU cost model's choice."),
+    latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
                                                             "the bundle of an unchanged compile and the builds of "
                                                             "identical shards (~/.cache/shard/builds or "
@@ -174,8 +170,7 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine,
-                             batch=parse_batch(batch_size),
-                             latency_budget=latency_budget / 1e3 if latency_budget is not None else None)
+                             batch=parse_batch(batch_size), latency_budget=latency_budget and latency_budget / 1e3)
     compile_all(batch(models, target.split(","), output), options, parse_ids(max_context, "--max-context"), chunk)
 
 
@@ -529,8 +524,7 @@ def run_command(
                                                      "with torch) or tensorrt (engines from build-engines) "
                                                      "[default: sim for Rockchip chips, cuda for thor and cuda]."),
     repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
-    stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput); on a "
-                                       "bundle compiled with --batch B, single frames stacked B to a run."),
+    stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
     cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
     schedule: Optional[str] = typer.Option(None, help="balanced (any free core takes the most urgent ready shard) or "
                                                       "round-robin (the manifest's placement; less memory) "
@@ -565,8 +559,7 @@ def run_command(
         session = Session(bundle, backend, parse_cores(cores), schedule, timeout)
         try:
             given = read_inputs(input, [t.name for t in session.manifest.inputs]) if input else None
-            # a stream on a bundle of --batch B: single frames, stacked B to a run
-            specs = session.batching.frame_inputs if stream and session.batching.size > 1 else session.manifest.inputs
+            specs = session.batching.frame_inputs if stream else session.manifest.inputs   # --batch B: stacked
             inputs = (given or random_inputs(specs, seed + t) for t in range(frames))
             started = time.perf_counter()
             if stream:

@@ -30,7 +30,9 @@ class Batching:
 
     @property
     def frame_inputs(self) -> list[TensorSpec]:
-        """The inputs of one frame: the bundle's, their leading axis 1."""
+        """The inputs of one frame: the bundle's, their leading axis 1 where it takes batches."""
+        if self.size == 1:
+            return list(self.inputs)
         return [TensorSpec(t.name, [1, *t.shape[1:]], t.dtype) for t in self.inputs]
 
     def single(self, frame: dict) -> bool:
