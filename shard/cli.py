@@ -319,7 +319,7 @@ def print_stage_report(report: dict) -> None:
         console.print(f"fp8_linears: {len(fp8)} linears in FP8 E4M3 with explicit Q/DQ "
                       f"({report['passes']['fp8_linears']['samples']} calibration samples); the rest fp16")
     slowest, batch = max(s["predicted_s"] for s in stages), report.get("batch", 1)
-    console.print(f"predicted: {f'one batch of {batch} frames' if batch > 1 else 'one frame'} "
+    console.print(f"predicted: {one_run(batch)} "
                   f"{1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, pipelined {batch / slowest:.1f} frames/s "
                   f"(the slowest stage); engines: `shard build-engines BUNDLE` on the device")
     auto = report.get("batch_auto")
@@ -328,6 +328,11 @@ def print_stage_report(report: dict) -> None:
         console.print("--batch auto, predicted per batch size: " + ", ".join(
             f"{c['batch']}: {c['fps']:.0f} frames/s, {1e3 * c['latency_s']:.2f} ms" for c in auto["candidates"])
             + f"; chose {auto['batch']}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
+
+
+def one_run(batch: int) -> str:
+    """What one run of a bundle takes: a frame, or a batch of them (--batch)."""
+    return f"one batch of {batch} frames" if batch > 1 else "one frame"
 
 
 def compile_time(report: dict) -> str:
@@ -407,7 +412,7 @@ def print_totals(report: dict) -> None:
     if predicted:
         batch = report.get("batch", 1)
         console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): "
-                      f"{f'one batch of {batch} frames' if batch > 1 else 'one frame'} "
+                      f"{one_run(batch)} "
                       f"{1e3 * predicted['latency_s']:.1f} ms; run_stream "
                       + ", ".join(f"{batch * fps:.1f}" for fps in predicted["stream_fps"].values())
                       + f" frames/s on {'/'.join(map(str, predicted['stream_fps']))} cores")

@@ -33,27 +33,32 @@ def batched(model: Path, target: str, options: CompileOptions, progress: Progres
     choice: {"batch", "latency_budget_s", "candidates": [{batch, latency_s, fps}]}, else None."""
     if options.batch is not None and options.batch < 1:
         raise ShardError(f"--batch {options.batch}: expected a number of frames of at least 1, or auto")
+    inputs = model_inputs(model, options)
     choice = None
     if options.batch is None:
-        choice = choose_batch(model, target, options, progress)
+        choice = choose_batch(model, inputs, target, options, progress)
         options = replace(options, batch=choice["batch"])
-    return replace(options, input_shapes=batch_shapes(model, options.batch, options)), choice
+    return replace(options, input_shapes=batch_shapes(inputs, options.batch, options)), choice
 
 
-def batch_shapes(model: Path, batch: int, options: CompileOptions) -> dict[str, tuple[int, ...]]:
+def model_inputs(model: Path, options: CompileOptions) -> list:
+    """The model's graph inputs (ValueInfo) that take frames: not its weights, not --input-value's;
+    none where the file does not read as ONNX (the compile's own load then says why, in one line)."""
+    try:
+        graph = onnx.load(str(model), load_external_data=False).graph
+    except (DecodeError, ValueError, RuntimeError, OSError):
+        return []
+    weights = {t.name for t in graph.initializer}
+    return [v for v in graph.input if v.name not in weights and v.name not in options.input_values]
+
+
+def batch_shapes(inputs: list, batch: int, options: CompileOptions) -> dict[str, tuple[int, ...]]:
     """--input-shape with every input's leading axis at `batch` (its other axes as the model or
     --input-shape has them); at the default batch 1, only a dynamic leading axis whose other axes
     are fixed is set, and nothing is refused."""
-    try:
-        graph = onnx.load(str(model), load_external_data=False).graph
-    except (DecodeError, ValueError, RuntimeError, OSError):   # the compile's own load says why, in one line
-        return dict(options.input_shapes)
-    weights = {t.name for t in graph.initializer}
     shapes = dict(options.input_shapes)
-    for value in graph.input:
+    for value in inputs:
         name = value.name
-        if name in weights or name in options.input_values:
-            continue
         dims = value.type.tensor_type.shape.dim
         lead = dims[0] if dims else None
         if batch == 1 and (name in shapes or lead is None or lead.HasField("dim_value") and lead.dim_value > 0
@@ -78,7 +83,7 @@ def batch_shapes(model: Path, batch: int, options: CompileOptions) -> dict[str, 
     return shapes
 
 
-def choose_batch(model: Path, target: str, options: CompileOptions, progress: Progress) -> dict:
+def choose_batch(model: Path, inputs: list, target: str, options: CompileOptions, progress: Progress) -> dict:
     """--batch auto: each of BATCHES through the target's passes in fp16 (no calibration), the
     stages' predicted times giving one batch's latency (their sum) and the pipeline's frames/s (the
     batch over the slowest stage); the smallest batch within NEAR_BEST of the most frames/s among
@@ -89,17 +94,17 @@ def choose_batch(model: Path, target: str, options: CompileOptions, progress: Pr
                          f"--batch N")
     quiet_graphsurgeon()
     profile = load_profile(target, options.profile)
+    proto, _ = prepare_model(load_model(model), tgt.min_opset)   # once: each batch imports its own graph of it
     candidates = []
     for k, batch in enumerate(BATCHES):
         progress(f"--batch auto: the cost model at batch {batch}", k, len(BATCHES))
         try:
-            fixed = replace(options, batch=batch, precision="fp16", input_shapes=batch_shapes(model, batch, options))
+            fixed = replace(options, batch=batch, precision="fp16", input_shapes=batch_shapes(inputs, batch, options))
         except ModelError:
             if batch == 1:
                 raise
             raise ModelError(f"--batch auto: {model.name} takes one batch size only (its inputs' leading axes are "
                              f"fixed); export it with a dynamic batch axis") from None
-        proto, _ = prepare_model(load_model(model), tgt.min_opset)
         _, ctx = run_passes(gs.import_onnx(proto), tgt, profile, fixed)
         seconds = [s["predicted_s"] for s in ctx.reports["stages"]["stages"]]
         candidates.append({"batch": batch, "latency_s": sum(seconds), "fps": batch / max(seconds)})

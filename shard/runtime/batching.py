@@ -23,10 +23,11 @@ class Batching:
 
     size: int
     inputs: tuple[TensorSpec, ...]
+    names: frozenset[str]   # the inputs' names, read on every frame
 
     @classmethod
     def of(cls, manifest: Manifest) -> Batching:
-        return cls(manifest.batch, tuple(manifest.inputs))
+        return cls(manifest.batch, tuple(manifest.inputs), frozenset(t.name for t in manifest.inputs))
 
     @property
     def frame_inputs(self) -> list[TensorSpec]:
@@ -40,7 +41,7 @@ class Batching:
         if self.size == 1:
             return False
         leads = {name: np.shape(value)[0] if np.ndim(value) else None for name, value in frame.items()
-                 if name in {t.name for t in self.inputs}}
+                 if name in self.names}
         if leads and all(lead == 1 for lead in leads.values()):
             return True
         if leads and all(lead == self.size for lead in leads.values()):
@@ -69,9 +70,8 @@ class Batching:
     def stack(self, frames: list[dict]) -> dict:
         """The frames' inputs joined on their leading axis (torch tensors on a GPU stay there); what
         is not a batched input (a value fixed at compile) as the first frame gives it."""
-        batched = {t.name for t in self.inputs}
         out = dict(frames[0])
-        for name in batched & set(out):
+        for name in self.names & set(out):
             values = [f[name] for f in frames]
             if hasattr(values[0], "detach"):
                 import torch
