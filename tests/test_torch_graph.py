@@ -124,3 +124,9 @@ def test_gather_elements_with_negative_indices():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     model.ir_version = 9
     check(model, {"x": x4})
+
+
+def test_gather_of_one_element_by_a_scalar_index():
+    # fp8_replica reads each linear's gate so: a vector's element by a constant scalar index, a scalar
+    check(one_op("Gather", [("x", [5])], [], {"k": np.array(3, np.int64)}, axis=0),
+          {"x": rng.standard_normal(5).astype(np.float32)})

@@ -533,7 +533,7 @@ def _gather(g, node, attrs):
         flat = idx.reshape(-1).long()
         flat = flat.remainder(x.shape[dim]) if flat.numel() else flat   # negative indices count from the end
         out = x.index_select(dim, flat)
-        return out.reshape(*x.shape[:dim], *idx.shape, *x.shape[dim + 1:])
+        return out.reshape((*x.shape[:dim], *idx.shape, *x.shape[dim + 1:]))   # a tuple: () when the result is a scalar
     return run
 
 
