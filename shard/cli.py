@@ -314,10 +314,14 @@ def print_stage_report(report: dict) -> None:
     console.print(stage_table(stages, f"{len(stages)} pipeline stages, {report.get('precision', 'fp16')}"))
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")
-    fp8 = report["passes"].get("fp8_linears", {}).get("changes", [])
-    if fp8:
-        console.print(f"fp8_linears: {len(fp8)} linears in FP8 E4M3 with explicit Q/DQ "
-                      f"({report['passes']['fp8_linears']['samples']} calibration samples); the rest fp16")
+    fp8 = report["passes"].get("fp8_linears", {})
+    for r in fp8.get("rounds", []):
+        console.print(f"fp8 round {r['round']}: {r['fp8_linear_macs']:.1%} of the linears' MACs in FP8, cosine "
+                      f"{r['cosine']:.5f} on {fp8['checked_on']} calibration samples (predicted {r['predicted']:.5f})"
+                      + (" [green]kept[/]" if r["round"] == fp8.get("kept") else ""))
+    if fp8.get("changes"):
+        console.print(f"fp8_linears: {len(fp8['changes'])} linears in FP8 E4M3 with explicit Q/DQ "
+                      f"({fp8['samples']} calibration samples); the rest fp16")
     slowest, batch = max(s["predicted_s"] for s in stages), report.get("batch", 1)
     console.print(f"predicted: {one_run(batch)} "
                   f"{1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, pipelined {batch / slowest:.1f} frames/s "

@@ -31,8 +31,7 @@ from shard.macs import estimate_macs
 
 LINEAR_OPS = ("MatMul", "Gemm", "Conv")
 SIDE = "/outlier/"   # in the name of an outlier split's fp16 side linears (shard.passes.scale_sandwich)
-MIXED_ROUNDS = (0.0, 0.125, 0.25, 0.5, 1.0)   # fp8: shares of the linears' MACs moved to fp16, round by round
-MAX_MIXED_ROUNDS = 5   # int8 mixed: simulator rounds; the last moves every linear to fp16
+MAX_MIXED_ROUNDS = 5   # rounds of mixed precision (int8 on the simulator, fp8 in onnxruntime); the last all fp16
 
 
 def is_linear(node: gs.Node) -> bool:
@@ -79,19 +78,6 @@ def float16_names(nodes: list[gs.Node], promoted: set[str] = frozenset(), inputs
     return sorted(set(names))
 
 
-def promote_share(ranking: list[dict], share: float) -> list[str]:
-    """The first linears of `ranking` ({"node", "macs"}, most sensitive first) whose MACs make up at most
-    `share` of the total: the ones a round of mixed precision (int8 or fp8) moves to fp16."""
-    total = sum(c["macs"] for c in ranking) or 1
-    promoted, macs = [], 0
-    for candidate in ranking:
-        if macs + candidate["macs"] > share * total + 1e-9:
-            break
-        promoted.append(candidate["node"])
-        macs += candidate["macs"]
-    return promoted
-
-
 @dataclass
 class Candidate:
     node: str
@@ -129,6 +115,44 @@ def quantized_tensors(node: gs.Node) -> tuple[gs.Tensor, gs.Tensor]:
     return node.inputs[0], y
 
 
+def gates_input(graph: gs.Graph, wheres: list[str], dtype=np.float32) -> list[gs.Variable]:
+    """Input GATES (one float per entry of `wheres`, 0 or 1) and a scalar gate for each, named after it."""
+    gates = gs.Variable(GATES, dtype=dtype, shape=[len(wheres)])
+    graph.inputs.append(gates)
+    scalars = []
+    for k, where in enumerate(wheres):
+        gate = gs.Variable(f"{where}/g", dtype=dtype)
+        graph.nodes.append(gs.Node("Gather", f"{where}/g", inputs=[gates, gs.Constant(f"{where}/k", np.asarray(k))],
+                                   outputs=[gate]))
+        scalars.append(gate)
+    return scalars
+
+
+def gated_quantize(graph: gs.Graph, t: gs.Variable, gate: gs.Variable, consts: list[gs.Constant], qtype,
+                   where: str) -> gs.Variable:
+    """t + gate x (DequantizeLinear(QuantizeLinear(t)) - t): t itself where the gate is 0, its
+    quantized form where it is 1. `consts`: the scale and zero point; `qtype`: the quantized type."""
+    q = gs.Variable(f"{where}/q", dtype=qtype)
+    dq, delta, gated, out = (gs.Variable(f"{where}/{k}", dtype=t.dtype) for k in ("dq", "delta", "gated", "out"))
+    graph.nodes += [gs.Node("QuantizeLinear", f"{where}/quantize", inputs=[t, *consts], outputs=[q]),
+                    gs.Node("DequantizeLinear", f"{where}/dequantize", inputs=[q, *consts], outputs=[dq]),
+                    gs.Node("Sub", f"{where}/sub", inputs=[dq, t], outputs=[delta]),
+                    gs.Node("Mul", f"{where}/gate", inputs=[delta, gate], outputs=[gated]),
+                    gs.Node("Add", f"{where}/add", inputs=[t, gated], outputs=[out])]
+    return out
+
+
+def gated_weight(graph: gs.Graph, node: gs.Node, gate: gs.Variable, delta: np.ndarray, where: str) -> None:
+    """The linear reads weight + gate x `delta` (the quantized weight less the weight): a weight-sized
+    elementwise op, where a second product would double the replica's MACs."""
+    weight = node.inputs[1]
+    step, effective = (gs.Variable(f"{where}/{n}", dtype=weight.dtype) for n in ("wgated", "weight"))
+    graph.nodes += [gs.Node("Mul", f"{where}/wgate", inputs=[gs.Constant(f"{where}/wdelta", delta), gate],
+                            outputs=[step]),
+                    gs.Node("Add", f"{where}/wadd", inputs=[weight, step], outputs=[effective])]
+    node.inputs[1] = effective
+
+
 def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Graph:
     """A copy of the graph that runs each of `linears` as the vendor's int8 does, where its gate
     (input GATES, one float per linear, 0 or 1) says so: the input and the output fake-quantized
@@ -139,8 +163,8 @@ def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Gra
     graph = graph.copy()
     by_name = {n.name: n for n in graph.nodes}
     chosen = [by_name[n.name] for n in linears]   # gate k is linears[k]
-    gates = gs.Variable(GATES, dtype=np.float32, shape=[len(chosen)])
-    graph.inputs.append(gates)
+    wheres = [f"shard.int8/{k}" for k in range(len(chosen))]
+    gates = gates_input(graph, wheres)
 
     def quantized(t: gs.Variable, gate: gs.Variable, where: str) -> gs.Variable | None:
         s = stats.get(t.name)
@@ -152,39 +176,27 @@ def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Gra
         scale = np.float32((high - low) / 255.0)
         zero = np.uint8(np.clip(np.round(-low / scale), 0, 255))
         consts = [gs.Constant(f"{where}/scale", np.asarray(scale)), gs.Constant(f"{where}/zero", np.asarray(zero))]
-        q, dq, delta, gated, out = (gs.Variable(f"{where}/{k}", dtype=d) for k, d in (
-            ("q", np.uint8), ("dq", np.float32), ("delta", np.float32), ("gated", np.float32), ("out", np.float32)))
-        graph.nodes += [gs.Node("QuantizeLinear", f"{where}/quantize", inputs=[t, *consts], outputs=[q]),
-                        gs.Node("DequantizeLinear", f"{where}/dequantize", inputs=[q, *consts], outputs=[dq]),
-                        gs.Node("Sub", f"{where}/sub", inputs=[dq, t], outputs=[delta]),
-                        gs.Node("Mul", f"{where}/gate", inputs=[delta, gate], outputs=[gated]),
-                        gs.Node("Add", f"{where}/add", inputs=[t, gated], outputs=[out])]
-        return out
+        return gated_quantize(graph, t, gate, consts, np.uint8, where)
 
-    for k, node in enumerate(chosen):
-        where = f"shard.int8/{k}"
-        gate = gs.Variable(f"{where}/g", dtype=np.float32)
-        graph.nodes.append(gs.Node("Gather", f"{where}/g", inputs=[gates, gs.Constant(f"{where}/k", np.asarray(k))],
-                                   outputs=[gate]))
+    for node, gate, where in zip(chosen, gates, wheres):
         x, y = quantized_tensors(node)
         x = quantized(x, gate, f"{where}/in")
         if x is not None:
             node.inputs[0] = x
         weight = node.inputs[1].values
-        raw, step, gated = (gs.Variable(f"{where}/{n}", dtype=np.float32) for n in ("raw", "wstep", "wgated"))
-        product = node.outputs[0]
-        node.outputs[0] = raw
-        graph.nodes += [
-            gs.Node(node.op, f"{where}/w", attrs=dict(node.attrs), inputs=[node.inputs[0], gs.Constant(
-                f"{where}/wdelta", per_channel_int8(weight, weight_axis(node)) - weight)], outputs=[step]),
-            gs.Node("Mul", f"{where}/wgate", inputs=[step, gate], outputs=[gated]),
-            gs.Node("Add", f"{where}/wadd", inputs=[raw, gated], outputs=[product])]
+        gated_weight(graph, node, gate, per_channel_int8(weight, weight_axis(node)) - weight, where)
         out = quantized(y, gate, f"{where}/out")
         if out is not None:
             for user in [u for u in y.outputs if not u.name.startswith(f"{where}/out/")]:
                 user.inputs = [out if i is y else i for i in user.inputs]
             graph.outputs = [out if o is y else o for o in graph.outputs]
     return graph.toposort()
+
+
+def worst_cosine(outputs: list[str], expected: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
+    """The lowest cosine of any output of any sample (a NaN counts as worse than any cosine)."""
+    worst = min(compare(o, e, g).cosine for es, gs_ in zip(expected, got) for o, e, g in zip(outputs, es, gs_))
+    return worst if worst == worst else -1.0
 
 
 def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: int = 2) -> tuple[list[Candidate], float]:
@@ -215,9 +227,7 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: i
     expected = run(np.zeros(len(linears), np.float32))
 
     def cosine(gates: np.ndarray) -> float:
-        got = run(gates)
-        worst = min(compare(o, e, g).cosine for es, gs_ in zip(expected, got) for o, e, g in zip(outputs, es, gs_))
-        return worst if worst == worst else -1.0   # NaN: worse than any cosine
+        return worst_cosine(outputs, expected, run(gates))
 
     index = {n.name: k for k, n in enumerate(linears)}
     ranked = sorted((Candidate(n.name, estimate_macs(n), 1.0 - cosine(np.eye(len(linears), dtype=np.float32)[k]))
@@ -253,3 +263,24 @@ def bisect_prefix(ranking: list[dict], failed: int, passed: int) -> int | None:
     macs = np.cumsum([0] + [c["macs"] for c in ranking])
     middle = (macs[failed] + macs[passed]) / 2
     return int(np.clip(np.argmin(np.abs(macs - middle)), failed + 1, passed - 1))
+
+
+def next_count(rounds: list[dict], linears: list[dict], target: float) -> int | None:
+    """How many of the ranked linears the next round of mixed precision (int8 or fp8) moves to fp16; None
+    to stop. `rounds`: {"promoted", "cosine", "predicted"} each.
+    Until a round reaches the target, the replica's prediction scaled by the last miss (next_prefix),
+    and all of them in the last round; after, the count halfway in MACs between the fewest that
+    reached it and the most that fell short (bisect_prefix), while rounds are left."""
+    if len(rounds) == MAX_MIXED_ROUNDS or not linears:
+        return None
+    counts = {len(r["promoted"]): r["cosine"] >= target for r in rounds}
+    passed = [c for c, ok in counts.items() if ok]
+    if passed:
+        fewest = min(passed)
+        return bisect_prefix(linears, max((c for c in counts if c < fewest), default=0), fewest)
+    last = rounds[-1]
+    if len(last["promoted"]) == len(linears):
+        return None
+    if len(rounds) + 1 == MAX_MIXED_ROUNDS:
+        return len(linears)
+    return next_prefix(linears, 1.0 - target, 1.0 - last["predicted"], 1.0 - last["cosine"], len(last["promoted"]))

@@ -21,7 +21,7 @@ from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
 from shard.graph import fix_input_values, load_model
 from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions
-from shard.precision import MAX_MIXED_ROUNDS, bisect_prefix, next_prefix
+from shard.precision import next_count
 from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
 
 
@@ -68,26 +68,6 @@ def kept_before(this: dict, best: dict, target: float) -> bool:
         return this["cosine"] >= target
     return this["int8_mac_share"] > best["int8_mac_share"] if this["cosine"] >= target else \
         this["cosine"] > best["cosine"]
-
-
-def next_count(rounds: list[dict], linears: list[dict], target: float) -> int | None:
-    """How many of the ranked linears the next round of mixed precision moves to fp16; None to stop.
-    Until a round reaches the target, the replica's prediction scaled by the last miss (next_prefix),
-    and all of them in the last round; after, the count halfway in MACs between the fewest that
-    reached it and the most that fell short (bisect_prefix), while rounds are left."""
-    if len(rounds) == MAX_MIXED_ROUNDS or not linears:
-        return None
-    counts = {len(r["promoted"]): r["cosine"] >= target for r in rounds}
-    passed = [c for c, ok in counts.items() if ok]
-    if passed:
-        fewest = min(passed)
-        return bisect_prefix(linears, max((c for c in counts if c < fewest), default=0), fewest)
-    last = rounds[-1]
-    if len(last["promoted"]) == len(linears):
-        return None
-    if len(rounds) + 1 == MAX_MIXED_ROUNDS:
-        return len(linears)
-    return next_prefix(linears, 1.0 - target, 1.0 - last["predicted"], 1.0 - last["cosine"], len(last["promoted"]))
 
 
 def compile_mixed(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
