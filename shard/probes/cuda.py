@@ -108,9 +108,12 @@ def probe_cuda(progress: Callable[[str, int, int], None] = lambda *a: None) -> P
 def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = lambda *a: None
                 ) -> tuple[dict[str, float], dict[str, float]]:
     """For every distinct op of the bundle's stages (shard.targets.gpu.roofline.op_signature), as the
-    cuda executor runs it, each step captured alone in a CUDA graph and replayed: ({signature: seconds}
-    op by op, {signature: its share of the fused kernel that computes it}). A fused kernel's time is
-    shared among its ops in proportion to their times alone; an op no step needs once fused costs 0."""
+    cuda executor runs it: ({signature: seconds} op by op, {signature: its share of the stage as it
+    runs}). Each step of the stage's fused form is captured alone in a CUDA graph and replayed, and
+    its time shared among its ops in proportion to their times alone (an op no step needs once fused
+    costs 0); the shares are then scaled to the whole stage in the form the executor keeps, the
+    faster of eager and torch.compile'd, which fuses further (an FP8 stage's quantize steps, four
+    kernels each in the eager form, go into the op before them)."""
     import onnx
     import onnx_graphsurgeon as gs
 
@@ -133,15 +136,31 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
                                            lambda covers: signature(covers[0]) in alone):
             alone[signature(covers[0])] = seconds
         fused = TorchGraph(model, "cuda", shard.name)
+        mine: dict[str, float] = {}
         for covers, seconds in timed_steps(torch, fused, shard.inputs,
-                                           lambda covers: all(signature(n) in shares for n in covers)):
+                                           lambda covers: all(signature(n) in mine for n in covers)):
             parts = [alone[signature(n)] for n in covers]
             for node, part in zip(covers, parts):
-                shares.setdefault(signature(node), seconds * part / (sum(parts) or 1.0))
-        shares.update({signature(n): 0.0 for n in fused.dropped if signature(n) not in shares})
+                mine.setdefault(signature(node), seconds * part / (sum(parts) or 1.0))
+        mine.update({signature(n): 0.0 for n in fused.dropped if signature(n) not in mine})
+        steps = sum(mine[signature(n)] for nodes_ in fused.covers for n in nodes_)
+        scale = kept_seconds(torch, fused, shard.inputs) / steps if steps else 1.0
+        for name, seconds in mine.items():
+            shares.setdefault(name, seconds * scale)
         del fused
     progress("ops", len(manifest.shards), len(manifest.shards))
     return alone, shares
+
+
+def kept_seconds(torch, graph, inputs) -> float:
+    """One run of a stage in the form the cuda executor keeps (the faster of its forms), captured and
+    replayed."""
+    from shard.runtime import random_inputs
+    from shard.runtime.executors.cuda import stage_forms
+
+    feeds = [torch.from_numpy(random_inputs(inputs)[name]).to("cuda") for name in graph.inputs]
+    with torch.no_grad():
+        return min(time_graph(torch, lambda fn=fn: fn(*feeds)) for fn in stage_forms(graph, "cuda").values())
 
 
 def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
@@ -172,5 +191,6 @@ def add_measured_ops(profile: Profile, bundle: str | Path, progress: Callable[[s
     profile.facts["fused_op_seconds"] = {**profile.facts.get("fused_op_seconds", {}), **shares}
     profile.facts["fused_op_seconds_source"] = ("shard probe --target cuda --ops: each step of the cuda executor's "
                                                 "fused form alone, captured and replayed, shared among the ops it "
-                                                "computes in proportion to their times alone")
+                                                "computes in proportion to their times alone, scaled to the whole "
+                                                "stage in the form the executor keeps (eager or torch.compile'd)")
     return len(alone)
