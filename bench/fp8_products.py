@@ -9,8 +9,10 @@ probe times its kernels (shard.probes.cuda.time_graph):
 fp16 F.linear with its bias; torch._scaled_mm with a scale per row and per column, fp16 out, the
 bias in its epilogue; the same with fast accumulation (the form the executor uses where torch
 takes it); one scale per tensor, then the column scales and the bias in one addcmul (the
-executor's other form). Ends with one line per shape:
-    RESULT m=... k=... n=... fp16_us=... rowwise=... rowwise_fast=... tensorwise=...   (fp16 time over each)
+executor's other form); one scale per tensor for the weight too, the bias in the epilogue, fast
+accumulation (pertensor_fast: no scale per column at all). Ends with one line per shape:
+    RESULT m=... k=... n=... fp16_us=... rowwise=... rowwise_fast=... tensorwise=... pertensor_fast=...
+        (fp16 time over each)
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main() -> None:
                                                          use_fast_accum=True),
                 "tensorwise": lambda: torch.addcmul(bias, torch._scaled_mm(q, w8, one, least, out_dtype=torch.float16),
                                                     ratio),
+                "pertensor_fast": lambda: torch._scaled_mm(q, w8, one, least, bias=bias, out_dtype=torch.float16,
+                                                           use_fast_accum=True),
             }
             seconds = {}
             for name, fn in forms.items():

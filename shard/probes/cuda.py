@@ -12,6 +12,8 @@ kernels instead of guessing their efficiency).
 
 from __future__ import annotations
 
+import collections
+
 import datetime
 from typing import Callable
 
@@ -111,9 +113,9 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
     cuda executor runs it: ({signature: seconds} op by op, {signature: its share of the stage as it
     runs}). Each step of the stage's fused form is captured alone in a CUDA graph and replayed, and
     its time shared among its ops in proportion to their times alone (an op no step needs once fused
-    costs 0); the shares are then scaled to the whole stage in the form the executor keeps, the
-    faster of eager and torch.compile'd, which fuses further (an FP8 stage's quantize steps, four
-    kernels each in the eager form, go into the op before them)."""
+    costs 0). An FP8 stage's quantizes (four kernels each in that form) go into the op before them in
+    the torch.compile'd form the executor keeps: they are charged what the stage takes in the form
+    kept beyond its other ops, in proportion to their own times."""
     import onnx
     import onnx_graphsurgeon as gs
 
@@ -127,6 +129,7 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
     manifest = read_manifest(bundle)
     alone: dict[str, float] = {}
     shares: dict[str, float] = {}
+    kept = None
     for k, shard in enumerate(manifest.shards):
         progress(f"ops of {shard.name}", k, len(manifest.shards))
         model = onnx.load(str(bundle / shard.onnx))
@@ -143,24 +146,41 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
             for node, part in zip(covers, parts):
                 mine.setdefault(signature(node), seconds * part / (sum(parts) or 1.0))
         mine.update({signature(n): 0.0 for n in fused.dropped if signature(n) not in mine})
-        steps = sum(mine[signature(n)] for nodes_ in fused.covers for n in nodes_)
-        scale = kept_seconds(torch, fused, shard.inputs) / steps if steps else 1.0
+        counts = collections.Counter(signature(n) for nodes_ in fused.covers for n in nodes_)
+        quantizes = {signature(n) for nodes_ in fused.covers for n in nodes_ if n.op_type == "QuantizeLinear"}
+        if quantizes:
+            if kept is None:
+                progress("loading the bundle", k, len(manifest.shards))
+                kept = kept_seconds(torch, bundle)
+            mine = charge_quantizes(mine, counts, quantizes, kept[shard.name])
         for name, seconds in mine.items():
-            shares.setdefault(name, seconds * scale)
+            shares.setdefault(name, seconds)
         del fused
     progress("ops", len(manifest.shards), len(manifest.shards))
     return alone, shares
 
 
-def kept_seconds(torch, graph, inputs) -> float:
-    """One run of a stage in the form the cuda executor keeps (the faster of its forms), captured and
-    replayed."""
-    from shard.runtime import random_inputs
-    from shard.runtime.executors.cuda import stage_forms
+def charge_quantizes(shares: dict[str, float], counts: dict[str, int], quantizes: set[str], stage: float
+                     ) -> dict[str, float]:
+    """`shares` with the quantizes' scaled so that the stage's ops (each signature `counts` times) sum to
+    `stage` seconds: they get what the stage takes beyond the other ops, in proportion to their own
+    shares, and nothing where the others already take it all."""
+    rest = sum(shares[name] * count for name, count in counts.items() if name not in quantizes)
+    eager = sum(shares[name] * counts[name] for name in quantizes)
+    factor = max(stage - rest, 0.0) / eager if eager else 0.0
+    return {name: seconds * factor if name in quantizes else seconds for name, seconds in shares.items()}
 
-    feeds = [torch.from_numpy(random_inputs(inputs)[name]).to("cuda") for name in graph.inputs]
-    with torch.no_grad():
-        return min(time_graph(torch, lambda fn=fn: fn(*feeds)) for fn in stage_forms(graph, "cuda").values())
+
+def kept_seconds(torch, bundle: Path) -> dict[str, float]:
+    """{stage: one replay of it as the cuda executor runs it}: the bundle loaded, each stage in the form
+    the executor keeps (the faster of its forms), its CUDA graph replayed alone."""
+    from shard.runtime import Session
+    from shard.runtime.executors.gpu import replay_seconds
+
+    with Session(bundle, backend="cuda") as session:
+        return {shard.name: replay_seconds(torch, session.executors[shard.core].prepared[shard.name].graph,
+                                           session.executors[shard.core].stream)
+                for shard in session.manifest.shards}
 
 
 def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
