@@ -98,13 +98,15 @@ def test_linear_with_its_bias():
     assert "w" not in graph.values   # the weight is held once, in the fused step's layout
 
 
-def fp8_linear_model(bias: bool, width: int = 48) -> onnx.ModelProto:
+def fp8_linear_model(bias: bool, width: int = 48, whole: bool = False) -> onnx.ModelProto:
     """x (fp16) through QuantizeLinear/DequantizeLinear to E4M3 at one scale, times an E4M3 weight
-    dequantized per output column, plus a bias: the form fp8_linears writes."""
+    dequantized per output column (or with one scale, `whole`), plus a bias: the forms fp8_linears
+    writes."""
     import ml_dtypes
 
     w = rng.standard_normal((32, width)).astype(np.float32)
-    scales = (np.abs(w).max(0) / 448).astype(np.float16)
+    scales = (np.abs(w).max() if whole else np.abs(w).max(0)) / np.float32(448)
+    scales = np.asarray(scales).astype(np.float16)
     fp8 = lambda name, v: numpy_helper.from_array(v.astype(ml_dtypes.float8_e4m3fn), name)  # noqa: E731
     inits = [fp8("w8", w / scales.astype(np.float32)), numpy_helper.from_array(scales, "ws"), fp8("z", np.zeros(())),
              numpy_helper.from_array(np.array(3.0 / 448, np.float16), "xs"),
@@ -121,11 +123,11 @@ def fp8_linear_model(bias: bool, width: int = 48) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(model)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_an_fp8_linear_runs_as_one_scaled_product(bias):
+@pytest.mark.parametrize("bias, whole", [(True, False), (False, False), (True, True), (False, True)])
+def test_an_fp8_linear_runs_as_one_scaled_product(bias, whole):
     from shard.runtime.executors import torch_fusions
 
-    model = fp8_linear_model(bias)
+    model = fp8_linear_model(bias, whole=whole)
     x = rng.uniform(-3, 3, (2, 5, 32)).astype(np.float16)
     want = run_ort(model, {"x": x}, optimize=False)[0].astype(np.float32)
     graph = TorchGraph(model, "cpu")
@@ -144,7 +146,7 @@ def test_an_fp8_linear_runs_as_one_scaled_product(bias):
     bias_values = torch.from_numpy(numpy_helper.to_array(model.graph.initializer[4])) if bias else None
     scale = float(np.float16(3.0 / 448))
     q = (torch.from_numpy(x).float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    for rows in (10, None):
+    for rows in (10, None):   # with one weight scale, the rows are not needed
         run = torch_fusions.scaled_product(w8.to(torch.float8_e4m3fn), ws.reshape(1, -1), scale, bias_values, rows)
         np.testing.assert_allclose(run(q).float().numpy(), got, atol=2e-2, rtol=2e-3)
 

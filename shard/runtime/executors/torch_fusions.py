@@ -172,7 +172,7 @@ def linear(node, stage: Nodes) -> Fused | None:
 
 def fp8_linear(node, stage: Nodes) -> Fused | None:
     """MatMul(DequantizeLinear(q, s), W) [+ b]: q an FP8 tensor, s one scale, W a constant made at load
-    by DequantizeLinear(W8, per-column scales) from an FP8 [K, N] weight; K and N multiples of 16 (the
+    by DequantizeLinear(W8, one scale or one per column) from an FP8 [K, N] weight; K and N multiples of 16 (the
     FP8 products' own rule)."""
     producer, values = stage.producer, stage.values
     if node.op_type != "MatMul" or node.input[0] in values:
@@ -191,7 +191,7 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
     w8, scales = values.get(made.input[0]), values.get(made.input[1])
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in made.attribute}
     if w8 is None or w8.dtype != torch.float8_e4m3fn or w8.dim() != 2 or attrs.get("axis", 1) != 1 \
-            or scales is None or scales.numel() != w8.shape[1] or w8.shape[0] % 16 or w8.shape[1] % 16:
+            or scales is None or scales.numel() not in (1, w8.shape[1]) or w8.shape[0] % 16 or w8.shape[1] % 16:
         return None
     nodes, output, bias = [node], node.output[0], None
     readers = stage.consumers.get(output, [])
@@ -210,13 +210,18 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
 
 def scaled_product(w8, column_scales, scale: float, bias, rows: int | None) -> Callable:
     """q [..., K] (E4M3, `rows` rows of K where known) -> q x w8 (E4M3 [K, N]) scaled by `scale` per row
-    and `column_scales` per column, plus `bias`, in fp16: one torch._scaled_mm with a scale per row and
-    per column where this torch and device take it, else one scale for the whole weight (its
-    smallest: no output can overflow) and the rest in one fused multiply-add."""
+    and `column_scales` per column (or one for the whole weight), plus `bias`, in fp16: with one weight
+    scale, one torch._scaled_mm with the bias in its epilogue; with one per column, one with a scale
+    per row and per column where this torch and device take it, else one scale for the whole weight
+    (its smallest: no output can overflow) and the rest in one fused multiply-add."""
     import torch
 
     b = w8.t().contiguous().t()   # column-major, as the FP8 products read their second operand
     k, n = w8.shape
+    if column_scales.numel() == 1:
+        one, whole = torch.tensor(scale, device=w8.device), column_scales.reshape(())
+        return lambda q: torch._scaled_mm(q.reshape(-1, k), b, one, whole, bias=bias, out_dtype=torch.float16,
+                                          use_fast_accum=True).reshape(*q.shape[:-1], n)
     if rows and rowwise_scales(w8.device):
         per_row = torch.full((rows, 1), scale, dtype=torch.float32, device=w8.device)
         return lambda q: rowwise(q.reshape(rows, k), b, per_row, column_scales, bias).reshape(*q.shape[:-1], n)
