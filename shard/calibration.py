@@ -294,11 +294,18 @@ STATS_VERSION = 3   # 2: the key hashes the model part by part; 3: and the lifte
 
 def stats_key(reduced: onnx.ModelProto, names: list[str] | None, samples: list[dict[str, np.ndarray]],
               weights: dict[str, np.ndarray]) -> str:
+    return content_key(f"stats {STATS_VERSION} {sorted(names) if names is not None else '*'}", reduced, samples,
+                       weights, "stats")
+
+
+def content_key(what: str, model: onnx.ModelProto, samples: list[dict[str, np.ndarray]],
+                weights: dict[str, np.ndarray], prefix: str) -> str:
+    """A build cache key, `prefix`-..., for `what` computed from a (lifted) model, its weights and samples."""
     import hashlib
 
-    digest = hashlib.sha256(f"stats {STATS_VERSION} {sorted(names) if names is not None else '*'}".encode())
-    graph = reduced.graph   # part by part: the model's bytes are never all copied at once
-    for parts in (reduced.opset_import, graph.initializer, graph.node, graph.input, graph.output):
+    digest = hashlib.sha256(what.encode())
+    graph = model.graph   # part by part: the model's bytes are never all copied at once
+    for parts in (model.opset_import, graph.initializer, graph.node, graph.input, graph.output):
         digest.update(len(parts).to_bytes(8, "little"))
         for part in parts:
             data = part.SerializeToString()
@@ -308,7 +315,7 @@ def stats_key(reduced: onnx.ModelProto, names: list[str] | None, samples: list[d
             value = np.ascontiguousarray(sample[name])
             digest.update(f"{name} {value.dtype.str} {value.shape}".encode())
             digest.update(memoryview(value).cast("B"))
-    return "stats-" + digest.hexdigest()[:32]
+    return f"{prefix}-" + digest.hexdigest()[:32]
 
 
 def measure_stats(reduced: onnx.ModelProto, outs: dict[str, tuple], samples: list[dict[str, np.ndarray]],

@@ -130,6 +130,19 @@ def test_fp8_linears_keep_the_most_fp8_the_target_allows_in_the_ranking_order():
                   run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]) > 0.998
 
 
+def test_fp8_search_is_read_back_from_the_build_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path))
+    first, ctx = gpu_graph(mlp_chain(3), precision="fp8", until="stages", min_cosine=0.999)
+    second, again = gpu_graph(mlp_chain(3), precision="fp8", until="stages", min_cosine=0.999)
+    one, two = ctx.reports["fp8_linears"], again.reports["fp8_linears"]
+    assert "cached" not in one and two["cached"] is True
+    assert {k: two[k] for k in ("rounds", "kept", "ranking", "changes")} == \
+        {k: one[k] for k in ("rounds", "kept", "ranking", "changes")}
+    assert gs.export_onnx(first).SerializeToString() == gs.export_onnx(second).SerializeToString()
+    _, other = gpu_graph(mlp_chain(3), precision="fp8", until="stages", min_cosine=0.9995)   # another target
+    assert "cached" not in other.reports["fp8_linears"]
+
+
 def test_fp8_linears_keep_every_linear_fp16_where_no_share_holds():
     graph, ctx = gpu_graph(mlp_chain(2), precision="fp8", until="stages", min_cosine=1.0)
     report = ctx.reports["fp8_linears"]

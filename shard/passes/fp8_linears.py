@@ -27,14 +27,18 @@ first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from shard.calibration import calibration_samples, collect_stats, lifted, ort_session, run_each, stats_cache
-from shard.errors import ModelError
+from shard.cache_folder import entry_file, store_entry
+from shard.calibration import (calibration_samples, collect_stats, content_key, lifted, ort_session, run_each,
+                               stats_cache)
+from shard.errors import ModelError, RunError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes.context import PassContext
 from shard.macs import estimate_macs
@@ -45,6 +49,7 @@ E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6
 MAX_SUBNORMAL = 1e-3   # a weight's share under E4M3's normal range past which it is scaled per channel
 CHECK_SAMPLES = 4                       # calibration samples the cosine is measured on
+SEARCH_FILE, SEARCH_VERSION = "fp8_search.json", 1   # the build cache's entry of a search (search_fp8)
 FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 
@@ -96,7 +101,8 @@ def fp8_variable(name: str, shape) -> gs.Variable:
 
 
 def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
-
+    """The linears in FP8 that search_fp8 keeps (a search of the same graph, samples and target is read
+    back from the build cache), Q/DQ written in."""
     if ctx.options.precision != "fp8":
         return graph, {"skipped": f"precision {ctx.options.precision}"}
     found = linears(graph)
@@ -109,42 +115,61 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     model, weights = lifted(graph)
     stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
                           cache=stats_cache(ctx), weights=weights)
-    check = samples[:CHECK_SAMPLES]
-    outputs = [t.name for t in graph.outputs]
-    expected = list(run_each(model, [{**s, **weights} for s in check], outputs, optimize=False))
+    cache = stats_cache(ctx)
+    key = content_key(f"fp8 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES}", model, samples,
+                      weights, "fp8") if cache is not None else None
+    found_entry = key and entry_file(cache, key, SEARCH_FILE)
+    if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
+        search = {**json.loads(found_entry.read_text()), "cached": True}
+    else:
+        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine)
+        if key:
+            store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
     del model, weights
-    ranking = rank_fp8(graph, stats, found, samples[min(CHECK_SAMPLES, len(samples) - 1)], outputs)
-    total = sum(c["macs"] for c in ranking) or 1
-    allowed = 1.0 - ctx.options.min_cosine
-    count = 0 if 1.0 - ranking[0]["cosine_before"] <= SAFETY * allowed else next_prefix(ranking, allowed, 1.0, 1.0, 0)
-    rounds, kept = [], {id(n): list(n.inputs) for n, _ in found}
-    while count is not None:
-        promoted = [c["node"] for c in ranking[:count]]
-        restore(graph, found, kept)
-        quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(promoted)], stats)
-        got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
-        rounds.append({"round": len(rounds) + 1, "promoted": promoted, "cosine": worst_cosine(
-            outputs, [[e[n] for n in outputs] for e in expected], [[g[n] for n in outputs] for g in got]),
-            "predicted": float(ranking[count - 1]["cosine_after"] if count else ranking[0]["cosine_before"]),
-            "fp8_linear_macs": 1 - sum(c["macs"] for c in ranking[:count]) / total})
-        count = next_count(rounds, ranking, ctx.options.min_cosine)
-    held = [r for r in rounds if r["cosine"] >= ctx.options.min_cosine and r["fp8_linear_macs"] > 0]
-    best = max(held, key=lambda r: r["fp8_linear_macs"]) if held else None
-    restore(graph, found, kept)
+    best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
     changes = quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(best["promoted"])], stats) \
         if best else []
     if not changes:
-        tried = max((r for r in rounds if r["fp8_linear_macs"] > 0), key=lambda r: r["cosine"], default=None)
+        tried = max((r for r in search["rounds"] if r["fp8_linear_macs"] > 0), key=lambda r: r["cosine"], default=None)
         closest = f" (at best {tried['cosine']:.5f} with {tried['fp8_linear_macs']:.0%} of their MACs in FP8)" \
             if tried else ""
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
                             f"calibration samples in onnxruntime{closest}: every linear stays fp16")
-    return graph, {"changes": changes, "rounds": rounds, "kept": best["round"] if best else None,
-                   "samples": len(samples), "checked_on": len(check), "ranked_on": 1,
-                   "ranking": [{k: c[k] for k in ("node", "macs", "error")} for c in ranking],
-                   "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many would be "
-                             "subnormal)",
+    return graph, {**search, "changes": changes, "samples": len(samples),
+                   "checked_on": min(CHECK_SAMPLES, len(samples)), "ranked_on": 1,
+                   "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
+                             "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
+
+
+def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
+               weights: dict, target: float) -> dict:
+    """The linears ranked (rank_fp8), then rounds of the graph with the real Q/DQ in onnxruntime on the
+    first CHECK_SAMPLES samples against the graph itself, as many as next_count asks: {"ranking",
+    "rounds", "kept" (the round with the most FP8 that reaches `target`, else None)}. The graph is
+    left as it came."""
+    check = samples[:CHECK_SAMPLES]
+    outputs = [t.name for t in graph.outputs]
+    expected = [[e[n] for n in outputs] for e in run_each(model, [{**s, **weights} for s in check], outputs,
+                                                          optimize=False)]
+    ranking = rank_fp8(graph, stats, found, samples[min(CHECK_SAMPLES, len(samples) - 1)], outputs)
+    total = sum(c["macs"] for c in ranking) or 1
+    allowed = 1.0 - target
+    count = 0 if 1.0 - ranking[0]["cosine_before"] <= SAFETY * allowed else next_prefix(ranking, allowed, 1.0, 1.0, 0)
+    rounds, inputs = [], {id(n): list(n.inputs) for n, _ in found}
+    while count is not None:
+        promoted = [c["node"] for c in ranking[:count]]
+        quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(promoted)], stats)
+        got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
+        restore(graph, found, inputs)
+        rounds.append({"round": len(rounds) + 1, "promoted": promoted,
+                       "cosine": worst_cosine(outputs, expected, [[g[n] for n in outputs] for g in got]),
+                       "predicted": float(ranking[count - 1]["cosine_after"] if count else ranking[0]["cosine_before"]),
+                       "fp8_linear_macs": 1 - sum(c["macs"] for c in ranking[:count]) / total})
+        count = next_count(rounds, ranking, target)
+    held = [r for r in rounds if r["cosine"] >= target and r["fp8_linear_macs"] > 0]
+    return {"ranking": [{"node": c["node"], "macs": int(c["macs"]), "error": float(c["error"])} for c in ranking],
+            "rounds": rounds, "kept": max(held, key=lambda r: r["fp8_linear_macs"])["round"] if held else None}
 
 
 def rank_fp8(graph: gs.Graph, stats: dict, found: list, sample: dict, outputs: list[str]) -> list[dict]:
@@ -194,7 +219,10 @@ def replica_runner(model: onnx.ModelProto, sample: dict, outputs: list[str]):
     if gpu:
         from shard.runtime.executors.torch_graph import TorchGraph
 
-        graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)
+        try:
+            graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)
+        except RunError:   # an op with no torch form: onnxruntime's turn
+            return ort_runner(model, sample, outputs)
         feeds = [torch.from_numpy(np.ascontiguousarray(sample[name])).to("cuda") for name in graph.inputs[:-1]]
 
         def on_gpu(gates: np.ndarray) -> list[np.ndarray]:
@@ -202,6 +230,10 @@ def replica_runner(model: onnx.ModelProto, sample: dict, outputs: list[str]):
                 got = graph(*feeds, torch.from_numpy(gates).to("cuda"))
             return [got[graph.outputs.index(o)].float().cpu().numpy() for o in outputs]
         return on_gpu
+    return ort_runner(model, sample, outputs)
+
+
+def ort_runner(model: onnx.ModelProto, sample: dict, outputs: list[str]):
     session = ort_session(model, optimize=False)
     feeds = {i.name: sample[i.name] for i in session.get_inputs() if i.name != GATES}
     return lambda gates: session.run(outputs, {**feeds, GATES: gates})
