@@ -36,9 +36,10 @@ measured / floor (roofline.stage_floor: FLOPs at the peak, weights and the stage
 outputs moved once).
 With --precision fp16,fp8 each further precision is compiled and measured beside the first, and
 gets its own line:
-    RESULT model=... precision=fp8 vs=fp16 at_1x1=... best=... (K=.. B=..) cosine=...
+    RESULT model=... precision=fp8 vs=fp16 at_1x1=... best=... (K=.. B=..) device=... cosine=...
 at_1x1: its frames/s over the first precision's at K = 1, B = 1; best: the same ratio at the K x B
-where it is highest. With --ops, every op's time alone and its share of the fused kernel that runs
+where it is highest; device: the first precision's device time over its own there (the sums of the
+stages' CUDA graphs). With --ops, every op's time alone and its share of the fused kernel that runs
 it (shard probe --target cuda --ops) go into the profile before the bundles are compiled, so the
 predictions are for the fused stages.
 """
@@ -287,8 +288,9 @@ def main() -> None:
         for p in precisions[1:]:   # each further precision against the first, at the same K and B
             pairs = {(k, b): r["fps"] / runs[k, b]["fps"] for (k, b, q), r in every.items() if q == p}
             top = max(pairs, key=pairs.get)
+            device = sum(runs[top]["stages"].values()) / sum(every[(*top, p)]["stages"].values())
             results.append(f"RESULT model={name} precision={p} vs={precisions[0]} at_1x1={pairs.get((1, 1), 0):.3f} "
-                           f"best={pairs[top]:.3f} (K={top[0]} B={top[1]}) "
+                           f"best={pairs[top]:.3f} (K={top[0]} B={top[1]}) device={device:.3f} "
                            f"cosine={min(r['cosine'] for (_, _, q), r in every.items() if q == p):.6f}")
     print("\n".join(results))
 
