@@ -13,15 +13,15 @@ activations they scale.
 Precision that is checked: E4M3 keeps 3 mantissa bits, so each linear adds noise to its output
 whatever the scales (ViT-tiny with seeded weights, every linear in FP8: cosine 0.93 end to end in
 onnxruntime). How much of it reaches the output differs by linear: SigLIP-base-512 (seeded weights),
-each linear alone in FP8: 1e-7 of cosine lost for a Q or K projection (softmax hardly moves), 2-5e-5
-for V, the output projection and the MLP's in the later layers, 1.6e-4 for the first layer's second
-MLP linear; the losses add up (every prefix of the order below within 3 % of their sum). So the pass
-ranks the linears once on fp8_replica (each linear alone in FP8 behind a gate, on a calibration sample
-the check does not use), the most harmful per MAC first, and moves to fp16 the fewest whose loss, as
-the sum of the rest predicts it, leaves the target a margin; the graph with the real Q/DQ, run in
-onnxruntime on the calibration samples against the fp16 graph, decides, round by round as mixed
-precision does on RK3588 (shard.compilation.variants.next_count); the round with the most FP8 that
-holds `--min-cosine` is kept. Every round is reported. Ordered by size alone (the smallest back
+each linear alone in FP8: 1e-7 of cosine lost for a Q or K projection (softmax hardly moves), 2.5-7e-5
+for V, the output projection and the MLP's, 1.2-1.6e-4 for the first two layers' second MLP linear;
+the losses add up (every sixth prefix of the order below within 3 % of their sum). So the pass ranks
+the linears once on fp8_replica (each linear alone in FP8 behind a gate, on a calibration sample the
+check does not use, where there are more than it uses), the most harmful per MAC first, and moves
+to fp16 the fewest whose loss, as the sum of the rest predicts it, leaves the target a margin; the
+graph with the real Q/DQ, run in onnxruntime on the calibration samples against the fp16 graph,
+decides, round by round as mixed precision does on RK3588 (shard.precision.next_count); the round
+with the most FP8 that holds `--min-cosine` is kept. Every round is reported. Ordered by size alone (the smallest back
 first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 """
 
@@ -75,8 +75,8 @@ def fp8_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, n
     weight). One scale for the whole weight: E4M3 is floating point, so a channel of small weights
     keeps its 3 mantissa bits at the tensor's scale (SigLIP-base, every linear FP8: cosine lost
     0.00234 against 0.00236 with a scale per channel), and the product then takes its bias in the
-    same kernel (on an H200 1.07-1.52x the per-channel product at batch 1, 0.95-1.09x at 16, SigLIP's shapes:
-    bench/fp8_products.py). One per output channel where more than MAX_SUBNORMAL of the weights would
+    same kernel (on an H200, SigLIP's shapes: 1.07-1.52x the per-channel product at batch 1,
+    0.95-1.09x at 16; bench/fp8_products.py). One per output channel where more than MAX_SUBNORMAL of the weights would
     fall under E4M3's smallest normal value at the tensor's scale (SigLIP-base: 3.5e-5)."""
     w = np.asarray(weight, np.float32)
     whole = np.float16(np.abs(w).max() / E4M3_MAX)
@@ -113,9 +113,9 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                          f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     model, weights = lifted(graph)
-    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
-                          cache=stats_cache(ctx), weights=weights)
     cache = stats_cache(ctx)
+    stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
+                          cache=cache, weights=weights)
     key = content_key(f"fp8 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES}", model, samples,
                       weights, "fp8") if cache is not None else None
     found_entry = key and entry_file(cache, key, SEARCH_FILE)
