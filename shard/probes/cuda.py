@@ -13,7 +13,6 @@ kernels instead of guessing their efficiency).
 from __future__ import annotations
 
 import collections
-
 import datetime
 from typing import Callable
 
@@ -211,6 +210,7 @@ def add_measured_ops(profile: Profile, bundle: str | Path, progress: Callable[[s
     profile.facts["fused_op_seconds"] = {**profile.facts.get("fused_op_seconds", {}), **shares}
     profile.facts["fused_op_seconds_source"] = ("shard probe --target cuda --ops: each step of the cuda executor's "
                                                 "fused form alone, captured and replayed, shared among the ops it "
-                                                "computes in proportion to their times alone, scaled to the whole "
-                                                "stage in the form the executor keeps (eager or torch.compile'd)")
+                                                "computes in proportion to their times alone; an FP8 stage's "
+                                                "quantizes charged what it takes in the form the executor keeps "
+                                                "beyond its other ops")
     return len(alone)

@@ -34,24 +34,6 @@ def compiles(device: str) -> bool:
     return device != "cpu" and os.environ.get(COMPILE, "1") != "0"
 
 
-def stage_forms(graph: TorchGraph, device: str) -> dict:
-    """A stage's forms, each called with its inputs in the graph's order: "eager", and "compiled"
-    (torch.compile) where compiles(device)."""
-    forms = {"eager": graph}
-    if compiles(device):
-        import torch
-
-        compiled = torch.compile(graph, dynamic=False)
-
-        def run_compiled(*inputs):
-            # every stage is one more compile of TorchGraph.__call__: past dynamo's limit of 8 a code
-            # object, later stages would silently run eager
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                return compiled(*inputs)
-        forms["compiled"] = run_compiled
-    return forms
-
-
 class CudaExecutor(StreamExecutor):
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
                  graphs: bool = True, entering: set[str] = frozenset(), writes: dict | None = None):
@@ -61,7 +43,18 @@ class CudaExecutor(StreamExecutor):
         def make_stage(shard: ShardSpec, buffers: list):
             graph = TorchGraph(onnx.load(str(bundle / shard.onnx)), device, shard.name)
             order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
-            return {form: (lambda inputs, fn=fn: fn(*[inputs[k] for k in order]))
-                    for form, fn in stage_forms(graph, device).items()}
+            forms = {"eager": lambda inputs: graph(*[inputs[k] for k in order])}
+            if compiles(device):
+                import torch
+
+                compiled = torch.compile(graph, dynamic=False)
+
+                def run_compiled(inputs):
+                    # every stage is one more compile of TorchGraph.__call__: past dynamo's limit of 8 a
+                    # code object, later stages would silently run eager
+                    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                        return compiled(*[inputs[k] for k in order])
+                forms["compiled"] = run_compiled
+            return forms
 
         super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering, writes)
