@@ -391,3 +391,22 @@ def test_strong_types_warns_of_a_constant_past_fp16():
     model.ir_version = 8
     _, ctx = gpu_graph(model, until="fp8_linears")
     assert any("big" in w and "scale_up" in w for w in ctx.warnings)
+
+
+def test_large_host_copies_split_over_threads_give_what_one_copy_gives(monkeypatch):
+    # The float32 frames in and out of a batch are the host's work between a stage's replays
+    from shard.runtime.executors import gpu
+
+    monkeypatch.setenv(gpu.COPY_THREADS, "4")
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((1, 3, 1024, 1024))            # float64, 24 MB, one frame: split flat
+    cases = [(np.empty(big.shape, np.float32), big),
+             (np.empty((1024, 3, 1024), np.float32), big[0].transpose(1, 0, 2)),   # not contiguous: split by rows
+             (np.empty((16, 3, 256, 256), np.float16), np.float32(2.5)),            # broadcast
+             (np.empty((4, 8), np.float32), rng.standard_normal((4, 8)))]          # small: one copy
+    for dst, src in cases:
+        want = np.empty_like(dst)
+        np.copyto(want, src, casting="unsafe")
+        gpu.copy_into(dst, src)
+        np.testing.assert_array_equal(dst, want)
+    assert gpu.copy_pool(4)._max_workers == 4 and any(t.name.startswith("shard-copy") for t in gpu.copy_pool(4)._threads)
