@@ -42,7 +42,7 @@ from shard.errors import ModelError, RunError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes.context import PassContext
 from shard.macs import estimate_macs
-from shard.precision import (GATES, MAX_MIXED_ROUNDS, SAFETY, gated_quantize, gated_weight, gates_input, is_linear,
+from shard.precision import (GATES, SAFETY, gated_quantize, gated_weight, gates_input, is_linear,
                              next_count, next_prefix, weight_axis, worst_cosine)
 
 E4M3_MAX = 448.0
