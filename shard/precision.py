@@ -199,6 +199,13 @@ def worst_cosine(outputs: list[str], expected: list[list[np.ndarray]], got: list
     return worst if worst == worst else -1.0
 
 
+def single_errors(run, outputs: list[str], count: int, dtype, expected: list | None = None) -> list[float]:
+    """For each of a replica's `count` gates alone on: 1 - the worst cosine of `run(gates)` (outputs per
+    sample) against every gate off (`expected`, else run here)."""
+    expected = run(np.zeros(count, dtype)) if expected is None else expected
+    return [1.0 - worst_cosine(outputs, expected, run(gate)) for gate in np.eye(count, dtype=dtype)]
+
+
 def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: int = 2) -> tuple[list[Candidate], float]:
     """The graph's int8 candidates, the most harmful per MAC first, and the replica's cosine with all
     of them in int8. A candidate's error: 1 - the outputs' worst cosine (against fp32, over the first
@@ -230,8 +237,9 @@ def rank_linears(graph: gs.Graph, feeds: list[dict[str, np.ndarray]], samples: i
         return worst_cosine(outputs, expected, run(gates))
 
     index = {n.name: k for k, n in enumerate(linears)}
-    ranked = sorted((Candidate(n.name, estimate_macs(n), 1.0 - cosine(np.eye(len(linears), dtype=np.float32)[k]))
-                     for k, n in enumerate(linears)), key=lambda c: (-c.error / max(c.macs, 1), c.node))
+    ranked = sorted((Candidate(n.name, estimate_macs(n), e) for n, e in
+                     zip(linears, single_errors(run, outputs, len(linears), np.float32, expected))),
+                    key=lambda c: (-c.error / max(c.macs, 1), c.node))
     gates = np.ones(len(linears), np.float32)
     every = cosine(gates)
     for c in ranked:

@@ -43,7 +43,7 @@ from shard.graph import float_ranks, tensor_spec
 from shard.passes.context import PassContext
 from shard.macs import estimate_macs
 from shard.precision import (GATES, SAFETY, gated_quantize, gated_weight, gates_input, is_linear,
-                             next_count, next_prefix, weight_axis, worst_cosine)
+                             next_count, next_prefix, single_errors, weight_axis, worst_cosine)
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -66,8 +66,10 @@ def e4m3(values: np.ndarray) -> np.ndarray:
 
 
 def fp8_constant(name: str, values: np.ndarray) -> gs.Constant:
-    """An FP8 E4M3 initializer (graphsurgeon keeps it as its ONNX type, unread)."""
-    return gs.Constant(name, LazyValues(onnx.numpy_helper.from_array(e4m3(values), name)))
+    """An FP8 E4M3 initializer (graphsurgeon keeps it as its ONNX type, unread) of `values`, saturated
+    unless they are E4M3 already."""
+    values = values if values.dtype == ml_dtypes.float8_e4m3fn else e4m3(values)
+    return gs.Constant(name, LazyValues(onnx.numpy_helper.from_array(values, name)))
 
 
 def fp8_weight(weight: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -177,11 +179,9 @@ def rank_fp8(graph: gs.Graph, stats: dict, found: list, sample: dict, outputs: l
     with it alone in FP8, fp8_replica on `sample`), "cosine_after" (predicted with it and every linear
     before it back in fp16: 1 - the errors of the rest, summed), "cosine_before"}."""
     run = replica_runner(gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False), sample, outputs)
-    eye = np.eye(len(found), dtype=np.float16)
-    expected = run(np.zeros(len(found), np.float16))
-    ranking = sorted(({"node": n.name, "macs": estimate_macs(n),
-                       "error": 1.0 - worst_cosine(outputs, [expected], [run(eye[k])])}
-                      for k, (n, _) in enumerate(found)), key=lambda c: (-c["error"] / max(c["macs"], 1), c["node"]))
+    errors = single_errors(run, outputs, len(found), np.float16)
+    ranking = sorted(({"node": n.name, "macs": estimate_macs(n), "error": e} for (n, _), e in zip(found, errors)),
+                     key=lambda c: (-c["error"] / max(c["macs"], 1), c["node"]))
     rest = np.cumsum([0.0] + [c["error"] for c in reversed(ranking)])[::-1]   # rest[k]: errors of ranking[k:]
     for k, c in enumerate(ranking):
         c["cosine_before"], c["cosine_after"] = 1.0 - rest[k], 1.0 - rest[k + 1]
@@ -209,34 +209,29 @@ def fp8_replica(graph: gs.Graph, stats: dict, found: list) -> gs.Graph:
 
 
 def replica_runner(model: onnx.ModelProto, sample: dict, outputs: list[str]):
-    """gates -> the model's outputs on `sample`: in torch on the GPU where there is one (the check of a
-    large batch would take minutes on a CPU), else in onnxruntime."""
+    """gates -> [the model's outputs on `sample`]: in torch on the GPU where there is one (the check of
+    a large batch would take minutes on a CPU), else, or where an op has no torch form, in onnxruntime."""
+    from shard.runtime.executors.gpu import require_cuda
+    from shard.runtime.executors.torch_graph import TorchGraph
+
     try:
-        import torch
-        gpu = torch.cuda.is_available()
-    except ImportError:
-        gpu = False
-    if gpu:
-        from shard.runtime.executors.torch_graph import TorchGraph
+        torch = require_cuda()
+        graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)
+    except RunError:
+        return ort_runner(model, sample, outputs)
+    feeds = [torch.from_numpy(np.ascontiguousarray(sample[name])).to("cuda") for name in graph.inputs[:-1]]
 
-        try:
-            graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)
-        except RunError:   # an op with no torch form: onnxruntime's turn
-            return ort_runner(model, sample, outputs)
-        feeds = [torch.from_numpy(np.ascontiguousarray(sample[name])).to("cuda") for name in graph.inputs[:-1]]
-
-        def on_gpu(gates: np.ndarray) -> list[np.ndarray]:
-            with torch.no_grad():
-                got = graph(*feeds, torch.from_numpy(gates).to("cuda"))
-            return [got[graph.outputs.index(o)].float().cpu().numpy() for o in outputs]
-        return on_gpu
-    return ort_runner(model, sample, outputs)
+    def on_gpu(gates: np.ndarray) -> list[list[np.ndarray]]:
+        with torch.no_grad():
+            got = graph(*feeds, torch.from_numpy(gates).to("cuda"))
+        return [[got[graph.outputs.index(o)].float().cpu().numpy() for o in outputs]]
+    return on_gpu
 
 
 def ort_runner(model: onnx.ModelProto, sample: dict, outputs: list[str]):
     session = ort_session(model, optimize=False)
     feeds = {i.name: sample[i.name] for i in session.get_inputs() if i.name != GATES}
-    return lambda gates: session.run(outputs, {**feeds, GATES: gates})
+    return lambda gates: [session.run(outputs, {**feeds, GATES: gates})]
 
 
 def restore(graph: gs.Graph, found: list, kept: dict) -> None:
@@ -259,7 +254,7 @@ def quantize_linears(graph: gs.Graph, found: list, stats: dict) -> list[dict]:
         if x.name not in dequantized:
             dequantized[x.name] = quantize_activation(graph, x, scale, graph.nodes.index(node))
         values, scale_w, _ = fp8_weight(np.asarray(w.values, dtype=np.float32), axis)
-        w8 = gs.Constant(f"{w.name}/fp8", LazyValues(onnx.numpy_helper.from_array(values, f"{w.name}/fp8")))
+        w8 = fp8_constant(f"{w.name}/fp8", values)
         wd = gs.Variable(f"{w.name}/dq", dtype=np.float16, shape=list(w.shape))
         # each new node goes right before its first reader: the stable toposort keeps it there, and
         # stages can then cut between layers (a weight's DQ at the graph's start would be live throughout)

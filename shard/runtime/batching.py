@@ -7,6 +7,7 @@ outputs are dropped.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -23,11 +24,15 @@ class Batching:
 
     size: int
     inputs: tuple[TensorSpec, ...]
-    names: frozenset[str]   # the inputs' names, read on every frame
 
     @classmethod
     def of(cls, manifest: Manifest) -> Batching:
-        return cls(manifest.batch, tuple(manifest.inputs), frozenset(t.name for t in manifest.inputs))
+        return cls(manifest.batch, tuple(manifest.inputs))
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """The inputs' names, read on every frame."""
+        return frozenset(t.name for t in self.inputs)
 
     @property
     def frame_inputs(self) -> list[TensorSpec]:
