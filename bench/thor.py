@@ -187,7 +187,13 @@ def ours(name: str, args, profile: Path, build: Path, batch: int, precision: str
         started = time.perf_counter()
         r = runs[k] = {**measure(bundle, x, reference, args.frames, args.latency_runs),
                        "table": result.report["passes"]["stages"]["stages"]}
-        share = result.report["passes"]["fp8_linears"].get("fp8_linear_macs", 0.0)
+        search = result.report["passes"]["fp8_linears"]
+        share = search.get("fp8_linear_macs", 0.0)
+        if search.get("rounds") and not search.get("cached"):
+            print(f"{name} fp8 B={batch} rounds ({search['rounds_on']}): " + ", ".join(
+                f"{100 * r['fp8_linear_macs']:.1f} % {r['cosine']:.5f}"
+                + (f" (onnxruntime {r['confirmed']:.5f})" if "confirmed" in r else "") for r in search["rounds"]),
+                flush=True)
         fp8 = f", {100 * share:.0f} % of the linears' MACs in FP8" if precision == "fp8" else ""
         micro = f" ({r['fps_single']:.1f} fed single frames)" if r["fps_single"] else ""
         print(f"{name} {precision} K={k} B={batch}{fp8}: {r['fps']:.1f} frames/s{micro}, latency "

@@ -318,7 +318,8 @@ def print_stage_report(report: dict) -> None:
     for r in fp8.get("rounds", []):
         console.print(f"fp8 round {r['round']}: {r['fp8_linear_macs']:.1%} of the linears' MACs in FP8, cosine "
                       f"{r['cosine']:.5f} on {fp8['checked_on']} calibration samples (predicted {r['predicted']:.5f})"
-                      + (" [green]kept[/]" if r["round"] == fp8.get("kept") else ""))
+                      + (f", {r['confirmed']:.5f} with the real Q/DQ in onnxruntime" if "confirmed" in r else "")
+                      + (" [green](kept)[/]" if r["round"] == fp8.get("kept") else ""))
     if fp8.get("changes"):
         console.print(f"fp8_linears: {len(fp8['changes'])} linears in FP8 E4M3 with explicit Q/DQ "
                       f"({fp8['samples']} calibration samples); the rest fp16")
