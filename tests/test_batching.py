@@ -47,6 +47,25 @@ def test_single_frames_stacked_into_batches_come_back_each_its_own(dynamic_vit):
         session.run({"pixel_values": np.zeros((2, 3, 64, 64), np.float32)})
 
 
+def test_a_batched_fp8_compile_calibrates_on_frames_not_batches(dynamic_vit):
+    # Seeded samples of a batched compile hold `batch` frames each: 8 frames' worth, at least two (one
+    # to check the FP8 rounds on, one to rank the linears on), not 8 batches.
+    from shard.calibration import RANDOM_SAMPLES, random_count
+
+    assert [random_count(b) for b in (1, 3, 4, 16)] == [RANDOM_SAMPLES, 3, 2, 2]
+    model, root = dynamic_vit
+    result = compile_model(model, "thor", root / "b4-fp8.shard", CompileOptions(batch=4, precision="fp8",
+                                                                                 min_cosine=0.99))
+    fp8 = result.report["passes"]["fp8_linears"]
+    assert fp8["samples"] == 2 and fp8["checked_on"] == 1 and fp8["kept"] is not None
+    kept = next(r for r in fp8["rounds"] if r["round"] == fp8["kept"])
+    assert kept["confirmed"] >= 0.99 and fp8["changes"]
+    frame = random_inputs(result.manifest.inputs, seed=9)
+    with Session(result.bundle, "cpu") as session:
+        got = session.run(frame)["last_hidden_state"]
+    assert cosine(run_ort(onnx.load(str(model)), frame)[0], got) > 0.99
+
+
 def test_a_bundle_of_batch_one_writes_no_batch(dynamic_vit):
     model, root = dynamic_vit
     result = compile_model(model, "thor", root / "b1.shard", CompileOptions(input_shapes={"pixel_values": (1, 3, 64, 64)}))

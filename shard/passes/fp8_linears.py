@@ -141,7 +141,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
                             f"calibration samples{closest}: every linear stays fp16")
     return graph, {**search, "changes": changes, "samples": len(samples),
-                   "checked_on": min(CHECK_SAMPLES, len(samples)), "ranked_on": 1,
+                   "checked_on": checked_on(samples), "ranked_on": 1,
                    "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
                              "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
@@ -150,15 +150,14 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
                weights: dict, target: float) -> dict:
     """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the first
-    CHECK_SAMPLES samples against every gate off, as many as next_count asks (in torch on the GPU where
+    checked_on samples against every gate off, as many as next_count asks (in torch on the GPU where
     there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
     graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round).
     {"ranking", "rounds", "kept" (None where no round holds `target`), "rounds_on"}. The graph is left
     as it came."""
-    check, outputs = samples[:CHECK_SAMPLES], [t.name for t in graph.outputs]
+    check, outputs = samples[:checked_on(samples)], [t.name for t in graph.outputs]
     replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
-    ranking = rank_fp8(found, replica_runner(replica, [samples[min(CHECK_SAMPLES, len(samples) - 1)]], outputs),
-                       outputs)
+    ranking = rank_fp8(found, replica_runner(replica, [samples[len(check) % len(samples)]], outputs), outputs)
     run = replica_runner(replica, check, outputs)
     del replica
     index = {n.name: k for k, (n, _) in enumerate(found)}
@@ -179,6 +178,12 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
     return {"ranking": [{"node": c["node"], "macs": int(c["macs"]), "error": float(c["error"])} for c in ranking],
             "rounds": rounds, "rounds_on": run.where,
             "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target)}
+
+
+def checked_on(samples: list) -> int:
+    """How many of the first calibration samples the search checks on: CHECK_SAMPLES, leaving the next
+    one to rank on where there are two or more."""
+    return min(CHECK_SAMPLES, max(1, len(samples) - 1))
 
 
 def confirmed_round(graph: gs.Graph, found: list, stats: dict, rounds: list[dict], model: onnx.ModelProto,
