@@ -30,6 +30,7 @@ first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import ml_dtypes
@@ -157,9 +158,10 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
     as it came."""
     check, outputs = samples[:checked_on(samples)], [t.name for t in graph.outputs]
     replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
-    ranking = rank_fp8(found, replica_runner(replica, [samples[len(check) % len(samples)]], outputs), outputs)
-    run = replica_runner(replica, check, outputs)
+    runner = replica_runner(replica, outputs)
     del replica
+    ranking = rank_fp8(found, lambda gates: runner(gates, [samples[len(check) % len(samples)]]), outputs)
+    run = functools.partial(runner, samples=check)
     index = {n.name: k for k, (n, _) in enumerate(found)}
     plain = run(np.zeros(len(found), np.float16))
     total = sum(c["macs"] for c in ranking) or 1
@@ -176,7 +178,7 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
                        "fp8_linear_macs": 1 - sum(c["macs"] for c in ranking[:count]) / total})
         count = next_count(rounds, ranking, target)
     return {"ranking": [{"node": c["node"], "macs": int(c["macs"]), "error": float(c["error"])} for c in ranking],
-            "rounds": rounds, "rounds_on": run.where,
+            "rounds": rounds, "rounds_on": runner.where,
             "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target)}
 
 
@@ -240,9 +242,9 @@ def fp8_replica(graph: gs.Graph, stats: dict, found: list) -> gs.Graph:
     return graph.toposort()
 
 
-def replica_runner(model: onnx.ModelProto, samples: list[dict], outputs: list[str]):
-    """gates -> [the model's outputs, for each of `samples`], with `.where` naming what runs it: torch
-    on the GPU where there is one, else, or where an op has no torch form, onnxruntime."""
+def replica_runner(model: onnx.ModelProto, outputs: list[str]):
+    """(gates, samples) -> [the model's outputs, for each sample], with `.where` naming what runs it:
+    torch on the GPU where there is one, else, or where an op has no torch form, onnxruntime."""
     from shard.runtime.executors.gpu import require_cuda
     from shard.runtime.executors.torch_graph import TorchGraph
 
@@ -253,17 +255,16 @@ def replica_runner(model: onnx.ModelProto, samples: list[dict], outputs: list[st
         session = ort_session(model, optimize=False)
         names = [i.name for i in session.get_inputs() if i.name != GATES]
 
-        def on_cpu(gates: np.ndarray) -> list[list[np.ndarray]]:
+        def on_cpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
             return [session.run(outputs, {**{n: s[n] for n in names}, GATES: gates}) for s in samples]
         on_cpu.where = "onnxruntime"
         return on_cpu
-    feeds = [[torch.from_numpy(np.ascontiguousarray(s[name])).to("cuda") for name in graph.inputs[:-1]]
-             for s in samples]
 
-    def on_gpu(gates: np.ndarray) -> list[list[np.ndarray]]:
+    def on_gpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
         with torch.no_grad():
             gated = torch.from_numpy(gates).to("cuda")
-            got = [graph(*f, gated) for f in feeds]
+            got = [graph(*(torch.from_numpy(np.ascontiguousarray(s[n])).to("cuda") for n in graph.inputs[:-1]), gated)
+                   for s in samples]
         return [[g[graph.outputs.index(o)].float().cpu().numpy() for o in outputs] for g in got]
     on_gpu.where = "torch on the GPU"
     return on_gpu
