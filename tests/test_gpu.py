@@ -154,6 +154,24 @@ def test_fp8_linears_keep_every_linear_fp16_where_no_share_holds():
     assert any("every linear stays fp16" in w for w in ctx.warnings)
 
 
+def test_fp8_holds_the_target_on_every_calibration_sample_but_the_ranked_one(tmp_path, monkeypatch):
+    # One calibration sample far smaller than the rest (its activations near E4M3's subnormals at
+    # the scales the others set) loses the most in FP8. Checked on the first 4 samples alone, every
+    # linear stayed FP8 and that sample came out at 0.99303 for a target of 0.995.
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
+    xs = np.random.default_rng(0).standard_normal((8, 1, 8, 16)).astype(np.float32)
+    xs[5] *= 1e-4
+    np.savez(tmp_path / "calib.npz", x=xs)
+    graph, ctx = gpu_graph(mlp_chain(3), precision="fp8", until="stages", min_cosine=0.995,
+                           calib=str(tmp_path / "calib.npz"))
+    report = ctx.reports["fp8_linears"]
+    assert report["checked_on"] == 7 and 0 < report["fp8_linear_macs"] < 1
+    fp16, _ = gpu_graph(mlp_chain(3), until="stages")
+    for x in xs[:7]:
+        assert cosine(run_ort(gs.export_onnx(fp16), {"x": x}, optimize=False)[0],
+                      run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]) >= 0.995
+
+
 def test_fp8_kept_round_is_the_most_fp8_the_real_qdq_graph_confirms():
     # The replica only stands in for the real Q/DQ graph: a round it passes that onnxruntime does not
     # is passed over for the next most FP8 that onnxruntime holds.
