@@ -139,8 +139,11 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     changes = quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(best["promoted"])], stats) \
         if best else []
     if not changes:
-        tried = max((r for r in search["rounds"] if r["fp8_linear_macs"] > 0), key=lambda r: r["cosine"], default=None)
-        closest = f" (at best {tried['cosine']:.5f} with {tried['fp8_linear_macs']:.0%} of their MACs in FP8)" \
+        # each round's cosine, onnxruntime's where it confirmed one
+        held = {r["round"]: min(r["cosine"], r.get("confirmed", 1.0)) for r in search["rounds"]}
+        tried = max((r for r in search["rounds"] if r["fp8_linear_macs"] > 0), key=lambda r: held[r["round"]],
+                    default=None)
+        closest = f" (at best {held[tried['round']]:.5f} with {tried['fp8_linear_macs']:.0%} of their MACs in FP8)" \
             if tried else ""
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
                             f"calibration samples{closest}: every linear stays fp16")
