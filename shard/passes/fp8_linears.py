@@ -136,8 +136,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
     del model, weights
     best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
-    changes = quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(best["promoted"])], stats) \
-        if best else []
+    changes = quantize_linears(graph, in_fp8(found, best["promoted"]), stats) if best else []
     if not changes:
         # each round's cosine, onnxruntime's where it confirmed one
         held = {r["round"]: min(r["cosine"], r.get("confirmed", 1.0)) for r in search["rounds"]}
@@ -148,7 +147,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
                             f"calibration samples{closest}: every linear stays fp16")
     return graph, {**search, "changes": changes, "samples": len(samples),
-                   "checked_on": checked_on(samples), "ranked_on": 1,
+                   "checked_on": len(search_samples(samples)[0]), "ranked_on": 1,
                    "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
                              "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
@@ -156,17 +155,17 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
                weights: dict, target: float) -> dict:
-    """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the first
-    checked_on samples against every gate off, as many as next_count asks (in torch on the GPU where
-    there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
+    """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the
+    samples search_samples checks on against every gate off, as many as next_count asks (in torch on
+    the GPU where there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
     graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round).
     {"ranking", "rounds", "kept" (None where no round holds `target`), "rounds_on"}. The graph is left
     as it came."""
-    check, outputs = samples[:checked_on(samples)], [t.name for t in graph.outputs]
+    (check, ranked), outputs = search_samples(samples), [t.name for t in graph.outputs]
     replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
     runner = replica_runner(replica, outputs)
     del replica
-    ranking = rank_fp8(found, lambda gates: runner(gates, [samples[len(check) % len(samples)]]), outputs)
+    ranking = rank_fp8(found, lambda gates: runner(gates, [ranked]), outputs)
     run = functools.partial(runner, samples=check)
     index = {n.name: k for k, (n, _) in enumerate(found)}
     plain = run(np.zeros(len(found), np.float16))
@@ -188,10 +187,17 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
             "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target)}
 
 
-def checked_on(samples: list) -> int:
-    """How many of the first calibration samples the search checks on: all but the last, which it
-    ranks on, where there are two or more; at most CHECK_SAMPLES."""
-    return min(CHECK_SAMPLES, max(1, len(samples) - 1))
+def search_samples(samples: list) -> tuple[list, dict]:
+    """(the calibration samples the search checks on, the one it ranks the linears on): all but the
+    last (at most CHECK_SAMPLES), and the last; one sample does both."""
+    check = samples[:min(CHECK_SAMPLES, max(1, len(samples) - 1))]
+    return check, samples[len(check) % len(samples)]
+
+
+def in_fp8(found: list, promoted: list[str]) -> list:
+    """The linears of `found` (node, axis) not promoted to fp16."""
+    back = set(promoted)
+    return [(n, a) for n, a in found if n.name not in back]
 
 
 def confirmed_round(graph: gs.Graph, found: list, stats: dict, rounds: list[dict], model: onnx.ModelProto,
@@ -206,7 +212,7 @@ def confirmed_round(graph: gs.Graph, found: list, stats: dict, rounds: list[dict
                                                           optimize=False)] if held else []
     inputs = {id(n): list(n.inputs) for n, _ in found}
     for r in held:
-        quantize_linears(graph, [(n, a) for n, a in found if n.name not in set(r["promoted"])], stats)
+        quantize_linears(graph, in_fp8(found, r["promoted"]), stats)
         got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
         restore(graph, found, inputs)
         r["confirmed"] = worst_cosine(outputs, expected, [[g[n] for n in outputs] for g in got])
@@ -266,12 +272,14 @@ def replica_runner(model: onnx.ModelProto, outputs: list[str]):
         on_cpu.where = "onnxruntime"
         return on_cpu
 
+    picked = [graph.outputs.index(o) for o in outputs]
+
     def on_gpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
         with torch.no_grad():
             gated = torch.from_numpy(gates).to("cuda")
             got = [graph(*(torch.from_numpy(np.ascontiguousarray(s[n])).to("cuda") for n in graph.inputs[:-1]), gated)
                    for s in samples]
-        return [[g[graph.outputs.index(o)].float().cpu().numpy() for o in outputs] for g in got]
+        return [[g[k].float().cpu().numpy() for k in picked] for g in got]
     on_gpu.where = "torch on the GPU"
     return on_gpu
 
