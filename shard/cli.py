@@ -315,9 +315,10 @@ def print_stage_report(report: dict) -> None:
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning[/]: {escape(warning)}")
     fp8 = report["passes"].get("fp8_linears", {})
+    frames = f" of {fp8['frames']} frames, each frame on its own" if fp8.get("frames", 1) > 1 else ""
     for r in fp8.get("rounds", []):
         console.print(f"fp8 round {r['round']}: {r['fp8_linear_macs']:.1%} of the linears' MACs in FP8, cosine "
-                      f"{r['cosine']:.5f} on {fp8['checked_on']} calibration samples (predicted {r['predicted']:.5f})"
+                      f"{r['cosine']:.5f} on {fp8['checked_on']} calibration samples{frames} (predicted {r['predicted']:.5f})"
                       + (f", {r['confirmed']:.5f} with the real Q/DQ in onnxruntime" if "confirmed" in r else "")
                       + (" [green](kept)[/]" if r["round"] == fp8.get("kept") else ""))
     if fp8.get("changes"):

@@ -199,6 +199,15 @@ def worst_cosine(outputs: list[str], expected: list[list[np.ndarray]], got: list
     return worst if worst == worst else -1.0
 
 
+def by_frame(per_sample: list[list[np.ndarray]], frames: int) -> list[list[np.ndarray]]:
+    """Each sample's outputs cut into its `frames` frames (their leading axis, as a `--batch` compile
+    makes them), so that a check counts every frame on its own, as a run of one frame would: pooled,
+    a frame far off among 16 is averaged away."""
+    if frames == 1:
+        return per_sample
+    return [[o[k] for o in outs] for outs in per_sample for k in range(frames)]
+
+
 def single_errors(run, outputs: list[str], count: int, dtype, expected: list | None = None) -> list[float]:
     """For each of a replica's `count` gates alone on: 1 - the worst cosine of `run(gates)` (outputs per
     sample) against every gate off (`expected`, else run here)."""

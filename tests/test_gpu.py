@@ -172,6 +172,25 @@ def test_fp8_holds_the_target_on_every_calibration_sample_but_the_ranked_one(tmp
                       run_ort(gs.export_onnx(graph), {"x": x}, optimize=False)[0]) >= 0.995
 
 
+def test_a_batched_fp8_check_counts_each_frame_on_its_own(tmp_path, monkeypatch):
+    # At --batch 8 a sample holds 8 frames. One of them far smaller than the rest loses the most in
+    # FP8; pooled into one cosine with the other seven it is averaged away (every linear stayed FP8).
+    monkeypatch.setenv("SHARD_BUILD_CACHE", str(tmp_path / "cache"))
+    model = mlp_chain(3)
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = 8
+    xs = np.random.default_rng(0).standard_normal((2, 8, 8, 16)).astype(np.float32)
+    xs[0, 5] *= 1e-4
+    np.savez(tmp_path / "calib.npz", x=xs)
+    graph, ctx = gpu_graph(model, precision="fp8", until="stages", min_cosine=0.995, batch=8,
+                           calib=str(tmp_path / "calib.npz"))
+    report = ctx.reports["fp8_linears"]
+    assert report["frames"] == 8 and report["checked_on"] == 1 and 0 < report["fp8_linear_macs"] < 1
+    fp16, _ = gpu_graph(model, until="stages")
+    want, got = (run_ort(gs.export_onnx(g), {"x": xs[0]}, optimize=False)[0] for g in (fp16, graph))
+    assert min(cosine(w, g) for w, g in zip(want, got)) >= 0.995
+
+
 def test_fp8_kept_round_is_the_most_fp8_the_real_qdq_graph_confirms():
     # The replica only stands in for the real Q/DQ graph: a round it passes that onnxruntime does not
     # is passed over for the next most FP8 that onnxruntime holds.

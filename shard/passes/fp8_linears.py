@@ -30,7 +30,6 @@ first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import ml_dtypes
@@ -46,7 +45,7 @@ from shard.errors import ModelError, RunError
 from shard.graph import float_ranks, tensor_spec
 from shard.passes.context import PassContext
 from shard.macs import estimate_macs
-from shard.precision import (GATES, SAFETY, gated_quantize, gated_weight, gates_input, is_linear,
+from shard.precision import (GATES, SAFETY, by_frame, gated_quantize, gated_weight, gates_input, is_linear,
                              next_count, next_prefix, single_errors, weight_axis, worst_cosine)
 
 E4M3_MAX = 448.0
@@ -56,7 +55,7 @@ MAX_SUBNORMAL = 1e-3   # a weight's share under E4M3's normal range past which i
 # most this many: on all-mpnet-base-v2, FP8 kept at 0.99932 on 4 of its 32 calibration sentences
 # gave 0.99427 on another and 0.99853 on an unseen one (a short sentence averages fewer tokens).
 CHECK_SAMPLES = 32
-SEARCH_FILE, SEARCH_VERSION = "fp8_search.json", 3   # the build cache's entry of a search (search_fp8)
+SEARCH_FILE, SEARCH_VERSION = "fp8_search.json", 4   # the build cache's entry of a search (search_fp8)
 FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 
@@ -131,7 +130,8 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
         search = {**json.loads(found_entry.read_text()), "cached": True}
     else:
-        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine)
+        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine,
+                            ctx.options.batch or 1)
         if key:
             store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
     del model, weights
@@ -148,25 +148,29 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                             f"calibration samples{closest}: every linear stays fp16")
     return graph, {**search, "changes": changes, "samples": len(samples),
                    "checked_on": len(search_samples(samples)[0]), "ranked_on": 1,
+                   "frames": ctx.options.batch or 1,
                    "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
                              "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
 
 
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
-               weights: dict, target: float) -> dict:
+               weights: dict, target: float, frames: int = 1) -> dict:
     """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the
     samples search_samples checks on against every gate off, as many as next_count asks (in torch on
     the GPU where there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
-    graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round).
+    graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round). Each
+    of a sample's `frames` frames (a `--batch` compile's) is checked on its own (by_frame).
     {"ranking", "rounds", "kept" (None where no round holds `target`), "rounds_on"}. The graph is left
     as it came."""
     (check, ranked), outputs = search_samples(samples), [t.name for t in graph.outputs]
     replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
     runner = replica_runner(replica, outputs)
     del replica
-    ranking = rank_fp8(found, lambda gates: runner(gates, [ranked]), outputs)
-    run = functools.partial(runner, samples=check)
+    ranking = rank_fp8(found, lambda gates: by_frame(runner(gates, [ranked]), frames), outputs)
+
+    def run(gates: np.ndarray) -> list[list[np.ndarray]]:
+        return by_frame(runner(gates, check), frames)
     index = {n.name: k for k, (n, _) in enumerate(found)}
     plain = run(np.zeros(len(found), np.float16))
     total = sum(c["macs"] for c in ranking) or 1
@@ -184,7 +188,7 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
         count = next_count(rounds, ranking, target)
     return {"ranking": [{"node": c["node"], "macs": int(c["macs"]), "error": float(c["error"])} for c in ranking],
             "rounds": rounds, "rounds_on": runner.where,
-            "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target)}
+            "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target, frames)}
 
 
 def search_samples(samples: list) -> tuple[list, dict]:
@@ -201,21 +205,21 @@ def in_fp8(found: list, promoted: list[str]) -> list:
 
 
 def confirmed_round(graph: gs.Graph, found: list, stats: dict, rounds: list[dict], model: onnx.ModelProto,
-                    weights: dict, check: list[dict], target: float) -> int | None:
+                    weights: dict, check: list[dict], target: float, frames: int = 1) -> int | None:
     """Of the rounds whose replica holds `target`, the most FP8 whose real Q/DQ graph, in onnxruntime on
     `check` against the graph itself, holds it too (each one run gets its "confirmed" cosine): the
     reference the replica is only a fast stand-in for. None where none does."""
     outputs = [t.name for t in graph.outputs]
     held = sorted((r for r in rounds if r["cosine"] >= target and r["fp8_linear_macs"] > 0),
                   key=lambda r: -r["fp8_linear_macs"])
-    expected = [[e[n] for n in outputs] for e in run_each(model, [{**s, **weights} for s in check], outputs,
-                                                          optimize=False)] if held else []
+    expected = by_frame([[e[n] for n in outputs] for e in run_each(model, [{**s, **weights} for s in check], outputs,
+                                                                   optimize=False)], frames) if held else []
     inputs = {id(n): list(n.inputs) for n, _ in found}
     for r in held:
         quantize_linears(graph, in_fp8(found, r["promoted"]), stats)
         got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
         restore(graph, found, inputs)
-        r["confirmed"] = worst_cosine(outputs, expected, [[g[n] for n in outputs] for g in got])
+        r["confirmed"] = worst_cosine(outputs, expected, by_frame([[g[n] for n in outputs] for g in got], frames))
         if r["confirmed"] >= target:
             return r["round"]
     return None
