@@ -120,6 +120,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
         raise ModelError(f"--precision fp8 needs opset 19 (QuantizeLinear to FP8); the onnx version converter could "
                          f"not lift this model from opset {graph.opset}")
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
+    frames = ctx.options.batch or 1   # a sample's frames: each checked on its own
     model, weights = lifted(graph)
     cache = stats_cache(ctx)
     stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
@@ -130,8 +131,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
         search = {**json.loads(found_entry.read_text()), "cached": True}
     else:
-        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine,
-                            ctx.options.batch or 1)
+        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine, frames)
         if key:
             store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
     del model, weights
@@ -148,7 +148,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                             f"calibration samples{closest}: every linear stays fp16")
     return graph, {**search, "changes": changes, "samples": len(samples),
                    "checked_on": len(search_samples(samples)[0]), "ranked_on": 1,
-                   "frames": ctx.options.batch or 1,
+                   "frames": frames,
                    "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
                              "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
