@@ -206,21 +206,39 @@ class GenerativeReport:
         return all(p.min_cosine >= self.min_cosine and p.top1 >= self.min_top1 for p in self.prompts)
 
 
+class TransformersReference:
+    """A transformers causal LM in fp32 as shard.zoo.onnx_decoder.OnnxReference answers: greedy tokens, and
+    a forward's logits."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0].numpy()
+
+    def greedy(self, ids: list[int], new: int) -> list[int]:
+        import torch
+
+        with torch.no_grad():
+            return self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+
+
 def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
     """One prompt's token ids through steps `run` (shard.runtime.generate, embeddings from `table`)
     beside transformers' `model`: the greedy answer of `new` tokens, and `forced` teacher-forced steps
     (the prompt, then the reference's own answer a token a step) against the reference's one full
     forward."""
-    import torch
-
     from shard.runtime.generate import advance, generate, prefill
 
     ours = generate(run, table, table[ids], cache(), new, chunk)
     count = max(new, forced)
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-        want = model(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:].numpy()
+    reference = model if hasattr(model, "greedy") else TransformersReference(model)
+    theirs = reference.greedy(ids, count)
+    want = reference.logits(ids + theirs)[len(ids) - 1:]
     state = cache()
     got = [prefill(run, state, table[ids], chunk)[-1]] + [advance(run, state, table[[t]], 1)[-1]
                                                           for t in theirs[:forced - 1]]
@@ -230,21 +248,36 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
                        float(np.mean([r.cosine for r in rows])), parting(ours, theirs, want))
 
 
+def reference_model(reference: Path):
+    """(the reference, its layers, its vocabulary): an ONNX decoder in onnxruntime, else a checkpoint in
+    transformers, fp32."""
+    from shard.zoo.onnx_decoder import OnnxReference, is_onnx_decoder
+
+    if is_onnx_decoder(reference):
+        model = OnnxReference(reference)
+        return model, model.layers, model.vocab
+    from shard.zoo.decoder import load_causal_lm, text_parts
+
+    model, _ = load_causal_lm(reference)
+    config = text_parts(model)[2]
+    return model, config.num_hidden_layers, config.vocab_size
+
+
 def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS, new: int = 32, forced: int = 32,
                       backend: str | None = None, min_cosine: float = 0.999, min_top1: float = 0.99,
                       progress: Callable = lambda *a: None) -> GenerativeReport:
-    """A generative bundle against its checkpoint in transformers fp32: per chat prompt, the greedy
-    tokens and the teacher-forced logits of every step (check_prompt)."""
+    """A generative bundle against its checkpoint in transformers fp32 (or its ONNX decoder in
+    onnxruntime fp32): per chat prompt, the greedy tokens and the teacher-forced logits of every step
+    (check_prompt)."""
     from shard.runtime.generate import GenerativeSession
-    from shard.zoo.decoder import checkpoint_record, load_causal_lm, text_parts
+    from shard.zoo.decoder import checkpoint_record
 
     progress("read the reference", 0, 1)
-    model, _ = load_causal_lm(Path(reference))
-    config = text_parts(model)[2]
+    model, layers, vocab = reference_model(Path(reference))
     with GenerativeSession(bundle, backend=backend) as session:
-        if session.spec.vocab != config.vocab_size or session.spec.layers != config.num_hidden_layers:
-            raise VerifyError(f"{reference} is not the model this bundle was compiled from: {config.num_hidden_layers} "
-                              f"layers and {config.vocab_size} tokens; the bundle's {session.spec.layers} and "
+        if session.spec.vocab != vocab or session.spec.layers != layers:
+            raise VerifyError(f"{reference} is not the model this bundle was compiled from: {layers} "
+                              f"layers and {vocab} tokens; the bundle's {session.spec.layers} and "
                               f"{session.spec.vocab}")
         programs = [(p.name, session.sessions[p.width, p.capacity]) for p in session.spec.programs]
         if session.vision:

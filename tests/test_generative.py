@@ -15,7 +15,7 @@ from conftest import cosine, shard_cli
 from shard.compilation.generative import compile_generative
 from shard.errors import RunError, ShardError
 from shard.runtime import load
-from shard.runtime.generate import GenerativeSession, sampler, step_mask
+from shard.runtime.generate import GenerativeSession, read_generative, sampler, step_mask
 from shard.verifier import parting
 
 WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
@@ -110,6 +110,91 @@ def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_bucket
             want = model(torch.tensor([PROMPT + tokens[:-1]]), use_cache=True).past_key_values
         keys = want.layers[0].keys if hasattr(want, "layers") else want[0][0]
         assert torch.allclose(cache.keys[0][:, :, :cache.length], keys, atol=1e-4)   # rotated, as transformers keeps them
+
+
+def export_with_past(model, folder):
+    """The model as optimum exports a decoder with its KV cache (text-generation-with-past): input_ids,
+    attention_mask, position_ids and past_key_values.i.key/value in; logits and present.i.key/value
+    out; every length dynamic. Its tokenizer and config beside it, as the exporter leaves them."""
+    from transformers import DynamicCache
+
+    layers, kv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+
+    class WithPast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            return (out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)])
+
+    cache = [f"{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{c}" for c in cache)]
+    outputs = ["logits", *(f"present.{c}" for c in cache)]
+    axes = {"input_ids": {1: "new"}, "attention_mask": {1: "total"}, "position_ids": {1: "new"}, "logits": {1: "new"},
+            **{n: {2: "past"} for n in inputs[3:]}, **{n: {2: "total"} for n in outputs[1:]}}
+    args = (torch.zeros(1, 3, dtype=torch.int64), torch.ones(1, 8, dtype=torch.int64), torch.arange(5, 8)[None],
+            *[torch.zeros(1, kv, 5, head_dim) for _ in cache])
+    with torch.no_grad():
+        torch.onnx.export(WithPast().eval(), args, str(folder / "model.onnx"), input_names=inputs, output_names=outputs,
+                          dynamic_axes=axes, opset_version=17, dynamo=False)
+    model.config.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder / "model.onnx"
+
+
+def test_an_onnx_decoder_with_its_cache_as_inputs_generates_transformers_own_tokens(checkpoint, tmp_path):
+    # optimum's layout: the token lookup leaves the graph for the host's table, the cache inputs take
+    # the steps' names, the present outputs are cut to the new entries, attention_mask stays an input.
+    _, model = checkpoint
+    onnx_file = export_with_past(model, tmp_path)
+    res = shard_cli("compile", str(onnx_file), "--target", "cpu", "--max-context", "32", "--chunk", "4", "-o",
+                    str(tmp_path / "lm.shard"))
+    assert res.returncode == 0, res.stderr
+    spec = read_generative(tmp_path / "lm.shard")
+    assert (spec.layers, spec.kv_heads, spec.head_dim, spec.vocab, spec.stop) == (2, 2, 16, len(WORDS), [2])
+    with load(tmp_path / "lm.shard") as session:
+        assert {t.name for t in session.sessions[4, 32].manifest.inputs} == {
+            "inputs_embeds", "attention_mask", "position_ids", "past_key.0", "past_value.0", "past_key.1", "past_value.1"}
+        assert session.generate(PROMPT, max_new_tokens=16, stop=set()).tokens == transformers_greedy(model, PROMPT, 16)
+        ids = PROMPT + list(range(20, 36))
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(session.logits(ids) - want).max() < 1e-4
+        assert session.generate("w3 w7 w9", chat=True, max_new_tokens=4, stop=set()).tokens == transformers_greedy(
+            model, tiny_tokenizer().apply_chat_template([{"role": "user", "content": "w3 w7 w9"}], tokenize=True,
+                                                        add_generation_prompt=True, return_dict=False), 4)
+    # shard verify holds it against the ONNX file itself, in onnxruntime fp32
+    res = shard_cli("verify", str(tmp_path / "lm.shard"), "--reference", str(onnx_file), "--prompt", "w3 w7 w9",
+                    "--new", "6", "--forced", "8", "--json", str(tmp_path / "v.json"))
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["passed"] and report["reference_is_source"]
+    assert all(p["tokens"] == p["reference_tokens"] and p["top1"] == 1.0 and p["min_cosine"] > 0.99999
+               for p in report["prompts"])
+
+
+def test_an_onnx_decoder_runs_on_the_simulator_with_no_op_on_the_cpu(checkpoint, tmp_path):
+    # The exporter's NaN guard after each attention Softmax (IsNaN, which the vendor runs on the CPU)
+    # is dropped: a step never masks every key of a row.
+    _, model = checkpoint
+    result = compile_generative(export_with_past(model, tmp_path), "rk3588", tmp_path / "lm.shard", capacity=16, chunk=4)
+    for name, report in result.reports.items():
+        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
+    with load(result.bundle, backend="sim") as session:
+        out = session.generate(PROMPT, max_new_tokens=8, stop=set())
+        assert out.tokens == transformers_greedy(model, PROMPT, 8)
+        ids = PROMPT + out.tokens
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        got = session.logits(ids)
+        assert min(cosine(got[k], want[k]) for k in range(len(ids))) >= 0.999
 
 
 def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,8 +33,12 @@ PREFILL_TOKENS = 128     # the prompt length published prefill times are stated 
 
 
 def is_causal_lm(source: Path) -> bool:
-    """A GGUF checkpoint, or a transformers folder (a config.json): what compile takes as a decoder."""
-    return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file()
+    """A GGUF checkpoint, a transformers folder (a config.json), or an ONNX decoder with its KV cache as
+    inputs (optimum's layout): what compile takes as a decoder."""
+    from shard.zoo.onnx_decoder import is_onnx_decoder
+
+    return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file() \
+        or is_onnx_decoder(source)
 
 
 @dataclass
@@ -45,15 +49,63 @@ class GenerativeResult:
     predicted: list[dict]      # per cache capacity
 
 
+@dataclass
+class Decoder:
+    """What a generative compile takes from a decoder, whichever form it came in."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    export: Callable[[Path, int, int], Path]          # (path, width, capacity): the step written as ONNX
+    samples: Callable[[Path, int, int], dict]         # (that ONNX, width, capacity): a real prompt's inputs
+    table: np.ndarray                                 # the token embeddings the host looks steps up in
+    save_tokenizer: Callable[[Path], None]
+    stop: list[int]
+    weight_bytes: int                                 # fp16 bytes a step reads (decoder_bytes)
+    vision: tuple[dict, Callable[[Path], Path]] | None = None   # a VLM's: its spec entry, its export
+
+
+def checkpoint_decoder(source: Path) -> Decoder:
+    """A GGUF file or transformers folder (shard.zoo.decoder: torch and transformers, imported here)."""
+    from shard.zoo.decoder import (VLM, embedding_table, export_step, export_vision, load_causal_lm, step_samples,
+                                   stop_ids, text_parts)
+
+    model, tokenizer = load_causal_lm(source)
+    config = text_parts(model)[2]
+    vision = None
+    if model.config.model_type in VLM:
+        vision = ({"program": "vision", "image_token": model.config.image_token_id,
+                   "image_size": model.config.vision_config.image_size}, lambda path: export_vision(model, path))
+    heads = config.num_attention_heads
+    return Decoder(config.num_hidden_layers, config.num_key_value_heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
+                   lambda path, width, capacity: export_step(model, path, width, capacity),
+                   lambda path, width, capacity: step_samples(model, tokenizer, width, capacity),
+                   embedding_table(model), tokenizer.save_pretrained, stop_ids(model, tokenizer),
+                   decoder_bytes(model), vision)
+
+
+def onnx_decoder(source: Path) -> Decoder:
+    """An ONNX decoder in optimum's layout, its tokenizer beside it (shard.zoo.onnx_decoder)."""
+    from shard.zoo import onnx_decoder as onnx_form
+
+    found = onnx_form.read_onnx_decoder(source)
+    tokenizer = onnx_form.load_tokenizer(source)
+    return Decoder(found.layers, found.kv_heads, found.head_dim, found.vocab,
+                   lambda path, width, capacity: onnx_form.export_onnx_step(found, path, width, capacity),
+                   lambda path, width, capacity: onnx_form.step_samples(found, path, tokenizer, width, capacity),
+                   found.table, tokenizer.save_pretrained, onnx_form.stop_ids(source, tokenizer), found.weight_bytes)
+
+
 def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
                        capacity: int | Sequence[int] = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
                        progress: Progress = lambda *a: None) -> GenerativeResult:
-    """A GGUF checkpoint or a transformers folder of a Llama-family decoder into a generative bundle
-    at `output`: a program per step width and cache capacity (several capacities: buckets the
-    cache moves up through as the context grows); nothing left at `output` on failure."""
-    # torch and transformers: imported only when a decoder is compiled
-    from shard.zoo.decoder import (VLM, checkpoint_record, embedding_table, export_step, export_vision, load_causal_lm,
-                                   step_samples, stop_ids, text_parts)
+    """A GGUF checkpoint or a transformers folder of a Llama-family decoder, or an ONNX decoder in
+    optimum's layout (shard.zoo.onnx_decoder), into a generative bundle at `output`: a program per step
+    width and cache capacity (several capacities: buckets the cache moves up through as the context
+    grows); nothing left at `output` on failure."""
+    from shard.zoo.decoder import checkpoint_record
+    from shard.zoo.onnx_decoder import is_onnx_decoder
 
     options = options or CompileOptions()
     check_options(options)
@@ -63,44 +115,36 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                          f"({capacities[0] if capacities else '?'}) tokens")
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
-    model, tokenizer = load_causal_lm(source)
-    config = text_parts(model)[2]
+    decoder = onnx_decoder(source) if is_onnx_decoder(source) else checkpoint_decoder(source)
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
                 for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
     staging, exports = staging_folder(output), scratch.folder("export")
-    steps = {p.name: lambda path, p=p: export_step(model, path, p.width, p.capacity) for p in programs}
-    samples = {p.name: lambda p=p: step_samples(model, tokenizer, p.width, p.capacity) for p in programs}
-    vision = None
-    if model.config.model_type in VLM:   # the image's program first: the one a VLM runs first
-        steps = {"vision": lambda path: export_vision(model, path), **steps}
-        vision = {"program": "vision", "image_token": model.config.image_token_id,
-                  "image_size": model.config.vision_config.image_size}
+    steps = {p.name: p for p in programs}
+    if decoder.vision:   # the image's program first: the one a VLM runs first
+        steps = {"vision": None, **steps}
     reports = {}
     try:
-        for name, export in steps.items():
+        for name, program in steps.items():
             progress(f"{name}: export", 0, 1)
-            given = options
-            if name in samples and target in GPU_TARGETS and not options.shards:
-                # one stage: a step waits for the one before it, so stages could never overlap, and each
-                # hand-off between them costs the host (bench/decode_gpu.py)
-                given = replace(given, shards=1)
-            if name in samples and not options.calib:   # the check's inputs: a real prompt's, not random ones
-                np.savez(exports / f"{name}.npz", **samples[name]())
-                given = replace(given, calib=str(exports / f"{name}.npz"))
-            result = compile_one_model(export(exports / f"{name}.onnx"), target, staging / name, given,
-                                       lambda what, *a, name=name: progress(f"{name}: {what}", *a))
-            reports[name] = result.report
-            (exports / f"{name}.onnx").unlink()
-        tokenizer.save_pretrained(staging / "tokenizer")
-        np.save(staging / EMBEDDINGS, embedding_table(model))
+            path = exports / f"{name}.onnx"
+            if program is None:
+                decoder.vision[1](path)
+            else:
+                decoder.export(path, program.width, program.capacity)
+            reports[name] = compile_one_model(path, target, staging / name, program_options(
+                options, target, program and (lambda: decoder.samples(path, program.width, program.capacity)),
+                exports / f"{name}.npz"), lambda what, *a, name=name: progress(f"{name}: {what}", *a)).report
+            for done in exports.glob(f"{name}.*"):
+                done.unlink()
+        decoder.save_tokenizer(staging / "tokenizer")
+        np.save(staging / EMBEDDINGS, decoder.table)
         data = (staging / EMBEDDINGS).read_bytes()
-        heads = config.num_attention_heads
-        spec = GenerativeSpec(layers=config.num_hidden_layers, kv_heads=config.num_key_value_heads,
-                              head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                              capacity=capacities[-1], vocab=config.vocab_size, programs=programs,
-                              stop=stop_ids(model, tokenizer), source=checkpoint_record(source),
-                              files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]}, vision=vision)
-        predicted = predict(spec, reports, decoder_bytes(model), target)
+        spec = GenerativeSpec(layers=decoder.layers, kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
+                              capacity=capacities[-1], vocab=decoder.vocab, programs=programs, stop=decoder.stop,
+                              source=checkpoint_record(source),
+                              files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]},
+                              vision=decoder.vision[0] if decoder.vision else None)
+        predicted = predict(spec, reports, decoder.weight_bytes, target)
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
         replace_dir(staging, output)
@@ -108,6 +152,21 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         shutil.rmtree(staging, ignore_errors=True)
         scratch.remove(exports)
     return GenerativeResult(output, spec, reports, predicted)
+
+
+def program_options(options: CompileOptions, target: str, samples: Callable[[], dict] | None,
+                    calib: Path) -> CompileOptions:
+    """A step's compile options (`samples`: its real prompt's inputs; None for the vision program)."""
+    if samples is None:
+        return options
+    if target in GPU_TARGETS and not options.shards:
+        # one stage: a step waits for the one before it, so stages could never overlap, and each
+        # hand-off between them costs the host (bench/decode_gpu.py)
+        options = replace(options, shards=1)
+    if not options.calib:   # the check's inputs: a real prompt's, not random ones
+        np.savez(calib, **samples())
+        options = replace(options, calib=str(calib))
+    return options
 
 
 def decoder_bytes(model) -> int:

@@ -154,6 +154,15 @@ def step_mask(length: int, width: int, capacity: int) -> np.ndarray:
     return mask
 
 
+def as_attention_mask(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A step's feeds for a decoder exported with an attention_mask (shard.zoo.onnx_decoder): in place of
+    the mask, [1, C + T] int64, 1 for each entry some new token sees. A padded token sees itself
+    only, and no real token sees it."""
+    feeds = dict(feeds)
+    feeds["attention_mask"] = (feeds.pop("mask")[0, 0] == 0).any(axis=0)[None].astype(np.int64)
+    return feeds
+
+
 def advance(run: Step, cache: Cache, rows: np.ndarray, width: int) -> np.ndarray:
     """Run the embeddings of up to `width` new tokens (rows [n, hidden], padded to width) through the
     step of that width at the cache's length, write their keys and values; their logits, [n, vocab]."""
@@ -352,6 +361,8 @@ class GenerativeSession:
         except BaseException:
             self.close()
             raise
+        self.attention_masked = [s for s in self.sessions.values() if "attention_mask" in
+                                 {t.name for t in s.manifest.inputs}]   # an ONNX decoder's steps
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
         self.backend = next(iter(self.sessions.values())).backend
         self._processor = None
@@ -361,6 +372,8 @@ class GenerativeSession:
         width = feeds["inputs_embeds"].shape[1]
         started = time.perf_counter()
         session = self.sessions[width, feeds["past_key.0"].shape[2]]
+        if session in self.attention_masked:
+            feeds = as_attention_mask(feeds)
         outputs = {**session.run(feeds), **dict.fromkeys(session.written, IN_PLACE)}
         self.steps.append((width, time.perf_counter() - started))
         return outputs
