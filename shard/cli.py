@@ -806,7 +806,7 @@ def verify_decoder(bundle: Path, reference: Path, backend, prompts: list[str], n
                                    progress)
     for rel, check in report.files.items():
         console.print(f"file {rel}: {check}")
-    table = Table(title=f"verify ({report.backend}) vs transformers fp32, chat prompts")
+    table = Table(title=f"verify ({report.backend}) vs {report.reference}, chat prompts")
     for col in ("prompt", "tokens", f"greedy {new}", "forced steps", "top-1", "worst cosine", "mean cosine"):
         table.add_column(col, justify="left" if col == "prompt" else "right")
     for p in report.prompts:

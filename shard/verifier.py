@@ -200,6 +200,7 @@ class GenerativeReport:
     prompts: list[PromptCheck]
     files: dict[str, str]            # every program's files, against their recorded sha256
     reference_is_source: bool
+    reference: str = "transformers fp32"   # what the bundle was held against
 
     @property
     def passed(self) -> bool:
@@ -294,4 +295,5 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
             checks.append(check)
         progress(f"prompts ({session.backend})", len(prompts), len(prompts))
         same = checkpoint_record(Path(reference))["sha256"] == session.spec.source.get("sha256")
-        return GenerativeReport(session.backend, min_cosine, min_top1, checks, files, same)
+        return GenerativeReport(session.backend, min_cosine, min_top1, checks, files, same,
+                                "onnxruntime fp32" if hasattr(model, "greedy") else "transformers fp32")

@@ -175,7 +175,8 @@ def test_an_onnx_decoder_with_its_cache_as_inputs_generates_transformers_own_tok
                     "--new", "6", "--forced", "8", "--json", str(tmp_path / "v.json"))
     assert res.returncode == 0, res.stderr
     report = json.loads((tmp_path / "v.json").read_text())
-    assert report["passed"] and report["reference_is_source"]
+    assert report["passed"] and report["reference_is_source"] and report["reference"] == "onnxruntime fp32"
+    assert "vs onnxruntime fp32" in res.stdout
     assert all(p["tokens"] == p["reference_tokens"] and p["top1"] == 1.0 and p["min_cosine"] > 0.99999
                for p in report["prompts"])
 
