@@ -100,3 +100,29 @@ def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_c
     assert whole_build_fits(large, "auto", available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
     assert whole_build_fits(model, "whole", available=0, cores=1) == (True, "--vendor-alone whole")
     assert whole_build_fits(model, "shards", available=10**12, cores=64) == (False, "--vendor-alone shards")
+
+
+def test_shards_joined_by_an_edge_held_scaled_keep_the_same_version():
+    # SmolLM2-135M's prefill step as transformers exports it holds its residual divided by 2 from layer
+    # 11 (scale_sandwich's range rescale). Chosen shard by shard, the unrewritten shard before the final
+    # norm handed the residual at full scale to the rewritten norm: cosine 0.620 on the simulator.
+    from shard.compilation.choice import bound_groups, choose_versions
+    from shard.compilation.state import UNREWRITTEN
+    from shard.passes.partition import ShardPlan
+    from shard.targets import ShardBuild
+
+    x, h, r, y = (gs.Variable(name, np.float32, [1, 4]) for name in ("x", "h", "r", "y"))
+    plans = [ShardPlan("a", [], [x], [h], 0), ShardPlan("b", [], [h], [r], 0), ShardPlan("c", [], [r], [y], 0)]
+    cpu_ops = {"a": 0, f"a{UNREWRITTEN}": 0, "b": 4, f"b{UNREWRITTEN}": 0, "c": 0, f"c{UNREWRITTEN}": 1}
+    builds = {name: ShardBuild(name, 0.0, {"cpu_ops": ["op"] * n}) for name, n in cpu_ops.items()}
+    assert bound_groups(plans, {"r"}) == [[0], [1, 2]]
+    # Alone, b goes back to its twin (4 CPU ops against 0) and c keeps its rewrite (0 against 1).
+    chosen, _ = choose_versions(plans, plans, builds)
+    assert [name for name, _ in chosen] == ["a", f"b{UNREWRITTEN}", "c"]
+    # Joined by r, held scaled, they go together: 4 CPU ops against 1, both back to their twins.
+    chosen, choices = choose_versions(plans, plans, builds, scaled={"r"})
+    assert [name for name, _ in chosen] == ["a", f"b{UNREWRITTEN}", f"c{UNREWRITTEN}"]
+    assert "judged with c" in choices[1]["what"] and choices[2]["unrewritten"]["cpu_ops"] == 1
+    # A shard without a twin keeps its group rewritten.
+    chosen, _ = choose_versions(plans, [plans[0], plans[1], None], builds, scaled={"r"})
+    assert [name for name, _ in chosen] == ["a", "b", "c"]

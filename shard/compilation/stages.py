@@ -203,7 +203,8 @@ def choose(c: Compilation) -> None:
         c.jobs += [job for job, _ in c.relaid]
         c.builds.update(c.compile_jobs([job for job, _ in c.relaid], "compile shards (edges in the vendor's layout)"))
         best, edge_choices = keep_better_edges(c.relaid, c.builds, c.axes)
-    c.own, c.choices = choose_versions(c.plans, c.originals, c.builds, c.axes, c.in_range, best)
+    scaled = {name for name, (_, k) in c.ctx.scales.items() if k}
+    c.own, c.choices = choose_versions(c.plans, c.originals, c.builds, c.axes, c.in_range, best, scaled)
     kept = {name for name, _ in c.own}
     c.choices += [ch for ch in edge_choices if ch["build"] in kept or ch["relaid"] in kept]
 
