@@ -4,7 +4,8 @@ A rewrite the passes make is a nomination, not a decision: a one-op build or a p
 be wrong about the op inside its real graph (an Add [1,40,6625] logs `E RKNN` alone and builds
 clean inside the model). So where the passes changed a shard, compile builds it twice: as
 rewritten, and as the vendor would take the same region (the canonical graph's own nodes between
-the same boundary tensors), and keeps the better build by AXES, in order of weight. Then the whole
+the same boundary tensors), and keeps the better build by AXES, in order of weight (shards joined by
+an edge the rewritten graph holds scaled, together: shard.compilation.choice.bound_groups). Then the whole
 result stands beside the vendor toolkit alone on the whole model as it came; if shard is worse
 there, the bundle holds the vendor's own build. Where that build would not fit the machine
 (whole_build_fits), the vendor alone is each shard built without its rewrites.
