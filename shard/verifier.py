@@ -210,6 +210,7 @@ class GenerativeReport:
 class TransformersReference:
     """A transformers causal LM in fp32 as shard.zoo.onnx_decoder.OnnxReference answers: greedy tokens, and
     a forward's logits."""
+    name = "transformers fp32"
 
     def __init__(self, model):
         self.model = model
@@ -230,7 +231,8 @@ class TransformersReference:
 
 def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
     """One prompt's token ids through steps `run` (shard.runtime.generate, embeddings from `table`)
-    beside transformers' `model`: the greedy answer of `new` tokens, and `forced` teacher-forced steps
+    beside the reference `model` (a transformers model, or one that answers as TransformersReference
+    does): the greedy answer of `new` tokens, and `forced` teacher-forced steps
     (the prompt, then the reference's own answer a token a step) against the reference's one full
     forward."""
     from shard.runtime.generate import advance, generate, prefill
@@ -251,7 +253,7 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
 
 def reference_model(reference: Path):
     """(the reference, its layers, its vocabulary): an ONNX decoder in onnxruntime, else a checkpoint in
-    transformers, fp32."""
+    transformers, fp32 (TransformersReference)."""
     from shard.zoo.onnx_decoder import OnnxReference, is_onnx_decoder
 
     if is_onnx_decoder(reference):
@@ -261,7 +263,7 @@ def reference_model(reference: Path):
 
     model, _ = load_causal_lm(reference)
     config = text_parts(model)[2]
-    return model, config.num_hidden_layers, config.vocab_size
+    return TransformersReference(model), config.num_hidden_layers, config.vocab_size
 
 
 def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS, new: int = 32, forced: int = 32,
@@ -295,5 +297,4 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
             checks.append(check)
         progress(f"prompts ({session.backend})", len(prompts), len(prompts))
         same = checkpoint_record(Path(reference))["sha256"] == session.spec.source.get("sha256")
-        return GenerativeReport(session.backend, min_cosine, min_top1, checks, files, same,
-                                "onnxruntime fp32" if hasattr(model, "greedy") else "transformers fp32")
+        return GenerativeReport(session.backend, min_cosine, min_top1, checks, files, same, model.name)

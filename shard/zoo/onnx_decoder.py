@@ -30,8 +30,6 @@ from shard.errors import ShardError
 from shard.graph import fits_protobuf, load_model, quiet_graphsurgeon
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
-
-
 SCAN_BYTES = 64 << 20   # the graph's nodes come first in the file; the cache's first reader is early among them
 
 
@@ -230,6 +228,7 @@ def stop_ids(source: Path, tokenizer) -> list[int]:
 class OnnxReference:
     """The ONNX decoder itself in onnxruntime fp32, the reference `shard verify` holds a bundle of it
     against: each answer computed again from the whole sequence (no cache)."""
+    name = "onnxruntime fp32"
 
     def __init__(self, source: Path):
         found = read_onnx_decoder(source)
