@@ -8,6 +8,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -80,8 +81,6 @@ def bound_groups(plans: list, scaled: set[str]) -> list[list[int]]:
     edge the rewritten graph holds divided by 2^k (`scaled`: scale_sandwich's range rescales), which
     the unrewritten twins make and read at full scale. Mixed, SmolLM2-135M's prefill step (its
     residual held divided by 2 from layer 11) came out at cosine 0.620 on the simulator."""
-    import networkx as nx
-
     joined = nx.Graph()
     joined.add_nodes_from(range(len(plans)))
     makers = {t.name: k for k, plan in enumerate(plans) for t in plan.outputs}
