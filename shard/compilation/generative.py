@@ -105,7 +105,6 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     width and cache capacity (several capacities: buckets the cache moves up through as the context
     grows); nothing left at `output` on failure."""
     from shard.zoo.decoder import checkpoint_record
-    from shard.zoo.onnx_decoder import is_onnx_decoder
 
     options = options or CompileOptions()
     check_options(options)
@@ -115,7 +114,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                          f"({capacities[0] if capacities else '?'}) tokens")
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
-    decoder = onnx_decoder(source) if is_onnx_decoder(source) else checkpoint_decoder(source)
+    # an ONNX file is a decoder's only where read_onnx_decoder finds its layout (it says what is missing)
+    decoder = onnx_decoder(source) if source.suffix == ".onnx" else checkpoint_decoder(source)
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
                 for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
     staging, exports = staging_folder(output), scratch.folder("export")

@@ -190,32 +190,43 @@ SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence, then nam
 
 
 def step_samples(model, tokenizer, width: int, capacity: int, count: int = 2) -> dict[str, np.ndarray]:
+    """prompt_samples of the checkpoint's step, the cache holding transformers' own keys and values."""
+    from shard.runtime.generate import step_mask
+
+    step = CachedStep(model).eval()
+    layers = len(step.body.layers)
+
+    def cache_after(rows: np.ndarray) -> dict[str, np.ndarray]:
+        cache = [torch.zeros(1, step.kv_heads, capacity, step.head_dim) for _ in range(2 * layers)]
+        if len(rows):
+            mask = torch.as_tensor(step_mask(0, len(rows), capacity))
+            with torch.no_grad():
+                written = step(torch.as_tensor(rows)[None], torch.arange(len(rows))[None], mask, *cache)[1:]
+            for c, new in zip(cache, written):
+                c[:, :, :len(rows)] = new
+        return {f"past_{kind}.{i // 2}": c.numpy() for i, (kind, c) in enumerate(zip(["key", "value"] * layers, cache))}
+
+    return prompt_samples(tokenizer, embedding_table(model), width, capacity, cache_after, count)
+
+
+def prompt_samples(tokenizer, table: np.ndarray, width: int, capacity: int, cache_after,
+                   count: int = 2, finish=lambda feeds: feeds) -> dict[str, np.ndarray]:
     """Inputs of the step of `width` over `capacity` as a real prompt gives them (shard.calibration's
     format: a leading sample axis), for the compile's fidelity check and calibration: the prompt's
-    next tokens after its first 0, then more, tokens already in the cache (transformers' own keys
-    and values for them)."""
+    next tokens after its first 0, then more, tokens already in the cache (`cache_after(rows)`: the
+    past_* feeds of a cache holding those tokens' embeddings; `finish`: the step's own form of a
+    sample's feeds)."""
     from shard.runtime.generate import step_mask
 
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
     ids = (ids * (-(-(capacity + width) // len(ids))))[:capacity + width]
-    table, step = torch.as_tensor(embedding_table(model)), CachedStep(model).eval()
-    layers = len(step.body.layers)
     samples: dict[str, list] = {}
     for k in range(count):
         length = (capacity - width) * k // max(count - 1, 1) if capacity > width else 0
-        cache = [torch.zeros(1, step.kv_heads, capacity, step.head_dim) for _ in range(2 * layers)]
-        if length:
-            mask = torch.as_tensor(step_mask(0, length, capacity))
-            with torch.no_grad():
-                written = step(table[ids[:length]][None], torch.arange(length)[None], mask, *cache)[1:]
-            for c, new in zip(cache, written):
-                c[:, :, :length] = new
-        feeds = {"inputs_embeds": table[ids[length:length + width]][None].numpy(),
-                 "position_ids": (length + np.arange(width, dtype=np.int64))[None],
-                 "mask": step_mask(length, width, capacity)}
-        feeds.update({f"past_{kind}.{i // 2}": c.numpy() for i, (kind, c) in
-                      enumerate(zip(["key", "value"] * layers, cache))})
+        feeds = finish({"inputs_embeds": table[ids[length:length + width]][None],
+                        "position_ids": (length + np.arange(width, dtype=np.int64))[None],
+                        "mask": step_mask(length, width, capacity), **cache_after(table[ids[:length]])})
         for name, value in feeds.items():
             samples.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in samples.items()}

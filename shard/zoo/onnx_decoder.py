@@ -186,11 +186,10 @@ def ort_session(path: Path):
 
 def step_samples(decoder: OnnxDecoder, path: Path, tokenizer, width: int, capacity: int,
                  count: int = 2) -> dict[str, np.ndarray]:
-    """Inputs of the step at `path` (export_onnx_step) as a real prompt gives them, in
-    shard.calibration's format (a leading sample axis): the prompt's next tokens after its first 0,
-    then more, tokens already in the cache (the step's own keys and values for them, in onnxruntime)."""
-    from shard.runtime.generate import Cache, advance, as_attention_mask, step_mask
-    from shard.zoo.decoder import SAMPLE_PROMPT
+    """shard.zoo.decoder.prompt_samples of the step at `path` (export_onnx_step), the cache holding the
+    step's own keys and values (in onnxruntime)."""
+    from shard.runtime.generate import Cache, advance, as_attention_mask
+    from shard.zoo.decoder import prompt_samples
 
     session = ort_session(path)
     names = [o.name for o in session.get_outputs()]
@@ -198,20 +197,13 @@ def step_samples(decoder: OnnxDecoder, path: Path, tokenizer, width: int, capaci
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return dict(zip(names, session.run(None, as_attention_mask(feeds))))
 
-    ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
-    ids = (ids * (-(-(capacity + width) // len(ids))))[:capacity + width]
-    samples: dict[str, list] = {}
-    for k in range(count):
-        length = (capacity - width) * k // max(count - 1, 1) if capacity > width else 0
+    def cache_after(rows: np.ndarray) -> dict[str, np.ndarray]:
         cache = Cache.empty(decoder.layers, decoder.kv_heads, capacity, decoder.head_dim)
-        for start in range(0, length, width):
-            advance(run, cache, decoder.table[ids[start:min(start + width, length)]], width)
-        feeds = as_attention_mask({"inputs_embeds": decoder.table[ids[length:length + width]][None],
-                                   "position_ids": (length + np.arange(width, dtype=np.int64))[None],
-                                   "mask": step_mask(length, width, capacity), **cache.feeds()})
-        for name, value in feeds.items():
-            samples.setdefault(name, []).append(value)
-    return {name: np.stack(values) for name, values in samples.items()}
+        for start in range(0, len(rows), width):
+            advance(run, cache, rows[start:start + width], width)
+        return cache.feeds()
+
+    return prompt_samples(tokenizer, decoder.table, width, capacity, cache_after, count, as_attention_mask)
 
 
 def stop_ids(source: Path, tokenizer) -> list[int]:
