@@ -78,18 +78,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.bundle:
             session = GenerativeSession(args.bundle, backend=args.backend)
-            run, cache, chunk = session.run, session.cache, session.spec.chunk
+            run, cache, chunk, decode = session.run, session.cache, session.spec.chunk, session.spec.decode_width
             where = f"{args.bundle} on {session.backend}"
         else:
             run, cache = onnxruntime_steps(model, Path(tmp), args.chunk, args.capacity)
-            chunk, where = args.chunk, "the steps in onnxruntime fp32"
+            chunk, decode, where = args.chunk, 1, "the steps in onnxruntime fp32"
         table = embedding_table(model)
         checks, started = [], time.perf_counter()
         for prompt in CHAT[:args.prompts]:
             text = f"{document(tokenizer, args.document)}\n\n{prompt}" if args.document else prompt
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
                                                 add_generation_prompt=True, return_dict=False)
-            checks.append(check_prompt(run, table, cache, chunk, model, ids, args.new, args.forced))
+            checks.append(check_prompt(run, table, cache, chunk, model, ids, args.new, args.forced, decode))
             c = checks[-1]
             parted = f"DIFFERENT {c.parting}" if c.parting else "same"
             print(f"{prompt!r}: {len(ids)} prompt tokens; {parted}; {args.new} tokens "

@@ -91,6 +91,12 @@ def parse_batch(text: str) -> int | None:
 RAY_HELP = ("Run the vendor builds on this Ray cluster (ADDRESS, as `ray start` printed it), or on one started "
             "here (local); --jobs of them at a time. Needs `pip install 'shard[ray]'`.")
 
+FIDELITY_HELP = ("Run the bundle and the vendor alone's on the simulator (the first --calib samples, else seeded "
+                 "inputs of the model's domain); where shard's cosine is lower, the bundle holds the vendor's. "
+                 "--check-fidelity builds the vendor alone whole for it; without the whole build the vendor alone "
+                 "is each shard unrewritten. Costs a simulator build of both [default: on wherever the vendor alone "
+                 "is compared].")
+
 
 @app.command("compile")
 def compile_command(
@@ -141,17 +147,14 @@ def compile_command(
     calib: Optional[Path] = typer.Option(None, help="Calibration samples: an .npz of arrays named after the model's "
                                                     "inputs, each with a leading sample axis ([N, 1, 128] for "
                                                     "input_ids) [default: 8 seeded random samples, with a warning]."),
-    check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity",
-                                                  help="Run the bundle and the vendor alone's on the simulator (the "
-                                                  "first --calib samples, else seeded inputs of the model's domain); "
-                                                  "where shard's cosine is lower, the bundle holds the vendor's. "
-                                                  "--check-fidelity builds the vendor alone whole for it; without "
-                                                  "the whole build the vendor alone is each shard unrewritten. Costs "
-                                                  "a simulator build of both [default: on wherever the vendor alone "
-                                                  "is compared]."),
+    check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity", help=FIDELITY_HELP),
     max_context: str = typer.Option("512", help="A decoder: the KV cache's tokens, prompt and answer together; "
                                                 "or buckets, 256,2048 (a program each; the cache moves up)."),
     chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
+    one_step: bool = typer.Option(False, "--one-step", help="A decoder: one program per --max-context, of --chunk "
+                                                            "tokens, for the answer too: one copy of the weights "
+                                                            "where there are two, each answer token a step of "
+                                                            "--chunk."),
     batch_size: str = typer.Option("1", "--batch", help="Frames a run takes at once (the inputs' leading axis, "
                                                         "dynamic in the model); auto: the GPU cost model's choice."),
     latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take."),
@@ -171,18 +174,20 @@ def compile_command(
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine,
                              batch=parse_batch(batch_size), latency_budget=latency_budget and latency_budget / 1e3)
-    compile_all(batch(models, target.split(","), output), options, parse_ids(max_context, "--max-context"), chunk)
+    compile_all(batch(models, target.split(","), output), options,
+                {"capacity": parse_ids(max_context, "--max-context"), "chunk": chunk, "one_step": one_step})
 
 
-def compile_all(compiles: list[tuple[Path, str, Path | None]], options, capacity: list[int], chunk: int) -> None:
-    """Each compile of one command in turn; of several, one that fails says why and the others go on."""
+def compile_all(compiles: list[tuple[Path, str, Path | None]], options, steps: dict) -> None:
+    """Each compile of one command in turn; of several, one that fails says why and the others go on.
+    `steps`: a decoder's compile_generative arguments (capacity, chunk, one_step)."""
     failed = []
     for k, (model, target, output) in enumerate(compiles):
         if len(compiles) == 1:
-            return compile_one_command(model, target, output, options, capacity, chunk)
+            return compile_one_command(model, target, output, options, steps)
         console.rule(f"{k + 1}/{len(compiles)}: {model} for {target}")
         try:
-            compile_one_command(model, target, output, options, capacity, chunk)
+            compile_one_command(model, target, output, options, steps)
         except ShardError as exc:
             err.print(f"[red]failed[/]: {model} for {target}: {escape(str(exc))}", highlight=False, soft_wrap=True)
             failed.append(f"{model.name} for {target}")
@@ -201,12 +206,12 @@ def batch(models: list[Path], targets: list[str], output: Path | None) -> list[t
     return [(m, t, m.with_name(f"{m.stem}-{t}.shard") if len(targets) > 1 else None) for m in models for t in targets]
 
 
-def compile_one_command(model: Path, target: str, output: Path | None, options, capacity: list[int], chunk: int) -> None:
+def compile_one_command(model: Path, target: str, output: Path | None, options, steps: dict) -> None:
     from shard.compilation import compile_model
     from shard.compilation.generative import is_causal_lm
 
     if is_causal_lm(model):
-        return compile_decoder(model, target, output, options, capacity, chunk)
+        return compile_decoder(model, target, output, options, steps)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_result(result)
@@ -224,13 +229,13 @@ def print_compile_result(result) -> None:
     console.print(f"bundle: {result.bundle}")
 
 
-def compile_decoder(model: Path, target: str, output: Path | None, options, capacity: list[int], chunk: int) -> None:
+def compile_decoder(model: Path, target: str, output: Path | None, options, steps: dict) -> None:
     """A GGUF checkpoint or transformers folder: a generative bundle, a program per step width."""
     from shard.compilation.generative import compile_generative
 
     with progress_bar() as progress:
-        result = compile_generative(model, target, output or model.with_suffix(".shard"), options, capacity, chunk,
-                                    progress)
+        result = compile_generative(model, target, output or model.with_suffix(".shard"), options, **steps,
+                                    progress=progress)
     if result.spec.vision:
         console.rule(f"program vision: an image of {result.spec.vision['image_size']} x "
                      f"{result.spec.vision['image_size']} to its features")

@@ -229,21 +229,22 @@ class TransformersReference:
                                        eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
 
 
-def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int) -> PromptCheck:
-    """One prompt's token ids through steps `run` (shard.runtime.generate, embeddings from `table`)
-    beside the reference `model` (a transformers model, or one that answers as TransformersReference
-    does): the greedy answer of `new` tokens, and `forced` teacher-forced steps
-    (the prompt, then the reference's own answer a token a step) against the reference's one full
-    forward."""
+def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int,
+                 decode: int = 1) -> PromptCheck:
+    """One prompt's token ids through steps `run` (shard.runtime.generate, embeddings from `table`; the
+    answer's tokens through the step of width `decode`) beside the reference `model` (a transformers
+    model, or one that answers as TransformersReference does): the greedy answer of `new` tokens, and
+    `forced` teacher-forced steps (the prompt, then the reference's own answer a token a step) against
+    the reference's one full forward."""
     from shard.runtime.generate import advance, generate, prefill
 
-    ours = generate(run, table, table[ids], cache(), new, chunk)
+    ours = generate(run, table, table[ids], cache(), new, chunk, decode=decode)
     count = max(new, forced)
     reference = model if hasattr(model, "greedy") else TransformersReference(model)
     theirs = reference.greedy(ids, count)
     want = reference.logits(ids + theirs)[len(ids) - 1:]
     state = cache()
-    got = [prefill(run, state, table[ids], chunk)[-1]] + [advance(run, state, table[[t]], 1)[-1]
+    got = [prefill(run, state, table[ids], chunk)[-1]] + [advance(run, state, table[[t]], decode)[-1]
                                                           for t in theirs[:forced - 1]]
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
@@ -292,7 +293,8 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
         for k, prompt in enumerate(prompts):
             progress(f"prompts ({session.backend})", k, len(prompts))
             ids, _ = session.encode(prompt, chat=True)
-            check = check_prompt(session.run, session.table, session.cache, session.spec.chunk, model, ids, new, forced)
+            check = check_prompt(session.run, session.table, session.cache, session.spec.chunk, model, ids, new, forced,
+                                 session.spec.decode_width)
             check.prompt = prompt
             checks.append(check)
         progress(f"prompts ({session.backend})", len(prompts), len(prompts))

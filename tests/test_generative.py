@@ -92,6 +92,32 @@ def test_the_cache_moves_up_through_its_buckets_as_the_context_grows(checkpoint,
             session.generate(list(range(5, 30)), max_new_tokens=12, stop=set())
 
 
+def test_one_step_program_per_capacity_takes_the_answer_too(checkpoint, tmp_path):
+    """compile --one-step: the step of --chunk tokens alone, per cache capacity, one copy of the
+    weights where two programs hold two; each answer token goes through it with the rest of the
+    step padded, and the tokens and logits stay transformers' own."""
+    from shard.verifier import check_prompt
+
+    folder, model = checkpoint
+    res = shard_cli("compile", str(folder), "--target", "cpu", "--max-context", "8,32", "--chunk", "4", "--one-step",
+                    "-o", str(tmp_path / "lm.shard"))
+    assert res.returncode == 0, res.stderr
+    assert "program step-8: 4 tokens a step over a cache of 8" in res.stdout
+    spec = read_generative(tmp_path / "lm.shard")
+    assert [(p.name, p.width) for p in spec.programs] == [("step-8", 4), ("step-32", 4)] and spec.decode_width == 4
+    two = compile_generative(folder, "cpu", tmp_path / "two.shard", capacity=[8, 32], chunk=4)
+    weights = lambda bundle: sum(f.stat().st_size for f in bundle.rglob("*.onnx*"))  # noqa: E731
+    assert weights(tmp_path / "lm.shard") < 0.55 * weights(two.bundle)
+    with load(tmp_path / "lm.shard") as session:
+        out = session.generate(PROMPT, max_new_tokens=16, stop=set())
+        assert out.tokens == transformers_greedy(model, PROMPT, 16)
+        assert [w for w, _ in out.steps] == [4] * 17   # the prompt in 2 steps, then 15 answer tokens a step each
+        assert {key: s.frames_run for key, s in session.sessions.items()} == {(4, 8): 3, (4, 32): 14}
+        check = check_prompt(session.run, session.table, session.cache, spec.chunk, model, PROMPT, 8, 12,
+                             spec.decode_width)
+        assert check.same_tokens and check.top1 == 1.0 and check.min_cosine > 0.99999
+
+
 def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_buckets(checkpoint, tmp_path):
     """The cache a GPU backend keeps on the GPU (Cache.empty with a device), here torch tensors on the
     CPU: the steps' feeds are those tensors (Session.check_inputs takes them), their new entries are

@@ -99,11 +99,12 @@ def onnx_decoder(source: Path) -> Decoder:
 
 def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
                        capacity: int | Sequence[int] = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
-                       progress: Progress = lambda *a: None) -> GenerativeResult:
+                       one_step: bool = False, progress: Progress = lambda *a: None) -> GenerativeResult:
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder, or an ONNX decoder in
     optimum's layout (shard.zoo.onnx_decoder), into a generative bundle at `output`: a program per step
     width and cache capacity (several capacities: buckets the cache moves up through as the context
-    grows); nothing left at `output` on failure."""
+    grows); `one_step`: only the step of `chunk` tokens, the answer's tokens too (one copy of the
+    weights per capacity). Nothing left at `output` on failure."""
     from shard.zoo.decoder import checkpoint_record
 
     options = options or CompileOptions()
@@ -116,8 +117,9 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     progress("read the checkpoint", 0, 1)
     # an ONNX file is a decoder's only where read_onnx_decoder finds its layout (it says what is missing)
     decoder = onnx_decoder(source) if source.suffix == ".onnx" else checkpoint_decoder(source)
+    kinds = (("step", chunk),) if one_step else (("prefill", chunk), ("decode", 1))
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
-                for kind, width in (("prefill", chunk), ("decode", 1)) if width > 1 or kind == "decode"]
+                for kind, width in kinds if width > 1 or kind != "prefill"]
     staging, exports = staging_folder(output), scratch.folder("export")
     steps = {p.name: p for p in programs}
     if decoder.vision:   # the image's program first: the one a VLM runs first
@@ -189,7 +191,8 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
     for capacity in spec.capacities:
         latency = {p.width: (reports[p.name].get("predicted") or {}).get("latency_s")
                    for p in spec.programs if p.capacity == capacity}
-        decode, prefill = latency[1], latency[max(latency)]
+        prefill = latency[max(latency)]
+        decode = latency.get(1, prefill)   # a bundle of --one-step: the answer's tokens through the prompt's step
         cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * capacity * 2   # keys and values, fp16
         row = {"capacity": capacity,
                "prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,

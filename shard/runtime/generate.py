@@ -17,6 +17,8 @@ A generative bundle holds one ordinary bundle per step width, and the model's to
     lm.shard/decode/           the step of 1 token
                                (prefill-C/, decode-C/ per capacity C where several: the cache
                                starts in the smallest and moves up as the context grows)
+    lm.shard/step/             compile --one-step: in their place, the step of N tokens for the
+                               prompt and the answer alike (one copy of the weights; step-C/ per C)
     lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers;
                                a VLM's processor)
     lm.shard/embeddings.npy    the token embeddings, looked up on the host for every step
@@ -211,11 +213,11 @@ def sampler(temperature: float, top_p: float = 1.0, seed: int = 0) -> Callable[[
 
 def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max_new: int, chunk: int,
              stop: set[int] = frozenset(), choose: Callable[[np.ndarray], int] = greedy,
-             on_token: Callable[[int], None] | None = None) -> list[int]:
+             on_token: Callable[[int], None] | None = None, decode: int = 1) -> list[int]:
     """The prompt's embeddings (rows [n, hidden]: table[ids], a VLM's image features among them)
     prefilled; its last logits pick the first new token (greedy unless `choose` says otherwise), each
-    new token's (looked up in `table`) the next; stops after `max_new` tokens or at a token of `stop`
-    (kept)."""
+    new token's (looked up in `table`, through the step of width `decode`) the next; stops after
+    `max_new` tokens or at a token of `stop` (kept)."""
     if max_new < 1:
         raise RunError(f"max new tokens must be at least 1, got {max_new}")
     logits = prefill(run, cache, prompt, chunk)[-1]
@@ -226,7 +228,7 @@ def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max
             on_token(tokens[-1])
         if tokens[-1] in stop or len(tokens) == max_new:
             return tokens
-        logits = advance(run, cache, table[tokens[-1:]], 1)[-1]
+        logits = advance(run, cache, table[tokens[-1:]], decode)[-1]
 
 
 GENERATIVE = "generative.json"
@@ -290,6 +292,12 @@ class GenerativeSpec:
         return max(p.width for p in self.programs)
 
     @property
+    def decode_width(self) -> int:
+        """The width of the step each answer token goes through: 1, or the prompt's where the bundle
+        has one program per capacity (compile --one-step)."""
+        return 1 if any(p.width == 1 for p in self.programs) else self.chunk
+
+    @property
     def capacities(self) -> list[int]:
         return sorted({p.capacity for p in self.programs})
 
@@ -303,7 +311,7 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
     spec = read_versioned(path, SCHEMA_VERSION, "generative",
                           lambda data: GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]}))
     have = {(p.width, p.capacity) for p in spec.programs}
-    missing = [f"{w} at {c}" for c in spec.capacities for w in {1, spec.chunk} if (w, c) not in have]
+    missing = [f"{w} at {c}" for c in spec.capacities for w in {spec.decode_width, spec.chunk} if (w, c) not in have]
     if not spec.programs or missing:
         raise BundleError(f"{path}: no program of width {', '.join(missing) or 1} to run steps with")
     return spec
@@ -390,7 +398,7 @@ class GenerativeSession:
         buffer where one stage alone reads it (Session.input_buffers: where it writes its new entry
         in place), else a new tensor."""
         s = self.spec
-        buffers = self.sessions[1, capacity].input_buffers()
+        buffers = self.sessions[s.decode_width, capacity].input_buffers()
         shape = (1, s.kv_heads, capacity, s.head_dim)
         names = [[f"past_{kind}.{i}" for i in range(s.layers)] for kind in ("key", "value")]
         return tuple([buffers[n] if n in buffers else zeros(shape, np.float32, self.device) for n in kind]
@@ -483,7 +491,7 @@ class GenerativeSession:
 
         stops = set(self.spec.stop) if stop is None else stop
         out = generate(self.run, self.table, rows, self.cache(), max_new_tokens, self.spec.chunk, stops, choose,
-                       on_token)
+                       on_token, self.spec.decode_width)
         text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
         return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk))
 
