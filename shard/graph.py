@@ -146,6 +146,14 @@ def fits_protobuf(model: onnx.ModelProto) -> bool:
     return sum(part.ByteSize() for part in (*graph.initializer, *graph.node, *graph.sparse_initializer)) < PROTO_LIMIT
 
 
+def save_onnx(model: onnx.ModelProto, path: Path) -> bool:
+    """Write the model; one past protobuf's 2 GiB cap keeps its weights beside it (PATH.data), and then
+    (True returned) the model in memory points at that file instead of holding them."""
+    large = not fits_protobuf(model)
+    onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
+    return large
+
+
 def sha256_file(path: str | Path, digest=None):
     """The file's sha256 hex digest; or, given a running `digest`, the file's bytes fed into it."""
     running = digest is not None

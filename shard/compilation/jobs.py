@@ -13,10 +13,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.calibration import calibration_samples, run_each
-from shard.compilation.staging import save_onnx
 from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.edges import SUFFIX as EDGES, relayout
-from shard.graph import release_weights, tensor_spec, to_toolkit_model
+from shard.graph import release_weights, save_onnx, tensor_spec, to_toolkit_model
 from shard.passes import PassContext
 from shard.runtime.host import run_host
 from shard.targets import ShardJob

@@ -10,13 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import onnx
-
 from shard import scratch
 from shard.bundle import MANIFEST
 from shard.compilation.state import PRECISIONS
 from shard.errors import ShardError
-from shard.graph import fits_protobuf
 from shard.never_worse import BASELINES
 from shard.options import CompileOptions
 from shard.passes import fusion_barrier, tile_attention
@@ -51,14 +48,6 @@ def check_options(options: CompileOptions) -> None:
         raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
     if not 0.0 < options.min_cosine <= 1.0:
         raise ShardError(f"--min-cosine {options.min_cosine}: expected a cosine in (0, 1]")
-
-
-def save_onnx(model, path: Path) -> bool:
-    """Write the model; one past protobuf's 2 GiB cap keeps its weights beside it (PATH.data), and then
-    (True returned) the model in memory points at that file instead of holding them."""
-    large = not fits_protobuf(model)
-    onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
-    return large
 
 
 def check_output_path(output: Path, model: Path | None = None) -> None:

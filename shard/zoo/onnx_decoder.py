@@ -27,7 +27,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
-from shard.graph import fits_protobuf, load_model, quiet_graphsurgeon
+from shard.graph import load_model, quiet_graphsurgeon, save_onnx
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 SCAN_BYTES = 64 << 20   # the graph's nodes come first in the file; the cache's first reader is early among them
@@ -139,9 +139,7 @@ def export_onnx_step(decoder: OnnxDecoder, path: Path, steps: int, capacity: int
     if any(t.name == "input_ids" for n in graph.nodes for t in n.inputs):
         raise ShardError(f"{decoder.path}: input_ids is read by more than the token lookup; shard takes "
                          f"decoders whose ids only select embeddings")
-    model = gs.export_onnx(graph)
-    large = not fits_protobuf(model)
-    onnx.save(model, str(path), save_as_external_data=large, location=f"{path.name}.data" if large else None)
+    save_onnx(gs.export_onnx(graph), path)
     return path
 
 
