@@ -90,7 +90,7 @@ def main() -> None:
                 ids = encoded["input_ids"][0].tolist() + theirs
                 want = model(input_ids=torch.tensor([ids]), pixel_values=encoded["pixel_values"],
                              pixel_attention_mask=encoded["pixel_attention_mask"]).logits[0, len(out.prompt) - 1:].numpy()
-            got = session.logits(ids, session.encode(prompt, True, [image])[1])[len(out.prompt) - 1:]   # teacher-forced
+            got = session.logits(ids, session.encode(prompt, True, [image])[1], len(out.prompt) - 1)   # teacher-forced
             agree += [int(np.argmax(g) == np.argmax(w)) for g, w in zip(got, want)]
             cosines += [compare("logits", w, g).cosine for g, w in zip(got, want)]
             same += out.tokens == theirs == again.tokens

@@ -187,7 +187,8 @@ def test_an_onnx_decoder_with_its_cache_as_inputs_generates_transformers_own_tok
     assert (spec.layers, spec.kv_heads, spec.head_dim, spec.vocab, spec.stop) == (2, 2, 16, len(WORDS), [2])
     with load(tmp_path / "lm.shard") as session:
         assert {t.name for t in session.sessions[4, 32].manifest.inputs} == {
-            "inputs_embeds", "attention_mask", "position_ids", "past_key.0", "past_value.0", "past_key.1", "past_value.1"}
+            "inputs_embeds", "attention_mask", "position_ids", "pick", "past_key.0", "past_value.0", "past_key.1",
+            "past_value.1"}
         assert session.generate(PROMPT, max_new_tokens=16, stop=set()).tokens == transformers_greedy(model, PROMPT, 16)
         ids = PROMPT + list(range(20, 36))
         with torch.no_grad():

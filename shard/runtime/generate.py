@@ -46,6 +46,7 @@ from shard.runtime.executors import to_host
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
+PICK = "pick"   # a step's input saying which of its tokens' logits it returns (step_feeds)
 
 Step = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
@@ -165,26 +166,39 @@ def as_attention_mask(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return feeds
 
 
-def advance(run: Step, cache: Cache, rows: np.ndarray, width: int) -> np.ndarray:
-    """Run the embeddings of up to `width` new tokens (rows [n, hidden], padded to width) through the
-    step of that width at the cache's length, write their keys and values; their logits, [n, vocab]."""
+def step_feeds(rows: np.ndarray, length: int, width: int, capacity: int) -> dict[str, np.ndarray]:
+    """A step's inputs but the cache: the embeddings of up to `width` new tokens (rows [n, hidden], padded
+    to width) after `length` tokens in a cache of `capacity`, their positions and mask, and, for a step
+    of more than one token, `pick`: [1, 1, width], 1 at the last real token, whose logits the step
+    returns (its LM head reads that row alone)."""
     valid = len(rows)
     if not 0 < valid <= width:
         raise RunError(f"a step of width {width} takes 1 to {width} tokens, not {valid}")
-    cache.make_room(valid)
     padded = np.zeros((1, width, rows.shape[1]), np.float32)
     padded[0, :valid] = rows
-    feeds = {"inputs_embeds": padded, "position_ids": (cache.length + np.arange(width, dtype=np.int64))[None],
-             "mask": step_mask(cache.length, width, cache.capacity), **cache.feeds()}
-    outputs = run(feeds)
-    cache.write(outputs, valid)
-    return outputs["logits"][0, :valid]
+    feeds = {"inputs_embeds": padded, "position_ids": (length + np.arange(width, dtype=np.int64))[None],
+             "mask": step_mask(length, width, capacity)}
+    if width > 1:
+        feeds[PICK] = np.zeros((1, 1, width), np.float32)
+        feeds[PICK][0, 0, valid - 1] = 1
+    return feeds
+
+
+def advance(run: Step, cache: Cache, rows: np.ndarray, width: int) -> np.ndarray:
+    """Run the embeddings of up to `width` new tokens (rows [n, hidden]) through the step of that width
+    at the cache's length, write their keys and values; the last one's logits, [vocab]."""
+    cache.make_room(len(rows))
+    outputs = run({**step_feeds(rows, cache.length, width, cache.capacity), **cache.feeds()})
+    cache.write(outputs, len(rows))
+    return outputs["logits"][0, -1]
 
 
 def prefill(run: Step, cache: Cache, rows: np.ndarray, chunk: int) -> np.ndarray:
-    """The prompt's embeddings (rows [n, hidden]) through the cache `chunk` at a step; every token's
-    logits, [n, vocab]."""
-    return np.concatenate([advance(run, cache, rows[k:k + chunk], chunk) for k in range(0, len(rows), chunk)])
+    """The prompt's embeddings (rows [n, hidden]) through the cache `chunk` at a step; the last token's
+    logits, [vocab]."""
+    for k in range(0, len(rows), chunk):
+        logits = advance(run, cache, rows[k:k + chunk], chunk)
+    return logits
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -220,7 +234,7 @@ def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max
     `max_new` tokens or at a token of `stop` (kept)."""
     if max_new < 1:
         raise RunError(f"max new tokens must be at least 1, got {max_new}")
-    logits = prefill(run, cache, prompt, chunk)[-1]
+    logits = prefill(run, cache, prompt, chunk)
     tokens: list[int] = []
     while True:
         tokens.append(choose(logits))
@@ -228,12 +242,12 @@ def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max
             on_token(tokens[-1])
         if tokens[-1] in stop or len(tokens) == max_new:
             return tokens
-        logits = advance(run, cache, table[tokens[-1:]], decode)[-1]
+        logits = advance(run, cache, table[tokens[-1:]], decode)
 
 
 GENERATIVE = "generative.json"
 EMBEDDINGS = "embeddings.npy"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: a step of more than one token returns its last real token's logits (PICK)
 
 
 def load_checked(bundle: Path, files: dict, name: str) -> np.ndarray:
@@ -507,9 +521,13 @@ class GenerativeSession:
             for request, sight, done in zip(requests, sights, encoded):
                 yield self.generate(**request, sight=sight, encoded=done)
 
-    def logits(self, ids: list[int], pixels: np.ndarray | None = None) -> np.ndarray:
-        """Teacher-forced: every position's logits, [len(ids), vocab], the ids prefilled."""
-        return prefill(self.run, self.cache(), self.embed(list(ids), self.look(pixels)), self.spec.chunk)
+    def logits(self, ids: list[int], pixels: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+        """Teacher-forced: the logits of every position from `start` on, [len(ids) - start, vocab]: the
+        ids up to `start` prefilled, then one a step as an answer's tokens go."""
+        rows, cache = self.embed(list(ids), self.look(pixels)), self.cache()
+        first = prefill(self.run, cache, rows[:start + 1], self.spec.chunk)
+        return np.stack([first] + [advance(self.run, cache, rows[[k]], self.spec.decode_width)
+                                   for k in range(start + 1, len(rows))])
 
     def close(self) -> None:
         for session in [*self.sessions.values(), *([self.vision] if getattr(self, "vision", None) else [])]:

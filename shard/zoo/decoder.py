@@ -26,6 +26,7 @@ import transformers as tf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from shard.errors import ShardError
+from shard.runtime.generate import PICK
 
 # Pre-norm layers, rotary positions, q/k/v/o projections and a gated MLP: what CachedStep writes out.
 FAMILY = ("llama", "mistral", "qwen2")
@@ -98,13 +99,15 @@ def stop_ids(model, tokenizer) -> list[int]:
 class CachedStep(torch.nn.Module):
     """T new tokens against a cache of capacity C; the model's own weights and modules."""
 
-    def __init__(self, model):
+    def __init__(self, model, pick: bool = False):
         super().__init__()
         self.body, self.head, config = text_parts(model)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.pick = pick   # a step of several tokens: a `pick` input [1, 1, T] chooses the row the head reads
 
-    def forward(self, inputs_embeds, position_ids, mask, *cache):
+    def forward(self, inputs_embeds, position_ids, mask, *rest):
+        pick, cache = (rest[0], rest[1:]) if self.pick else (None, rest)
         body, hidden = self.body, inputs_embeds
         cos, sin = body.rotary_emb(hidden, position_ids)
         new = []
@@ -115,7 +118,8 @@ class CachedStep(torch.nn.Module):
             new += [key, value]
             hidden, lost = compensated(hidden, lost, attended)
             hidden, lost = compensated(hidden, lost, layer.mlp(layer.post_attention_layernorm(hidden)))
-        return (self.head(body.norm(hidden)), *new)
+        hidden = body.norm(hidden)
+        return (self.head(hidden if pick is None else torch.matmul(pick, hidden)), *new)
 
     def attend(self, attn, x, cos, sin, mask, past_key, past_value):
         """One layer's attention over the cache and the new tokens; with the new tokens' key and value."""
@@ -141,21 +145,23 @@ def compensated(total, lost, value):
     return t, (t - total) - y
 
 
-def step_names(layers: int) -> tuple[list[str], list[str]]:
-    """The step's input and output names, in order."""
+def step_names(layers: int, steps: int = 1) -> tuple[list[str], list[str]]:
+    """The step's input and output names, in order (a step of several tokens takes PICK)."""
     cache = [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
-    return (["inputs_embeds", "position_ids", "mask", *(f"past_{name}" for name in cache)], ["logits", *cache])
+    return (["inputs_embeds", "position_ids", "mask", *[PICK] * (steps > 1), *(f"past_{name}" for name in cache)],
+            ["logits", *cache])
 
 
 def export_step(model, path: Path, steps: int, capacity: int, opset: int = 17) -> Path:
     """Write the step of `steps` new tokens over a cache of `capacity` as ONNX (weights in the file, or
-    beside it past protobuf's 2 GiB)."""
-    step = CachedStep(model).eval()
+    beside it past protobuf's 2 GiB): logits [1, 1, vocab], the picked token's."""
+    step = CachedStep(model, pick=steps > 1).eval()
     config = text_parts(model)[2]
-    inputs, outputs = step_names(config.num_hidden_layers)
+    inputs, outputs = step_names(config.num_hidden_layers, steps)
     cache = [torch.zeros(1, step.kv_heads, capacity, step.head_dim) for _ in range(2 * config.num_hidden_layers)]
+    pick = [torch.zeros(1, 1, steps)] if steps > 1 else []
     args = (torch.zeros(1, steps, config.hidden_size), torch.arange(steps)[None],
-            torch.zeros(1, 1, steps, capacity + steps), *cache)
+            torch.zeros(1, 1, steps, capacity + steps), *pick, *cache)
     with torch.no_grad():
         torch.onnx.export(step, args, str(path), opset_version=opset, dynamo=False, input_names=inputs,
                           output_names=outputs)
@@ -216,7 +222,7 @@ def prompt_samples(tokenizer, table: np.ndarray, width: int, capacity: int, cach
     next tokens after its first 0, then more, tokens already in the cache (`cache_after(rows)`: the
     past_* feeds of a cache holding those tokens' embeddings; `finish`: the step's own form of a
     sample's feeds)."""
-    from shard.runtime.generate import step_mask
+    from shard.runtime.generate import step_feeds
 
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
@@ -224,9 +230,8 @@ def prompt_samples(tokenizer, table: np.ndarray, width: int, capacity: int, cach
     samples: dict[str, list] = {}
     for k in range(count):
         length = (capacity - width) * k // max(count - 1, 1) if capacity > width else 0
-        feeds = finish({"inputs_embeds": table[ids[length:length + width]][None],
-                        "position_ids": (length + np.arange(width, dtype=np.int64))[None],
-                        "mask": step_mask(length, width, capacity), **cache_after(table[ids[:length]])})
+        feeds = finish({**step_feeds(table[ids[length:length + width]], length, width, capacity),
+                        **cache_after(table[ids[:length]])})
         for name, value in feeds.items():
             samples.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in samples.items()}

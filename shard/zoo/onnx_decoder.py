@@ -8,7 +8,8 @@ text-generation-with-past) as the fixed-shape steps of a generative bundle (shar
 A step fixes T (the prefill chunk, or 1) and P (the cache's capacity C); the token lookup (the Gather
 of input_ids) leaves the graph, its table becomes the bundle's embeddings and its output the step's
 input inputs_embeds; the cache inputs are renamed past_key.i, past_value.i, and each present output
-is cut to its last T entries (key.i, value.i): only the new tokens' keys and values come back. The
+is cut to its last T entries (key.i, value.i): only the new tokens' keys and values come back; a step
+of several tokens takes `pick` [1, 1, T], the row its LM head reads (logits [1, 1, vocab]). The
 attention_mask stays an input (the runtime makes it from the step's mask: shard.runtime.generate);
 a NaN guard after attention's Softmax, for rows that mask every key, is dropped (drop_nan_guards).
 The tokenizer and the end-of-answer tokens come from the ONNX file's folder, as the exporter leaves
@@ -28,6 +29,7 @@ import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
 from shard.graph import load_model, quiet_graphsurgeon, save_onnx
+from shard.runtime.generate import PICK
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 SCAN_BYTES = 64 << 20   # the graph's nodes come first in the file; the cache's first reader is early among them
@@ -134,6 +136,8 @@ def export_onnx_step(decoder: OnnxDecoder, path: Path, steps: int, capacity: int
             graph.layer(op="Slice", name=f"present.{i}.{kind}/new", inputs=[present, *bounds], outputs=[new])
             outputs.append(new)
     graph.outputs = outputs
+    if steps > 1:
+        pick_row(graph, decoder.path, steps)
     drop_nan_guards(graph)
     graph.cleanup().toposort()
     if any(t.name == "input_ids" for n in graph.nodes for t in n.inputs):
@@ -141,6 +145,22 @@ def export_onnx_step(decoder: OnnxDecoder, path: Path, steps: int, capacity: int
                          f"decoders whose ids only select embeddings")
     save_onnx(gs.export_onnx(graph), path)
     return path
+
+
+def pick_row(graph: gs.Graph, source: Path, steps: int) -> None:
+    """The LM head (the MatMul that writes logits) fed the row the step's PICK input chooses
+    ([1, 1, steps], one-hot: shard.runtime.generate.step_feeds) instead of every new token's."""
+    logits = graph.tensors()["logits"]
+    head = logits.inputs[0] if logits.inputs else None
+    if head is None or head.op != "MatMul":
+        raise ShardError(f"{source}: its logits come from {head.op if head else 'no op'}, not the LM head's MatMul; "
+                         f"shard takes decoders whose logits are a MatMul of the last hidden state")
+    pick = gs.Variable(PICK, np.float32, [1, 1, steps])
+    picked = graph.layer(op="MatMul", name="pick/MatMul", inputs=[pick, head.inputs[0]],
+                         outputs=[gs.Variable("pick/row", np.float32)])[0]
+    head.inputs[0] = picked
+    logits.shape = None
+    graph.inputs.append(pick)
 
 
 def drop_nan_guards(graph: gs.Graph) -> int:
