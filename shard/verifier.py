@@ -245,7 +245,7 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
     want = reference.logits(ids + theirs)[len(ids) - 1:]
     state = cache()
     got = [prefill(run, state, table[ids], chunk)] + [advance(run, state, table[[t]], decode)
-                                                          for t in theirs[:forced - 1]]
+                                                      for t in theirs[:forced - 1]]
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
     return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),

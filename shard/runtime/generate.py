@@ -196,6 +196,8 @@ def advance(run: Step, cache: Cache, rows: np.ndarray, width: int) -> np.ndarray
 def prefill(run: Step, cache: Cache, rows: np.ndarray, chunk: int) -> np.ndarray:
     """The prompt's embeddings (rows [n, hidden]) through the cache `chunk` at a step; the last token's
     logits, [vocab]."""
+    if not len(rows):
+        raise RunError("a prompt of at least one token")
     for k in range(0, len(rows), chunk):
         logits = advance(run, cache, rows[k:k + chunk], chunk)
     return logits
