@@ -268,6 +268,13 @@ def print_generative_prediction(rows: list[dict]) -> None:
         table.add_row(published["label"], "", *([f"{published['vision_ms']:.0f}"] if vision else []),
                       f"{published['prefill_128_ms']:.0f}", f"{published['decode_tokens_per_s']:.0f}", "")
     console.print(table)
+    one = [p for p in rows if p.get("one_step_tokens_per_s", 0) > (p["decode_tokens_per_s"] or 0)]
+    if one:
+        console.print(f"--one-step: the answer's tokens through the prompt's step would decode at "
+                      f"{', '.join(str(p['one_step_tokens_per_s']) for p in one)} tokens/s by the same estimates (cache "
+                      f"{', '.join(str(p['capacity']) for p in one)}), with one copy of the weights where this bundle "
+                      f"holds two; each token a step of --chunk, whose larger inputs and keys and values the "
+                      f"estimates do not count")
 
 
 def bucket_title(bucket) -> str:

@@ -118,6 +118,19 @@ def test_one_step_program_per_capacity_takes_the_answer_too(checkpoint, tmp_path
         assert check.same_tokens and check.top1 == 1.0 and check.min_cosine > 0.99999
 
 
+def test_the_compile_says_where_one_step_would_decode_faster():
+    from shard.cli import console, print_generative_prediction
+
+    row = {"capacity": 512, "prefill_128_ms": 112.5, "decode_tokens_per_s": 64.9, "one_step_tokens_per_s": 71.1,
+           "weight_bytes": 269_000_000, "cache_bytes": 12_000_000}
+    with console.capture() as seen:
+        print_generative_prediction([row])
+    assert "--one-step: the answer's tokens through the prompt's step would decode at 71.1 tokens/s" in seen.get()
+    with console.capture() as seen:
+        print_generative_prediction([{**row, "one_step_tokens_per_s": 60.2}])
+    assert "--one-step" not in seen.get() and "64.9" in seen.get()
+
+
 def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_buckets(checkpoint, tmp_path):
     """The cache a GPU backend keeps on the GPU (Cache.empty with a device), here torch tensors on the
     CPU: the steps' feeds are those tensors (Session.check_inputs takes them), their new entries are
@@ -298,7 +311,8 @@ def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(che
     assert len(result.reports) == 4   # prefill and decode, for a cache of 16 and one of 32
     for name, report in result.reports.items():
         assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
-    assert all(row["decode_tokens_per_s"] > 0 and row["bandwidth_tokens_per_s"] > 0 for row in result.predicted)
+    assert all(row["decode_tokens_per_s"] > 0 and row["bandwidth_tokens_per_s"] > 0 and row["one_step_tokens_per_s"] > 0
+               for row in result.predicted)
     with load(result.bundle, backend="sim") as session:
         out = session.generate(PROMPT, max_new_tokens=12, stop=set())   # 19 tokens: past the cache of 16
         assert out.tokens == transformers_greedy(model, PROMPT, 12)

@@ -200,6 +200,8 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
                "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
                "from": f"the vendor's cycle estimates of each program's shards (prefill: ceil({PREFILL_TOKENS} / "
                        f"{spec.chunk}) steps)"}
+        if 1 in latency and len(latency) > 1 and prefill:
+            row["one_step_tokens_per_s"] = round(1 / prefill, 1)   # decoding through the prompt's step (--one-step)
         if chip is not None and chip.dram_gbs:
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
             row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
