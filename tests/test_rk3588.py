@@ -352,3 +352,29 @@ def test_a_cut_that_loses_fidelity_falls_back_to_the_vendor_alone(save, tmp_path
     assert [s.build for s in result.manifest.shards] == ["vendor_alone"]
     assert shard.verify(result.bundle, path, backend="sim", min_cosine=0.9999).passed
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".m.shard")]
+
+
+def test_builds_told_one_at_a_time_never_overlap(tmp_path, save):
+    # A program cut into fewer shards than its builds' memory asks for (a decode step of few MACs)
+    # builds them one at a time (partition's builds_at_once): on two workers, four real builds whose
+    # spans, end minus build seconds, do not overlap.
+    import time
+
+    from conftest import mlp_chain
+
+    from shard.targets import ShardJob
+    from shard.targets.registry import get_target
+
+    target = get_target("rk3588")
+    jobs = []
+    for k in range(4):
+        model = save(mlp_chain(2, width=64, seed=k), f"s{k}.onnx")
+        jobs.append(ShardJob(f"s{k}", model, tmp_path / f"s{k}.rknn", tmp_path / f"s{k}.log"))
+    ends = {}
+    with target.builds(2, 600, None, tmp_path / "logs") as builds:
+        builds.at_once(1)
+        done = builds.results(builds.submit(jobs, target.build_options(CompileOptions()),
+                                            lambda b: ends.setdefault(b.name, time.monotonic())))
+    assert all(b.error is None for b in done)
+    spans = sorted((ends[b.name] - b.seconds, ends[b.name]) for b in done)
+    assert all(later[0] >= earlier[1] - 0.05 for earlier, later in zip(spans, spans[1:])), spans

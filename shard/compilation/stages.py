@@ -149,6 +149,7 @@ def rewrite(c: Compilation) -> None:
                                 until="slow_paths" if c.options.vendor_only else None)
     c.ctx.reports["canonicalize"]["prepared"] = prepared
     c.plans = c.ctx.plan or []
+    c.builder.at_once(c.ctx.reports.get("partition", {}).get("builds_at_once", c.options.jobs))
     c.canonical = c.ctx.snapshots.pop("canonicalize", None)
     c.originals = original_plans(c.canonical, c.plans, c.ctx.host_post) if c.canonical is not None \
         else [None] * len(c.plans)

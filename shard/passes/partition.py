@@ -157,10 +157,12 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     cuts = choose_cuts(costs, [math.inf if i in inside else b for i, b in enumerate(live)], min(shards, n))
     avoided = sorted({inside[i] for i in choose_cuts(costs, live, min(shards, n)) if i in inside})
     ctx.plan = shard_boundaries(graph, cuts)
+    # Fewer shards than the builds' memory asks for (a step of few MACs, or --shards): fewer builds at once.
+    at_once = next((j for j in range(opts.jobs, 0, -1) if ctx.shards_for_memory(weights, j) <= len(ctx.plan)), 1)
     report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
               "kept_whole": avoided,   # where the cheapest cut ran through a fused pattern
-              "macs": [p.macs for p in ctx.plan], "for_memory": for_memory,
-              "by_memory": not getattr(opts, "shards", None) and for_memory > ctx.profile.cores,
+              "macs": [p.macs for p in ctx.plan], "for_memory": for_memory, "builds_at_once": at_once,
+              "by_memory": not getattr(opts, "shards", None) and shards == for_memory > ctx.profile.cores,
               "shard_weight_bytes": [sum(nbytes(t) for t in constants(p.nodes)) for p in ctx.plan]}
     if per_mac and limit:
         predicted = [p.macs * per_mac for p in ctx.plan]

@@ -125,6 +125,11 @@ class Builds(Protocol):
 
     def submit(self, jobs: list[ShardJob], build: dict, on_done: Callable[[ShardBuild], None]) -> list[Future]: ...
 
+    def at_once(self, builds: int) -> None:
+        """Run at most `builds` builds at a time from now on (a few large shards whose builds would
+        pass the compile's memory side by side: shard.passes.partition's builds_at_once)."""
+        ...
+
     def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
         """The figures of an earlier build of the same structure as the job's (its figures_key), with
         its log and no artifact; None if there is none."""
@@ -155,6 +160,9 @@ class LogsOnly:
             futures[-1].set_result(ShardBuild(name=job.name, seconds=0.0))
             on_done(futures[-1].result())
         return futures
+
+    def at_once(self, builds: int) -> None:
+        pass
 
     def figures(self, job: ShardJob, build: dict) -> None:
         return None

@@ -13,6 +13,7 @@ source; the chip's profile: the limits and peak rates `shard probe --target CHIP
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -113,6 +114,13 @@ class ToolkitBuilds:
         self.pool = worker_pool(target.name, log_dir, workers, ray)
         self.executor = ThreadPoolExecutor(max_workers=max(1, workers))
         self.store = BuildCache(cache, target.name, target.toolchain()) if cache else None
+        self.gate = threading.Condition()
+        self.limit, self.running = max(1, workers), 0   # builds allowed at once, and under way
+
+    def at_once(self, builds: int) -> None:
+        with self.gate:
+            self.limit = max(1, builds)
+            self.gate.notify_all()
 
     def start(self) -> None:
         self.pool.start()
@@ -140,8 +148,16 @@ class ToolkitBuilds:
         key = self.store.key(job, options) if self.store else None
         result = self.store.get(job, key) if self.store else None
         if result is None:
-            with self.pool.worker(memory=worker_build_bytes(onnx_weight_bytes(job.onnx))) as worker:
-                result = build_shard(worker, job, options, self.timeout)
+            with self.gate:
+                self.gate.wait_for(lambda: self.running < self.limit)
+                self.running += 1
+            try:
+                with self.pool.worker(memory=worker_build_bytes(onnx_weight_bytes(job.onnx))) as worker:
+                    result = build_shard(worker, job, options, self.timeout)
+            finally:
+                with self.gate:
+                    self.running -= 1
+                    self.gate.notify_all()
             if job.artifact and result.error is None:
                 result.built_from = job.built_from()
             if self.store:
