@@ -425,7 +425,7 @@ def print_totals(report: dict) -> None:
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
                       f"cut so that its builds, --jobs at once, stay within half of the vendor's build of the whole "
                       f"model; each shard is one more hand-off a frame on the board (--shards sets the count)")
-    elif cut.get("for_memory", 0) > cut.get("shards", 0):
+    elif cut.get("for_memory", 0) > cut.get("shards", 0) and "builds_at_once" in cut:   # (older reports lack it)
         console.print(f"{cut['shards']} shards where the builds' memory asked for {cut['for_memory']} (each one more "
                       f"hand-off a frame: a step of few MACs, or --shards, keeps them few): built "
                       f"{cut['builds_at_once']} at a time instead, nearer half of the vendor's build of the whole model")
