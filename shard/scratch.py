@@ -3,7 +3,9 @@
 Each folder (TMPDIR/shard-KIND-*) holds a lock file that its process keeps locked for as long as it
 lives; the kernel lets go of the lock when the process dies, SIGKILL included. The first folder a later
 process makes sweeps every shard folder whose lock is free. A folder kept on purpose (build logs that
-an error message names) gives up its lock file, so that no sweep takes it.
+an error message names) gives up its lock file, so that no sweep takes it. The folders a process still
+holds when it exits normally go then (atexit), such as a simulator's that its session left open
+because a core was still inside it when the session closed.
 
     work = scratch.folder("ops")
     ...
@@ -12,6 +14,7 @@ an error message names) gives up its lock file, so that no sweep takes it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -24,6 +27,7 @@ LOCK = ".shard-owner"
 _held: dict[str, int] = {}   # folder -> the descriptor holding its lock
 _guard = threading.Lock()
 _swept = False
+_at_exit = 0   # the process whose exit removes the folders it still holds
 
 
 def folder(kind: str) -> Path:
@@ -32,9 +36,18 @@ def folder(kind: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"shard-{kind}-"))
     fd = os.open(path / LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    global _at_exit
     with _guard:
+        if _at_exit != os.getpid():
+            _at_exit = os.getpid()
+            atexit.register(_remove_at_exit, _at_exit)
         _held[str(path)] = fd
     return path
+
+
+def _remove_at_exit(pid: int) -> None:
+    if os.getpid() == pid:   # not a forked child's exit: the folders are its parent's
+        remove_all()
 
 
 def remove(path: str | Path) -> None:

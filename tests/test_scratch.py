@@ -53,4 +53,16 @@ def test_the_first_folder_a_process_makes_sweeps(tmp_path):
     made = subprocess.run([sys.executable, "-c", "from shard import scratch; print(scratch.folder('ort'))"],
                           capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, check=True)
     assert not os.path.exists(folder)
-    assert os.path.isdir(made.stdout.strip())   # the maker died without remove(): the next sweep's
+    assert not os.path.exists(made.stdout.strip())   # its maker exited without remove(): its exit removed it
+
+
+def test_the_folders_a_process_still_holds_go_when_it_exits(tmp_path):
+    # A simulator's folder, its session left open (a core was still inside it when the session
+    # closed), whose core then came back before the error exit looked: no os._exit, no finalizer,
+    # and the folder stayed in TMPDIR. A kept one stays.
+    code = ("from shard import scratch; import sys; held, kept = scratch.folder('sim'), scratch.folder('logs'); "
+            "scratch.keep(kept); print(held, kept); sys.exit(1)")
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    held, kept = made.stdout.split()
+    assert made.returncode == 1 and not os.path.exists(held) and os.path.isdir(kept)
