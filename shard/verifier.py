@@ -236,16 +236,14 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
     model, or one that answers as TransformersReference does): the greedy answer of `new` tokens, and
     `forced` teacher-forced steps (the prompt, then the reference's own answer a token a step) against
     the reference's one full forward."""
-    from shard.runtime.generate import advance, generate, prefill
+    from shard.runtime.generate import generate, teacher_forced
 
     ours = generate(run, table, table[ids], cache(), new, chunk, decode=decode)
     count = max(new, forced)
     reference = model if hasattr(model, "greedy") else TransformersReference(model)
     theirs = reference.greedy(ids, count)
     want = reference.logits(ids + theirs)[len(ids) - 1:]
-    state = cache()
-    got = [prefill(run, state, table[ids], chunk)] + [advance(run, state, table[[t]], decode)
-                                                      for t in theirs[:forced - 1]]
+    got = teacher_forced(run, cache(), table[ids + theirs[:forced - 1]], len(ids) - 1, chunk, decode)
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
     return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),

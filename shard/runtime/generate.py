@@ -203,6 +203,13 @@ def prefill(run: Step, cache: Cache, rows: np.ndarray, chunk: int) -> np.ndarray
     return logits
 
 
+def teacher_forced(run: Step, cache: Cache, rows: np.ndarray, start: int, chunk: int, decode: int = 1) -> np.ndarray:
+    """The logits of every position of `rows` [n, hidden] from `start` on, [n - start, vocab]: the rows
+    up to `start` prefilled, then one a step through the step of width `decode`, as an answer's go."""
+    first = prefill(run, cache, rows[:start + 1], chunk)
+    return np.stack([first] + [advance(run, cache, rows[[k]], decode) for k in range(start + 1, len(rows))])
+
+
 def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
@@ -526,10 +533,8 @@ class GenerativeSession:
     def logits(self, ids: list[int], pixels: np.ndarray | None = None, start: int = 0) -> np.ndarray:
         """Teacher-forced: the logits of every position from `start` on, [len(ids) - start, vocab]: the
         ids up to `start` prefilled, then one a step as an answer's tokens go."""
-        rows, cache = self.embed(list(ids), self.look(pixels)), self.cache()
-        first = prefill(self.run, cache, rows[:start + 1], self.spec.chunk)
-        return np.stack([first] + [advance(self.run, cache, rows[[k]], self.spec.decode_width)
-                                   for k in range(start + 1, len(rows))])
+        return teacher_forced(self.run, self.cache(), self.embed(list(ids), self.look(pixels)), start,
+                              self.spec.chunk, self.spec.decode_width)
 
     def close(self) -> None:
         for session in [*self.sessions.values(), *([self.vision] if getattr(self, "vision", None) else [])]:

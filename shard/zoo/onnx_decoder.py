@@ -206,7 +206,7 @@ def step_samples(decoder: OnnxDecoder, path: Path, tokenizer, width: int, capaci
                  count: int = 2) -> dict[str, np.ndarray]:
     """shard.zoo.decoder.prompt_samples of the step at `path` (export_onnx_step), the cache holding the
     step's own keys and values (in onnxruntime)."""
-    from shard.runtime.generate import Cache, advance, as_attention_mask
+    from shard.runtime.generate import Cache, as_attention_mask, prefill
     from shard.zoo.decoder import prompt_samples
 
     session = ort_session(path)
@@ -217,8 +217,8 @@ def step_samples(decoder: OnnxDecoder, path: Path, tokenizer, width: int, capaci
 
     def cache_after(rows: np.ndarray) -> dict[str, np.ndarray]:
         cache = Cache.empty(decoder.layers, decoder.kv_heads, capacity, decoder.head_dim)
-        for start in range(0, len(rows), width):
-            advance(run, cache, rows[start:start + width], width)
+        if len(rows):
+            prefill(run, cache, rows, width)
         return cache.feeds()
 
     return prompt_samples(tokenizer, decoder.table, width, capacity, cache_after, count, as_attention_mask)
