@@ -3,8 +3,10 @@ Instruct decoder from the index; the vision tower and connector seeded, shard.zo
 bundle, beside transformers fp32: the first greedy tokens for 4 images x 2 chat prompts, run one by
 one and again with each next image seen by the vision program while the one before decodes; and the
 teacher-forced logits of each answer (the reference's tokens fed back) against the reference's.
+With --tiles N the folder's processor splits each image as SmolVLM's does (up to N x N squares of 512
+and the whole image shrunk to one more: at N = 2 these pictures are 5 squares, 320 image tokens).
 
-    python bench/vlm.py --folder smolvlm                      # build the model folder (once)
+    python bench/vlm.py --folder smolvlm [--tiles 2]          # build the model folder (once)
     shard compile smolvlm --target rk3588 -o vlm.shard
     python bench/vlm.py --folder smolvlm --bundle vlm.shard --backend sim
 
@@ -62,9 +64,11 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="its generative bundle (shard compile FOLDER)")
     ap.add_argument("--backend", help="the bundle's backend [default: its target's first]")
     ap.add_argument("--new", type=int, default=32, help="greedy tokens to compare")
+    ap.add_argument("--tiles", type=int, default=1, help="when building the folder: squares an image is split "
+                                                         "into along its longer edge, at most (1: not split)")
     args = ap.parse_args()
     if not (args.folder / "config.json").is_file():
-        build_smolvlm(smollm2_file(), args.folder)
+        build_smolvlm(smollm2_file(), args.folder, tiles=args.tiles)
         print(f"built {args.folder}")
     if not args.bundle:
         return
@@ -100,8 +104,8 @@ def main() -> None:
             note += f" {parted}" if parted else ""
             times = out.to_json()
             print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; {note}; {args.new} tokens "
-                  f"{out.text!r}; image {times['vision_ms'][0]:.0f} ms, prefill {sum(times['prefill_ms']):.0f} ms, "
-                  f"decode {times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
+                  f"{out.text!r}; image {sum(times['vision_ms']):.0f} ms ({len(times['vision_ms'])} squares), "
+                  f"prefill {sum(times['prefill_ms']):.0f} ms, decode {times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
     print(f"{len(requests)} requests on {session.backend}: {one_by_one:.1f} s one by one, {ahead:.1f} s with each next "
           f"image seen while the one before decodes ({one_by_one / ahead:.2f}x)")
     print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {len(requests)} fp16_ties={ties} "

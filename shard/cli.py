@@ -236,17 +236,30 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
     with progress_bar() as progress:
         result = compile_generative(model, target, output or model.with_suffix(".shard"), options, **steps,
                                     progress=progress)
-    if result.spec.vision:
-        console.rule(f"program vision: an image of {result.spec.vision['image_size']} x "
-                     f"{result.spec.vision['image_size']} to its features")
-        print_compile_report(result.reports[result.spec.vision["program"]])
+    vision = result.spec.vision
+    if vision:
+        console.rule(f"program vision: an image of {vision['image_size']} x {vision['image_size']} to its features")
+        print_compile_report(result.reports[vision["program"]])
     for program in result.spec.programs:
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
                      f"cache of {program.capacity}")
         print_compile_report(result.reports[program.name])
     if result.predicted[0]["decode_tokens_per_s"]:
         print_generative_prediction(result.predicted)
+    if vision:
+        print_image_room(vision, result.spec.capacity)
     console.print(f"bundle: {result.bundle}")
+
+
+def print_image_room(vision: dict, capacity: int) -> None:
+    """How much of the context an image takes at most (its processor may split it into squares)."""
+    most, size = vision["most"], vision["image_size"]
+    split = f"up to {most['squares']} squares of {size} x {size} (its processor splits it), " \
+        if most["squares"] > 1 else ""
+    console.print(f"an image: {split}{most['tokens']} image tokens of the context's {capacity}")
+    if most["tokens"] >= capacity:
+        console.print(f"[yellow]warning[/]: the largest images leave no room in --max-context {capacity} for the "
+                      f"prompt's text and the answer: give it more than {most['tokens']}")
 
 
 def print_generative_prediction(rows: list[dict]) -> None:

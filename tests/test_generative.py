@@ -374,13 +374,15 @@ def test_a_changed_embeddings_file_is_refused(cpu_bundle, tmp_path):
 @pytest.fixture(scope="module")
 def vlm(checkpoint, tmp_path_factory):
     """SmolVLM's architecture (Idefics3) around the 2-layer Llama: one SigLIP layer at 128 x 128 (64
-    patches, 4 image tokens after the pixel shuffle), seeded; and one image."""
+    patches, 4 image tokens after the pixel shuffle), seeded, its processor splitting an image into up
+    to 2 x 2 squares as SmolVLM's does; and one image (2 x 2 squares and the whole image shrunk)."""
     from PIL import Image
 
     from shard.zoo.decoder import load_causal_lm
     from shard.zoo.vlm import build_smolvlm
 
-    folder = build_smolvlm(checkpoint[0], tmp_path_factory.mktemp("vlm") / "smolvlm", vision_layers=1, image_size=128)
+    folder = build_smolvlm(checkpoint[0], tmp_path_factory.mktemp("vlm") / "smolvlm", vision_layers=1, image_size=128,
+                           tiles=2)
     image = tmp_path_factory.mktemp("images") / "a.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), dtype=np.uint8)).save(image)
     return folder, load_causal_lm(folder), image
@@ -402,15 +404,22 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     folder, (model, processor), image = vlm
     result = compile_generative(folder, "cpu", tmp_path / "vlm.shard", capacity=64, chunk=8)
     assert list(result.reports) == ["vision", "prefill", "decode"] and result.spec.vision["image_token"]
+    assert result.spec.vision["most"] == {"squares": 5, "tokens": 20}
     with load(result.bundle) as session:
         out = session.generate("w3 w7", max_new_tokens=8, chat=True, images=[image], stop=set())
         assert out.tokens == transformers_vlm_greedy(model, processor, image, "w3 w7", 8)
-        assert out.prompt.count(result.spec.vision["image_token"]) == 4
+        assert out.prompt.count(result.spec.vision["image_token"]) == 5 * 4   # 4 squares and the whole image
+        assert len(out.to_json()["vision_ms"]) == 5   # each square one pass of the vision program
         # Two prompts in turn, the second's image seen while the first decodes: the same tokens.
         each = list(session.generate_each([{"prompt": "w3 w7", "images": [image]}, {"prompt": "w5", "images": [image]}],
                                           max_new_tokens=8, chat=True, stop=set()))
         assert each[0].tokens == out.tokens and each[1].tokens == transformers_vlm_greedy(model, processor, image, "w5", 8)
-        assert len(each[1].to_json()["vision_ms"]) == 1
+        assert len(each[1].to_json()["vision_ms"]) == 5
+        # A prompt past the cache stops in one line before its image goes through the vision program.
+        with pytest.raises(RunError, match=r"the prompt is 76 tokens \(20 of them image features\), past the "
+                                           r"cache's capacity of 64"):
+            session.generate(" ".join(["w3"] * 42), chat=True, images=[image])
+        assert session.steps == each[1].steps
     res = shard_cli("generate", str(result.bundle), "--prompt", "w3 w7", "--chat", "--image", str(image),
                     "--max-new-tokens", "8", "--json", str(tmp_path / "out.json"))
     assert res.returncode == 0, res.stderr
@@ -418,6 +427,12 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     assert written and written == out.tokens[:len(written)]
     with load(cpu_bundle.bundle) as session, pytest.raises(RunError, match="takes no image"):
         session.generate("w3", images=[image])
+    res = shard_cli("compile", str(folder), "--target", "cpu", "--max-context", "16", "--chunk", "4", "-o",
+                    str(tmp_path / "small.shard"))
+    assert res.returncode == 0, res.stderr
+    printed = " ".join(res.stdout.split())
+    assert "an image: up to 5 squares of 128 x 128 (its processor splits it), 20 image tokens of the context's 16" \
+        in printed and "leave no room in --max-context 16" in printed, res.stdout
     (tmp_path / "not.png").write_text("text")
     res = shard_cli("generate", str(result.bundle), "--prompt", "w3", "--image", str(tmp_path / "not.png"))
     assert res.returncode == 1 and "not.png: not an image this can read" in res.stderr, res.stderr

@@ -67,15 +67,16 @@ class Decoder:
 
 def checkpoint_decoder(source: Path) -> Decoder:
     """A GGUF file or transformers folder (shard.zoo.decoder: torch and transformers, imported here)."""
-    from shard.zoo.decoder import (VLM, embedding_table, export_step, export_vision, load_causal_lm, step_samples,
-                                   stop_ids, text_parts)
+    from shard.zoo.decoder import (VLM, embedding_table, export_step, export_vision, image_room, load_causal_lm,
+                                   step_samples, stop_ids, text_parts)
 
     model, tokenizer = load_causal_lm(source)
     config = text_parts(model)[2]
     vision = None
     if model.config.model_type in VLM:
         vision = ({"program": "vision", "image_token": model.config.image_token_id,
-                   "image_size": model.config.vision_config.image_size}, lambda path: export_vision(model, path))
+                   "image_size": model.config.vision_config.image_size, "most": image_room(tokenizer)},
+                  lambda path: export_vision(model, path))
     heads = config.num_attention_heads
     return Decoder(config.num_hidden_layers, config.num_key_value_heads,
                    getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
@@ -206,7 +207,7 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
             row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
                        dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
-        if "vision" in reports:
+        if "vision" in reports:   # a square's; an image takes up to spec.vision["most"]["squares"]
             seconds = (reports["vision"].get("predicted") or {}).get("latency_s")
             row["vision_ms"] = round(1e3 * seconds, 1) if seconds else None
         if chip is not None and chip.decoder_figures:

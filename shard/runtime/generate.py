@@ -342,8 +342,8 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
 
 @dataclass
 class Sight:
-    features: list[np.ndarray]   # per image, [tokens, hidden]
-    seconds: list[float]         # the vision program's time per image
+    features: list[np.ndarray]   # per square of an image (the processor may split one), [tokens, hidden]
+    seconds: list[float]         # the vision program's time per square
 
 
 @dataclass
@@ -464,8 +464,18 @@ class GenerativeSession:
         encoded = self.processor(text=text, images=[images], return_tensors="np")
         return [int(t) for t in encoded["input_ids"][0]], np.asarray(encoded["pixel_values"][0], np.float32)
 
+    def check_room(self, ids: list[int]) -> None:
+        """A prompt past the largest cache stops in one line before its images go through the vision
+        program."""
+        capacity = max(self.spec.capacities)
+        if len(ids) > capacity:
+            seen = ids.count(self.spec.vision["image_token"]) if self.spec.vision else 0
+            raise RunError(f"the prompt is {len(ids)} tokens" + (f" ({seen} of them image features)" if seen else "")
+                           + f", past the cache's capacity of {capacity} (compile with a larger --max-context)")
+
     def look(self, pixels: np.ndarray | None) -> Sight:
-        """The images' features from the vision program, with its seconds per image."""
+        """The images' features from the vision program (one pass per square where the processor split
+        an image), with its seconds per square."""
         sight = Sight([], [])
         for image in [] if pixels is None else pixels:
             started = time.perf_counter()
@@ -497,6 +507,7 @@ class GenerativeSession:
         max_new_tokens. on_text gets the text as it grows, piece by piece. `sight`: the images'
         features under way elsewhere, and `encoded` the prompt's encode() already made (generate_each)."""
         ids, pixels = encoded or self.encode(prompt, chat, images)
+        self.check_room(ids)
         choose = sampler(temperature, top_p, seed)
         seen = sight.result() if sight else self.look(pixels)
         rows = self.embed(ids, seen)
@@ -525,6 +536,8 @@ class GenerativeSession:
         its own process). Tokenizing stays on this thread."""
         requests = [{**common, **r} for r in requests]
         encoded = [self.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
+        for ids, _ in encoded:
+            self.check_room(ids)
         with ThreadPoolExecutor(1) as pool:
             sights = [pool.submit(self.look, pixels) for _, pixels in encoded]
             for request, sight, done in zip(requests, sights, encoded):

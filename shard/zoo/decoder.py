@@ -17,6 +17,8 @@ attention, written out so every op is in the graph.
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 from pathlib import Path
 
@@ -190,6 +192,17 @@ def export_vision(model, path: Path, opset: int = 17) -> Path:
         torch.onnx.export(VisionStep(model).eval(), (torch.zeros(1, 3, size, size),), str(path), opset_version=opset,
                           dynamo=False, input_names=["pixel_values"], output_names=["image_features"])
     return path
+
+
+def image_room(processor) -> dict[str, int]:
+    """How much of the context an image takes at most: an Idefics3 processor that splits images cuts one
+    into up to n x n squares of the vision tower's size (n: its longest edge over the square's), and
+    adds the whole image shrunk to one more; each square is `image_seq_len` image tokens."""
+    images = processor.image_processor
+    side = math.ceil(images.size["longest_edge"] / images.max_image_size["longest_edge"]) \
+        if images.do_image_splitting else 0
+    squares = side * side + 1 if side > 1 else 1
+    return {"squares": squares, "tokens": squares * processor.image_seq_len}
 
 
 SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence, then name two of its museums."

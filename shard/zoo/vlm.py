@@ -5,8 +5,11 @@ saved as a transformers folder with its processor, for `shard compile`.
     build_smolvlm(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path("smolvlm"))
 
 The shape is SmolVLM-256M's: SigLIP base at 512 x 512 (patch 16, 12 layers, hidden 768), a pixel
-shuffle of 4 (1024 patches -> 64 image tokens), one image per prompt without splitting, and the
-tokens Idefics3 marks images with added to the decoder's vocabulary (their embeddings seeded).
+shuffle of 4 (1024 patches -> 64 image tokens), and the tokens Idefics3 marks images with added to
+the decoder's vocabulary (their embeddings seeded). An image is one square of the vision tower's size,
+or with `tiles` > 1 split as SmolVLM's processor splits it: resized to at most `tiles` squares along its
+longer edge, each square one pass of the vision tower, then the whole image shrunk to one more square
+(SmolVLM-256M's own processor: 4; a 2 x 2 split is 5 x 64 = 320 image tokens).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | capit
 
 
 def build_smolvlm(decoder: Path, folder: Path, seed: int = 0, vision_layers: int = VISION["num_hidden_layers"],
-                  image_size: int = VISION["image_size"]) -> Path:
+                  image_size: int = VISION["image_size"], tiles: int = 1) -> Path:
     """An Idefics3 model whose decoder is `decoder` (a Llama-family GGUF file or transformers folder),
-    vision tower and connector seeded; written to `folder` with its processor."""
+    vision tower and connector seeded; written to `folder` with its processor, which splits an image
+    into up to `tiles` squares a side (1: not split)."""
     lm, tokenizer = load_causal_lm(decoder)
-    tokenizer.add_tokens(["<global-img>"], special_tokens=True)
+    places = [f"<row_{row}_col_{col}>" for row in range(1, tiles + 1) for col in range(1, tiles + 1)] if tiles > 1 else []
+    tokenizer.add_tokens(["<global-img>", *places], special_tokens=True)
     image_tokens = (image_size // VISION["patch_size"]) ** 2 // SCALE ** 2
-    images = tf.Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": image_size},
+    images = tf.Idefics3ImageProcessor(do_image_splitting=tiles > 1, size={"longest_edge": tiles * image_size},
                                        max_image_size={"longest_edge": image_size})
     processor = tf.Idefics3Processor(images, tokenizer, image_seq_len=image_tokens, chat_template=TEMPLATE)
     vision = tf.Idefics3VisionConfig(**{**VISION, "num_hidden_layers": vision_layers, "image_size": image_size})
