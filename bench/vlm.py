@@ -11,7 +11,10 @@ and the whole image shrunk to one more: at N = 2 these pictures are 5 squares, 3
     python bench/vlm.py --folder smolvlm --bundle vlm.shard --backend sim
 
 Ends with: RESULT images=... prompts=... same_tokens=... of ... fp16_ties=... forced_steps=... top1=...
-           min_cosine=... overlap_speedup=...
+           min_cosine=... overlap_speedup=... squares_stream_speedup=...
+(squares_stream_speedup: each image's squares through the vision program as a stream of frames over
+the cores, as the session runs them, against one at a time; on the simulator, one process, the cores
+take turns, so about 1)
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ def main() -> None:
         started = time.perf_counter()   # again, each next image seen while the one before decodes
         overlapped = list(session.generate_each(requests, max_new_tokens=args.new, chat=True, stop=set()))
         ahead = time.perf_counter() - started
+        looks = [vision_times(session, session.encode(PROMPTS[0], True, r["images"])[1]) for r in requests[::2]]
         same, ties, agree, cosines = 0, 0, [], []
         for request, out, again in zip(requests, outs, overlapped):
             image, prompt = request["images"][0], request["prompt"]
@@ -108,9 +112,27 @@ def main() -> None:
                   f"prefill {sum(times['prefill_ms']):.0f} ms, decode {times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
     print(f"{len(requests)} requests on {session.backend}: {one_by_one:.1f} s one by one, {ahead:.1f} s with each next "
           f"image seen while the one before decodes ({one_by_one / ahead:.2f}x)")
+    alone, streamed = (sum(t[k] for t in looks) for k in (0, 1))
+    print(f"vision of {sum(t[2] for t in looks)} squares (4 images): {alone:.1f} s a square at a time, {streamed:.1f} s "
+          f"as a stream over the cores ({alone / streamed:.2f}x)")
     print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {len(requests)} fp16_ties={ties} "
           f"forced_steps={len(agree)} top1={np.mean(agree):.4f} min_cosine={min(cosines):.7f} "
-          f"overlap_speedup={one_by_one / ahead:.2f}")
+          f"overlap_speedup={one_by_one / ahead:.2f} squares_stream_speedup={alone / streamed:.2f}")
+
+
+def vision_times(session, pixels: np.ndarray) -> tuple[float, float, int]:
+    """An image's squares through the vision program one at a time, then as the session streams them
+    (seconds each way, alternated twice, the best of each), and the square count; the same features."""
+    best = [float("inf"), float("inf")]
+    for _ in range(2):
+        started = time.perf_counter()
+        alone = [session.vision.run({"pixel_values": square[None]})["image_features"][0] for square in pixels]
+        best[0] = min(best[0], time.perf_counter() - started)
+        started = time.perf_counter()
+        streamed = session.look(pixels).features
+        best[1] = min(best[1], time.perf_counter() - started)
+        assert all(np.array_equal(a, b) for a, b in zip(alone, streamed)), "streamed squares differ"
+    return best[0], best[1], len(pixels)
 
 if __name__ == "__main__":
     main()

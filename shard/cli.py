@@ -247,16 +247,21 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
     if result.predicted[0]["decode_tokens_per_s"]:
         print_generative_prediction(result.predicted)
     if vision:
-        print_image_room(vision, result.spec.capacity)
+        print_image_room(vision, result.spec.capacity, result.predicted[0])
     console.print(f"bundle: {result.bundle}")
 
 
-def print_image_room(vision: dict, capacity: int) -> None:
-    """How much of the context an image takes at most (its processor may split it into squares)."""
+def print_image_room(vision: dict, capacity: int, predicted: dict) -> None:
+    """How much of the context an image takes at most (its processor may split it into squares), and
+    the vision program's predicted time for that many squares."""
     most, size = vision["most"], vision["image_size"]
     split = f"up to {most['squares']} squares of {size} x {size} (its processor splits it), " \
         if most["squares"] > 1 else ""
     console.print(f"an image: {split}{most['tokens']} image tokens of the context's {capacity}")
+    if predicted.get("image_ms"):
+        console.print(f"predicted: {predicted['image_squares']} squares in {predicted['image_ms']} ms, pipelined "
+                      f"over {predicted['cores']} cores ({predicted['image_squares']} x {predicted['vision_ms']} ms "
+                      f"one by one)")
     if most["tokens"] >= capacity:
         console.print(f"[yellow]warning[/]: the largest images leave no room in --max-context {capacity} for the "
                       f"prompt's text and the answer: give it more than {most['tokens']}")

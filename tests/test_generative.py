@@ -12,7 +12,8 @@ import torch
 import transformers as tf
 from conftest import cosine, shard_cli
 
-from shard.compilation.generative import compile_generative
+from shard.bundle import read_manifest
+from shard.compilation.generative import compile_generative, vision_time
 from shard.errors import RunError, ShardError
 from shard.runtime import load
 from shard.runtime.generate import GenerativeSession, read_generative, sampler, step_mask
@@ -405,6 +406,11 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     result = compile_generative(folder, "cpu", tmp_path / "vlm.shard", capacity=64, chunk=8)
     assert list(result.reports) == ["vision", "prefill", "decode"] and result.spec.vision["image_token"]
     assert result.spec.vision["most"] == {"squares": 5, "tokens": 20}
+    # The vision program is one shard: 5 squares of 0.1 s each, pipelined over 3 cores, take 2 rounds.
+    assert len(read_manifest(result.bundle / "vision").shards) == 1
+    one = {"latency_s": 0.1, "shard_seconds": [0.1], "stream_fps": {"1": 10.0, "2": 20.0, "3": 30.0}}
+    assert vision_time(result.spec.vision, one, result.bundle) == {"vision_ms": 100.0, "image_ms": 200.0,
+                                                                    "image_squares": 5, "cores": 3}
     with load(result.bundle) as session:
         out = session.generate("w3 w7", max_new_tokens=8, chat=True, images=[image], stop=set())
         assert out.tokens == transformers_vlm_greedy(model, processor, image, "w3 w7", 8)

@@ -147,7 +147,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                               source=checkpoint_record(source),
                               files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]},
                               vision=decoder.vision[0] if decoder.vision else None)
-        predicted = predict(spec, reports, decoder.weight_bytes, target)
+        predicted = predict(spec, reports, decoder.weight_bytes, target, staging)
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
         replace_dir(staging, output)
@@ -182,11 +182,30 @@ def decoder_bytes(model) -> int:
     return 2 * (params + head.weight.numel())
 
 
-def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str) -> list[dict]:
+def vision_time(vision: dict, predicted: dict, bundle: Path | None) -> dict:
+    """vision_ms: one square through the vision program; image_ms: the most squares an image splits
+    into, run as a stream of frames over the cores (the scheduler's own policy replayed)."""
+    from shard.bundle import read_manifest
+    from shard.runtime.scheduler import predict_stream
+
+    seconds = predicted.get("latency_s")
+    times = {"vision_ms": round(1e3 * seconds, 1) if seconds else None}
+    squares = vision.get("most", {}).get("squares", 1)
+    if seconds and squares > 1 and bundle is not None:
+        cores = list(range(max(int(n) for n in predicted["stream_fps"])))
+        fps = predict_stream(read_manifest(bundle / vision["program"]).shards, predicted["shard_seconds"], cores,
+                             frames=squares)[1]
+        times.update(image_ms=round(1e3 * squares / fps, 1), image_squares=squares, cores=len(cores))
+    return times
+
+
+def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str,
+            bundle: Path | None = None) -> list[dict]:
     """Per cache capacity: prefill time for PREFILL_TOKENS and decode tokens/s from the vendor's cycle
     estimates (each program's predicted latency: the sum of its shards'; hand-offs are not charged)
     and, for decode, from DRAM bandwidth (the fp16 weights and the whole cache read once a token:
-    decode at batch 1 is bound by it)."""
+    decode at batch 1 is bound by it); a VLM's vision time a square and, where an image splits
+    into several, for the most squares pipelined over the cores (the vision program in `bundle`)."""
     chip = CHIPS.get(target)
     rows = []
     for capacity in spec.capacities:
@@ -207,9 +226,8 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
             row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
                        dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
-        if "vision" in reports:   # a square's; an image takes up to spec.vision["most"]["squares"]
-            seconds = (reports["vision"].get("predicted") or {}).get("latency_s")
-            row["vision_ms"] = round(1e3 * seconds, 1) if seconds else None
+        if "vision" in reports:
+            row.update(vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle))
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures
         rows.append(row)

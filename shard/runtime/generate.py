@@ -343,7 +343,7 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
 @dataclass
 class Sight:
     features: list[np.ndarray]   # per square of an image (the processor may split one), [tokens, hidden]
-    seconds: list[float]         # the vision program's time per square
+    seconds: list[float]         # per square, the time its features took after the one before's
 
 
 @dataclass
@@ -474,13 +474,18 @@ class GenerativeSession:
                            + f", past the cache's capacity of {capacity} (compile with a larger --max-context)")
 
     def look(self, pixels: np.ndarray | None) -> Sight:
-        """The images' features from the vision program (one pass per square where the processor split
-        an image), with its seconds per square."""
+        """The images' features from the vision program: one pass per square where the processor split
+        an image, the squares pipelined over the cores as frames (Session.run_stream); the seconds
+        each square's features took after the one before's."""
         sight = Sight([], [])
-        for image in [] if pixels is None else pixels:
-            started = time.perf_counter()
-            sight.features.append(self.vision.run({"pixel_values": image[None]})["image_features"][0])
-            sight.seconds.append(time.perf_counter() - started)
+        if pixels is None or not len(pixels):
+            return sight
+        last = time.perf_counter()
+        for out in self.vision.run_stream({"pixel_values": square[None]} for square in pixels):
+            sight.features.append(out["image_features"][0])
+            now = time.perf_counter()
+            sight.seconds.append(now - last)
+            last = now
         return sight
 
     def embed(self, ids: list[int], sight: Sight | None = None) -> np.ndarray:
