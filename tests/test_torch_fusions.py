@@ -98,6 +98,31 @@ def test_linear_with_its_bias():
     assert "w" not in graph.values   # the weight is held once, in the fused step's layout
 
 
+def test_sibling_linears_of_one_activation_run_as_one_product():
+    # q, k and v of one x (k with its bias), each read before the next sibling in the stage's order (as
+    # an exporter writes a decoder's projections): one product, the step in the first one's place.
+    w = {n: rng.standard_normal((16, width)).astype(np.float32) for n, width in (("wq", 8), ("wk", 12), ("wv", 8))}
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("Relu", ["q"], ["qr"]),
+             helper.make_node("MatMul", ["x", "wk"], ["k0"]), helper.make_node("Add", ["k0", "bk"], ["k"]),
+             helper.make_node("Sigmoid", ["k"], ["ks"]),
+             helper.make_node("MatMul", ["x", "wv"], ["v"]), helper.make_node("Neg", ["x"], ["y"])]
+    model = model_of(nodes, {"x": [2, 5, 16]}, {"qr": [2, 5, 8], "ks": [2, 5, 12], "v": [2, 5, 8], "y": [2, 5, 16]},
+                     {**w, "bk": rng.standard_normal(12).astype(np.float32)})
+    graph = fused_and_checked(model, {"x": rng.standard_normal((2, 5, 16)).astype(np.float32)})
+    assert graph.fused == {"linears": 1}
+    assert [(ins, outs) for _, ins, outs in graph.steps] == [(["x"], ["q", "k", "v"]), (["q"], ["qr"]), (["k"], ["ks"]),
+                                                             (["x"], ["y"])]
+    assert [len(nodes) for nodes in graph.covers] == [4, 1, 1, 1]   # 3 MatMuls and k's bias Add in the first
+    assert not {"wq", "wk", "wv", "bk"} & set(graph.values)   # held once, side by side
+
+
+def test_one_linear_of_an_activation_stays_alone():
+    model = model_of([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("MatMul", ["x", "x2"], ["z"])],
+                     {"x": [4, 4], "x2": [4, 4]}, {"y": [4, 6], "z": [4, 4]}, {"w": rng.standard_normal((4, 6)).astype(np.float32)})
+    graph = fused_and_checked(model, {n: rng.standard_normal((4, 4)).astype(np.float32) for n in ("x", "x2")})
+    assert graph.fused == {}
+
+
 def fp8_linear_model(bias: bool, width: int = 48, whole: bool = False) -> onnx.ModelProto:
     """x (fp16) through QuantizeLinear/DequantizeLinear to E4M3 at one scale, times an E4M3 weight
     dequantized per output column (or with one scale, `whole`), plus a bias: the forms fp8_linears
@@ -197,7 +222,7 @@ def test_a_transformer_block_in_fp16_fuses_every_run():
         stage = onnx.load(str(result.bundle / result.manifest.shards[0].onnx))
     x = torch.from_numpy(rng.standard_normal((1, 3, 64, 64)).astype(np.float32))
     fused, plain = TorchGraph(stage, "cpu"), TorchGraph(stage, "cpu", fuse=False)
-    assert fused.fused == {"attention": 2, "linear": 12, "gelu_tanh": 2}
+    assert fused.fused == {"attention": 2, "linears": 2, "linear": 6, "gelu_tanh": 2}   # q, k, v: one product
     with torch.no_grad():
         a, b = fused(x)[0].float(), plain(x)[0].float()
     assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.9999

@@ -6,6 +6,10 @@ that computes them in one kernel.
   reach memory);
 - linear: MatMul by a constant weight and Add of a constant bias as F.linear (the bias added in the
   product's epilogue);
+- sibling linears: several MatMuls of one activation by constant weights (each with or without its
+  bias) as one F.linear by the weights side by side, its output split: a decoder step's q, k and v
+  projections, its gate and up, one kernel each group where a step of one token spends most of a
+  product's time starting it;
 - fp8 linear: MatMul of an FP8-quantized activation (QuantizeLinear, then DequantizeLinear at one
   scale) by an FP8 weight (DequantizeLinear, a scale per output channel), with or without a bias, as
   one FP8 matrix product (torch._scaled_mm: E4M3 operands, fast accumulation, the scales and the
@@ -33,12 +37,13 @@ REGION_NODES = 16   # an elementwise function spelled in more ops than this is l
 
 @dataclass
 class Fused:
-    kind: str                       # attention, linear, fp8_linear, gelu, gelu_tanh, silu
+    kind: str                       # attention, linear, linears, fp8_linear, gelu, gelu_tanh, silu
     fn: Callable
     inputs: list[str]
     outputs: list[str]
     nodes: list[onnx.NodeProto] = field(repr=False)
     drops: list[str] = field(default_factory=list)   # constants only the fused nodes read, freed once fused
+    anchor: int = -1                # the node (of `nodes`, in stage order) whose place the step takes
 
 
 @dataclass
@@ -82,7 +87,8 @@ def plan(nodes: list[onnx.NodeProto], values: dict, keep: set[str], lower: Calla
                 break
     for name in (name for f in matched for name in f.drops):   # after matching: matchers read the constants
         values.pop(name, None)
-    anchors = {id(f.nodes[-1]) for f in matched}   # a fusion's nodes are in stage order: its last one
+    anchors = {id(f.nodes[f.anchor]) for f in matched}   # a fusion's nodes are in stage order: its last one,
+    # or for sibling linears the first (each sibling's readers may come before the next sibling)
     steps = [taken[id(n)] if id(n) in anchors else n for n in nodes if id(n) not in taken or id(n) in anchors]
     needed, live = set(keep), []
     for step in reversed(steps):
@@ -168,6 +174,52 @@ def linear(node, stage: Nodes) -> Fused | None:
         return Fused("linear", lambda x: torch.nn.functional.linear(x, packed, b), [x], list(node.output),
                      [product, node], [name for name in (w, node.input[1 - k]) if single_use(name, uses)])
     return None
+
+
+def sibling_linears(node, stage: Nodes) -> Fused | None:
+    """MatMul(x, W_i) [+ b_i] for several constant matrices W_i of one x (`node` the first of them in
+    stage order), as one product by [W_1 ... W_n] (and [b_1 ... b_n], zeros where a sibling has none),
+    split into the siblings' outputs. Its step takes the first sibling's place: everything it reads
+    (x and constants) is there by then."""
+    producer, uses, values = stage.producer, stage.uses, stage.values
+    if node.op_type != "MatMul" or node.input[0] in values or node.input[0] not in stage.consumers:
+        return None
+    x = node.input[0]
+    if getattr(producer.get(x), "op_type", None) == "DequantizeLinear":   # an FP8 activation: fp8_linear's
+        return None
+
+    def weight(n):
+        w = values.get(n.input[1]) if n.op_type == "MatMul" and n.input[0] == x else None
+        return w if w is not None and w.dim() == 2 and w.dtype == values[node.input[1]].dtype else None
+
+    if weight(node) is None:
+        return None
+    siblings = [n for n in stage.consumers[x] if weight(n) is not None]
+    if len(siblings) < 2 or siblings[0] is not node:
+        return None
+    import torch
+
+    parts, nodes, outputs, drops = [], [], [], []
+    for mm in siblings:
+        w, reader = weight(mm), stage.consumers.get(mm.output[0], [])
+        bias, out, run = None, mm.output[0], [mm]
+        if len(reader) == 1 and reader[0].op_type == "Add" and single_use(mm.output[0], uses):
+            add = reader[0]
+            b = values.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
+            if b is not None and b.numel() == w.shape[1] and b.dtype == w.dtype and (b.dim() <= 1 or b.shape[-1] == b.numel()):
+                bias, out, run = b.reshape(-1), add.output[0], [mm, add]
+        parts.append((w, bias))
+        nodes += run
+        outputs.append(out)
+        drops += [i for n in run for i in n.input if i in values and single_use(i, uses)]
+    packed = torch.cat([w for w, _ in parts], 1).t().contiguous()
+    b = torch.cat([b if b is not None else w.new_zeros(w.shape[1]) for w, b in parts]) \
+        if any(b is not None for _, b in parts) else None
+    sizes = [w.shape[1] for w, _ in parts]
+    order = {id(n): k for k, n in enumerate(stage.order)}
+    nodes.sort(key=lambda n: order[id(n)])
+    return Fused("linears", lambda x: tuple(torch.nn.functional.linear(x, packed, b).split(sizes, -1)), [x],
+                 outputs, nodes, drops, anchor=nodes.index(node))
 
 
 def fp8_linear(node, stage: Nodes) -> Fused | None:
@@ -346,4 +398,4 @@ def identify(region: list, x: str, y: str, stage: Nodes) -> str | None:
     return kind if errors[kind] <= 2e-3 else None
 
 
-MATCHERS = (elementwise_function, attention, fp8_linear, linear)
+MATCHERS = (elementwise_function, attention, fp8_linear, linear, sibling_linears)
