@@ -172,6 +172,25 @@ def test_hanging_shard_times_out_instead_of_hanging(tmp_path):
         assert session.scheduler.busy_cores() == [1]
 
 
+def test_a_one_shard_frame_run_on_the_calling_thread_is_a_cores_run(tmp_path, diamond):
+    # Scheduler.run_here (what a one-stage GPU session's run() takes): the same outputs as the
+    # core's thread gives, recorded as a run; its failure raises to the caller and stops nothing.
+    bundle = write_bundle(tmp_path / "one.shard", [(tanh_chain("x", "y", 3, 0), 0)])
+    inputs = frames(3)
+    with shard.load(bundle, backend="cpu") as session:
+        assert not session.here   # a cpu session keeps its cores' threads
+        want = [session.run(f)["y"] for f in inputs]
+        got = [session.scheduler.run_here(100 + k, f)["y"] for k, f in enumerate(inputs)]
+        assert all(np.array_equal(a, b) for a, b in zip(want, got))
+        assert [(e.shard, e.frame, e.core) for e in session.executions[3:]] == [("shard_000", 100 + k, 0) for k in range(3)]
+        with pytest.raises(RunError, match=r"shard_000: .*"):
+            session.scheduler.run_here(200, {"x": np.zeros((N, 3), np.float32)})
+        assert np.array_equal(session.run(inputs[0])["y"], want[0])
+    with shard.load(diamond, backend="cpu", cores=[0]) as session, \
+            pytest.raises(RunError, match="only through one shard; this bundle has 4"):
+        session.scheduler.run_here(0, inputs[0])
+
+
 def test_trace_has_one_track_per_core_and_matches_the_utilisation(diamond, tmp_path):
     with shard.load(diamond, backend="cpu", cores=[0, 1, 2]) as session:
         list(session.run_stream(frames(4)))

@@ -152,8 +152,7 @@ def step_mask(length: int, width: int, capacity: int) -> np.ndarray:
     new tokens up to itself (so never the padding after the last real one); empty entries are masked."""
     mask = np.full((1, 1, width, capacity + width), MASKED, np.float32)
     mask[..., :length] = 0
-    rows, cols = np.tril_indices(width)
-    mask[0, 0, rows, capacity + cols] = 0
+    mask[0, 0, :, capacity:][np.tri(width, dtype=bool)] = 0
     return mask
 
 

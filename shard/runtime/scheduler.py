@@ -167,6 +167,30 @@ class Scheduler:
                 self._check_timeouts()
                 self._cond.wait(self._until_next_deadline())
 
+    def run_here(self, frame: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A frame of a one-shard bundle run on the calling thread: no hand-off to its core's thread and
+        back, which a short GPU step (a decoder's) would spend more time in than in its executor;
+        recorded as any run is. A failure raises here and leaves the session usable."""
+        if len(self.shards) != 1:
+            raise RunError(f"a frame runs on the calling thread only through one shard; this bundle has {len(self.shards)}")
+        shard, core = self.shards[0], core_for(self.schedule, self.shards, self.cores, frame, 0)
+        core = self.cores[0] if core is None else core   # balanced: any core will do
+        with self._cond:
+            self._raise_if_failed()
+        started = self.clock()
+        try:
+            outputs = self.executors[core].run(shard, {t.name: inputs[t.name] for t in shard.inputs})
+        except RunError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as a core's thread reports it
+            raise RunError(f"{shard.name}: {type(exc).__name__}: {exc} (frame {frame}, core {core})") from exc
+        ended = self.clock()
+        with self._cond:
+            self.executions.append(Execution(shard.name, core, frame, started, ended,
+                                             sum(inputs[t.name].nbytes for t in shard.inputs),
+                                             sum(a.nbytes for a in outputs.values())))
+        return {**inputs, **outputs}
+
     def forget(self, frame: int) -> None:
         """Drop a frame nobody will wait for; its remaining shards are skipped."""
         with self._cond:

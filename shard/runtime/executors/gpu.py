@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class StreamExecutor:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.prepared: dict[str, Prepared] = {}
+        self.lock = threading.Lock()   # a run on the caller's thread (Scheduler.run_here) and a core's never overlap
         self.passed_over: dict[str, str] = {}   # stage -> why a faster form of it could not be used
         for shard in shards:
             self.prepared[shard.name] = self._prepare(shard, make_stage, graphs and self.cuda)
@@ -161,6 +163,10 @@ class StreamExecutor:
         return self.torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def run(self, shard: ShardSpec, inputs: dict) -> dict:
+        with self.lock:
+            return self._run(shard, inputs)
+
+    def _run(self, shard: ShardSpec, inputs: dict) -> dict:
         torch = self.torch
         prepared = self.prepared[shard.name]
         with torch.no_grad(), self._on_stream():
@@ -222,12 +228,15 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """np.copyto(dst, src, casting="unsafe"), split over threads when large (numpy copies without the
     GIL): the float32 frames in and out of a batch are the host's work between a stage's replays
     (SigLIP-base at batch 16, 50 MB each way: 32.6 ms a batch for 6.7 ms on an H200, one thread)."""
+    if dst.nbytes < SPLIT_BYTES:   # a few rows of a decoder's step: one copy, nothing to split
+        np.copyto(dst, src, casting="unsafe")
+        return
     threads = int(os.environ.get(COPY_THREADS, min(8, os.cpu_count() or 1)))
     src = np.broadcast_to(np.asarray(src), dst.shape)
     if src.flags.c_contiguous and dst.flags.c_contiguous:   # split anywhere: a batch of one frame too
         dst, src = dst.reshape(-1), src.reshape(-1)
     rows = dst.shape[0] if dst.ndim else 0
-    if threads < 2 or dst.nbytes < SPLIT_BYTES or rows < 2:
+    if threads < 2 or rows < 2:
         np.copyto(dst, src, casting="unsafe")
         return
     bounds = np.linspace(0, rows, min(threads, rows) + 1).astype(int)
