@@ -109,7 +109,8 @@ def main() -> None:
             times = out.to_json()
             print(f"{image.stem} / {prompt!r}: {len(out.prompt)} prompt tokens; {note}; {args.new} tokens "
                   f"{out.text!r}; image {sum(times['vision_ms']):.0f} ms ({len(times['vision_ms'])} squares), "
-                  f"prefill {sum(times['prefill_ms']):.0f} ms, decode {times['decode_tokens_per_s']} tokens/s ({session.backend})", flush=True)
+                  f"prefill {sum(times['prefill_ms']):.0f} ms, decode {times['decode_tokens_per_s']} tokens/s "
+                  f"({session.backend})", flush=True)
     print(f"{len(requests)} requests on {session.backend}: {one_by_one:.1f} s one by one, {ahead:.1f} s with each next "
           f"image seen while the one before decodes ({one_by_one / ahead:.2f}x)")
     alone, streamed = (sum(t[k] for t in looks) for k in (0, 1))

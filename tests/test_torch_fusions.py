@@ -118,7 +118,8 @@ def test_sibling_linears_of_one_activation_run_as_one_product():
 
 def test_one_linear_of_an_activation_stays_alone():
     model = model_of([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("MatMul", ["x", "x2"], ["z"])],
-                     {"x": [4, 4], "x2": [4, 4]}, {"y": [4, 6], "z": [4, 4]}, {"w": rng.standard_normal((4, 6)).astype(np.float32)})
+                     {"x": [4, 4], "x2": [4, 4]}, {"y": [4, 6], "z": [4, 4]},
+                     {"w": rng.standard_normal((4, 6)).astype(np.float32)})
     graph = fused_and_checked(model, {n: rng.standard_normal((4, 4)).astype(np.float32) for n in ("x", "x2")})
     assert graph.fused == {}
 

@@ -206,7 +206,8 @@ def sibling_linears(node, stage: Nodes) -> Fused | None:
         if len(reader) == 1 and reader[0].op_type == "Add" and single_use(mm.output[0], uses):
             add = reader[0]
             b = values.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
-            if b is not None and b.numel() == w.shape[1] and b.dtype == w.dtype and (b.dim() <= 1 or b.shape[-1] == b.numel()):
+            if b is not None and b.numel() == w.shape[1] and b.dtype == w.dtype \
+                    and (b.dim() <= 1 or b.shape[-1] == b.numel()):
                 bias, out, run = b.reshape(-1), add.output[0], [mm, add]
         parts.append((w, bias))
         nodes += run
