@@ -116,6 +116,26 @@ def test_sibling_linears_of_one_activation_run_as_one_product():
     assert not {"wq", "wk", "wv", "bk"} & set(graph.values)   # held once, side by side
 
 
+@settings(max_examples=20, deadline=None)
+@given(widths=st.lists(st.integers(1, 24), min_size=2, max_size=4), biased=st.lists(st.booleans(), min_size=4, max_size=4),
+       read_between=st.booleans())
+def test_sibling_linears_of_any_widths_and_biases_compute_what_they_replace(widths, biased, read_between):
+    nodes, inits, outputs = [], {}, {}
+    for k, width in enumerate(widths):
+        inits[f"w{k}"] = rng.standard_normal((8, width)).astype(np.float32)
+        product = f"m{k}" if biased[k] else f"y{k}"
+        nodes.append(helper.make_node("MatMul", ["x", f"w{k}"], [product]))
+        if biased[k]:
+            inits[f"b{k}"] = rng.standard_normal(width).astype(np.float32)
+            nodes.append(helper.make_node("Add", [product, f"b{k}"], [f"y{k}"]))
+        if read_between:   # each sibling's reader before the next sibling
+            nodes.append(helper.make_node("Tanh", [f"y{k}"], [f"t{k}"]))
+        outputs[f"t{k}" if read_between else f"y{k}"] = [3, width]
+    graph = fused_and_checked(model_of(nodes, {"x": [3, 8]}, outputs, inits),
+                              {"x": rng.standard_normal((3, 8)).astype(np.float32)})
+    assert graph.fused == {"linears": 1} and len(graph.covers[0]) == len(widths) + sum(biased[:len(widths)])
+
+
 def test_one_linear_of_an_activation_stays_alone():
     model = model_of([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("MatMul", ["x", "x2"], ["z"])],
                      {"x": [4, 4], "x2": [4, 4]}, {"y": [4, 6], "z": [4, 4]},
