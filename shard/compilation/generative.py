@@ -207,6 +207,7 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
     decode at batch 1 is bound by it); a VLM's vision time a square and, where an image splits
     into several, for the most squares pipelined over the cores (the vision program in `bundle`)."""
     chip = CHIPS.get(target)
+    seen = vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle) if "vision" in reports else {}
     rows = []
     for capacity in spec.capacities:
         latency = {p.width: (reports[p.name].get("predicted") or {}).get("latency_s")
@@ -226,8 +227,7 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
             row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
                        dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
-        if "vision" in reports:
-            row.update(vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle))
+        row.update(seen)   # the vision program's times: the same for every capacity
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures
         rows.append(row)

@@ -177,18 +177,17 @@ class Scheduler:
         core = self.cores[0] if core is None else core   # balanced: any core will do
         with self._cond:
             self._raise_if_failed()
+        given = {t.name: inputs[t.name] for t in shard.inputs}
         started = self.clock()
         try:
-            outputs = self.executors[core].run(shard, {t.name: inputs[t.name] for t in shard.inputs})
+            outputs = self.executors[core].run(shard, given)
         except RunError:
             raise
         except Exception as exc:  # noqa: BLE001 - as a core's thread reports it
-            raise RunError(f"{shard.name}: {type(exc).__name__}: {exc} (frame {frame}, core {core})") from exc
+            raise failure(exc, shard, frame, core) from exc
         ended = self.clock()
         with self._cond:
-            self.executions.append(Execution(shard.name, core, frame, started, ended,
-                                             sum(inputs[t.name].nbytes for t in shard.inputs),
-                                             sum(a.nbytes for a in outputs.values())))
+            self.executions.append(execution(shard, core, frame, started, ended, given, outputs))
         return {**inputs, **outputs}
 
     def forget(self, frame: int) -> None:
@@ -268,19 +267,16 @@ class Scheduler:
             try:
                 outputs = executor.run(shard, inputs)
             except Exception as exc:  # noqa: BLE001 - any executor failure stops the session with its message
-                message = str(exc) if isinstance(exc, RunError) else f"{shard.name}: {type(exc).__name__}: {exc}"
                 with self._cond:
                     self._running.pop(core, None)
-                    self._fail(RunError(f"{message} (frame {task.frame}, core {core})"))
+                    self._fail(failure(exc, shard, task.frame, core))
                 return
             ended = self.clock()
             with self._cond:
                 self._running.pop(core, None)
                 if self._stopping:
                     return
-                self.executions.append(Execution(shard.name, core, task.frame, started, ended,
-                                                 sum(a.nbytes for a in inputs.values()),
-                                                 sum(a.nbytes for a in outputs.values())))
+                self.executions.append(execution(shard, core, task.frame, started, ended, inputs, outputs))
                 frame.tensors.update(outputs)
                 frame.left -= 1
                 for j in self.users[task.shard]:
@@ -288,6 +284,18 @@ class Scheduler:
                     if frame.waiting_on[j] == 0:
                         self._make_ready(task.frame, j)
                 self._cond.notify_all()
+
+
+def failure(exc: Exception, shard: ShardSpec, frame: int, core: int) -> RunError:
+    """An executor's failure as the session reports it: the shard, the message, the frame and core."""
+    message = str(exc) if isinstance(exc, RunError) else f"{shard.name}: {type(exc).__name__}: {exc}"
+    return RunError(f"{message} (frame {frame}, core {core})")
+
+
+def execution(shard: ShardSpec, core: int, frame: int, started: float, ended: float, inputs: dict,
+              outputs: dict) -> Execution:
+    return Execution(shard.name, core, frame, started, ended, sum(a.nbytes for a in inputs.values()),
+                     sum(a.nbytes for a in outputs.values()))
 
 
 def exit_now_if_stuck(code: int) -> None:

@@ -57,8 +57,10 @@ class Nodes:
     producer: dict = field(default_factory=dict)
     consumers: dict = field(default_factory=dict)
     uses: Counter = field(default_factory=Counter)
+    position: dict = field(default_factory=dict)   # id(node) -> its place in the stage
 
     def __post_init__(self):
+        self.position = {id(n): k for k, n in enumerate(self.order)}
         for n in self.order:
             self.producer.update({o: n for o in n.output})
             for i in n.input:
@@ -217,8 +219,7 @@ def sibling_linears(node, stage: Nodes) -> Fused | None:
     b = torch.cat([b if b is not None else w.new_zeros(w.shape[1]) for w, b in parts]) \
         if any(b is not None for _, b in parts) else None
     sizes = [w.shape[1] for w, _ in parts]
-    order = {id(n): k for k, n in enumerate(stage.order)}
-    nodes.sort(key=lambda n: order[id(n)])
+    nodes.sort(key=lambda n: stage.position[id(n)])
     return Fused("linears", lambda x: tuple(torch.nn.functional.linear(x, packed, b).split(sizes, -1)), [x],
                  outputs, nodes, drops, anchor=nodes.index(node))
 
