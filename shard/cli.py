@@ -271,21 +271,26 @@ def print_generative_prediction(rows: list[dict]) -> None:
     """Predicted prefill and decode speed per cache capacity, beside the DRAM bound and the chip's
     published figures."""
     table = Table(title="predicted speed (fp16)")
-    vision = "vision_ms" in rows[0]
+    vision, moves = "vision_ms" in rows[0], "decode_handoff_ms" in rows[0]
     for col in ("", "cache", *(["image ms"] if vision else []), "prefill 128 tokens ms", "decode tokens/s",
-                "DRAM-bound tokens/s"):
+                *(["of a token: hand-offs ms", "the NPU alone tokens/s"] if moves else []), "DRAM-bound tokens/s"):
         table.add_column(col, justify="left" if not col else "right")
     for p in rows:
         bound = (f"{p['bandwidth_tokens_per_s']} ({(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
                  f"{p['dram_gbs']} GB/s)" if "bandwidth_tokens_per_s" in p else "")
-        table.add_row("shard, from the vendor's cycle estimates", str(p["capacity"]),
-                      *([f"{p['vision_ms']}"] if vision else []), f"{p['prefill_128_ms']:.1f}",
-                      f"{p['decode_tokens_per_s']}", bound)
+        table.add_row("shard, from the vendor's cycle estimates" + (" and the board's hand-offs" if moves else ""),
+                      str(p["capacity"]), *([f"{p['vision_ms']}"] if vision else []), f"{p['prefill_128_ms']:.1f}",
+                      f"{p['decode_tokens_per_s']}",
+                      *([f"{p['decode_handoff_ms']}", f"{p['decode_npu_tokens_per_s']}"] if moves else []), bound)
     if "published" in rows[0]:
         published = rows[0]["published"]
         table.add_row(published["label"], "", *([f"{published['vision_ms']:.0f}"] if vision else []),
-                      f"{published['prefill_128_ms']:.0f}", f"{published['decode_tokens_per_s']:.0f}", "")
+                      f"{published['prefill_128_ms']:.0f}", f"{published['decode_tokens_per_s']:.0f}",
+                      *(["", ""] if moves else []), "")
     console.print(table)
+    if moves:
+        console.print("hand-offs: each step's inputs, the whole cache among them, set on the host through the "
+                      "board's runtime every token (rates in each program's report.json: predicted.handoff_source)")
     one = [p for p in rows if p.get("one_step_tokens_per_s", 0) > (p["decode_tokens_per_s"] or 0)]
     if one:
         console.print(f"--one-step: the answer's tokens through the prompt's step would decode at "
@@ -366,6 +371,14 @@ def print_stage_report(report: dict) -> None:
             + f"; chose {auto['batch']}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
 
 
+def handoff_line(predicted: dict) -> str:
+    """What the shards' hand-offs add on the board, against the vendor's one graph."""
+    moves = predicted["handoff_seconds"]
+    return (f"  of it: the NPU {1e3 * sum(predicted['npu_seconds']):.1f} ms, hand-offs {1e3 * sum(moves):.1f} ms "
+            f"(each of {len(moves)} shard(s) has its inputs set and outputs got on the host; the vendor's one graph "
+            f"{1e3 * predicted['vendor_handoff_s']:.1f} ms; rates: report.json's predicted.handoff_source)")
+
+
 def one_run(batch: int) -> str:
     """What one run of a bundle takes: a frame, or a batch of them (--batch)."""
     return f"one batch of {batch} frames" if batch > 1 else "one frame"
@@ -441,8 +454,9 @@ def print_totals(report: dict) -> None:
     cut = report["passes"].get("partition", {})
     if cut.get("by_memory"):
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
-                      f"cut so that its builds, --jobs at once, stay within half of the vendor's build of the whole "
-                      f"model; each shard is one more hand-off a frame on the board (--shards sets the count)")
+                      f"cut so that its builds, {cut.get('builds_at_once', 1)} at a time, stay within half of the "
+                      f"vendor's build of the whole model; no finer, as each shard is one more hand-off a frame on "
+                      f"the board (--shards sets the count)")
     elif cut.get("for_memory", 0) > cut.get("shards", 0) and "builds_at_once" in cut:   # (older reports lack it)
         console.print(f"{cut['shards']} shards where the builds' memory asked for {cut['for_memory']} (each one more "
                       f"hand-off a frame: a step of few MACs, or --shards, keeps them few): built "
@@ -451,11 +465,14 @@ def print_totals(report: dict) -> None:
     predicted = report.get("predicted")
     if predicted:
         batch = report.get("batch", 1)
-        console.print(f"predicted on the NPU (estimated cycles at the NPU clock, host steps aside): "
+        where = "on the board" if "handoff_seconds" in predicted else "on the NPU"
+        console.print(f"predicted {where} (estimated cycles at the NPU clock, host steps aside): "
                       f"{one_run(batch)} "
                       f"{1e3 * predicted['latency_s']:.1f} ms; run_stream "
                       + ", ".join(f"{batch * fps:.1f}" for fps in predicted["stream_fps"].values())
                       + f" frames/s on {'/'.join(map(str, predicted['stream_fps']))} cores")
+        if "handoff_seconds" in predicted:
+            console.print(handoff_line(predicted))
     before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
     console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
                   f"{t['estimated_cycles'] / 1e6:.1f} M after")

@@ -12,6 +12,7 @@ import shard
 from shard.options import CompileOptions
 from shard.bundle import read_manifest
 from shard.errors import CompileError
+from shard.targets.chips import CHIPS, elements
 
 pytestmark = pytest.mark.toolkit
 
@@ -256,11 +257,19 @@ def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     assert result.report["totals"]["regtask_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
     tiling = result.report["passes"]["tile_attention"]
     assert tiling["found"] == 3 and tiling["changes"] == []  # auto: every attention builds clean whole
-    predicted = result.report["predicted"]   # from the estimated cycles at 1 GHz, through the scheduler's policy
+    # From the estimated cycles at 1 GHz and each shard's hand-off on the board (its inputs set and
+    # outputs got at the published rates), through the scheduler's policy.
+    predicted = result.report["predicted"]
     cycles = [s["diagnostics"]["estimated_cycles"] for s in result.report["shards"]]
-    assert predicted["latency_s"] == sum(cycles) / 1e9
+    handoff = CHIPS["rk3588"].handoff
+    moves = [handoff.seconds(elements(t.shape for t in s.inputs), elements(t.shape for t in s.outputs))
+             for s in m.shards]
+    assert predicted["npu_seconds"] == [c / 1e9 for c in cycles] and predicted["handoff_seconds"] == moves
+    assert all(move > 0 for move in moves) and predicted["handoff_source"] == handoff.source
+    assert predicted["latency_s"] == pytest.approx(sum(cycles) / 1e9 + sum(moves))
+    assert predicted["vendor_handoff_s"] < sum(moves)   # the vendor's one graph: the model's inputs, outputs once
     fps = {int(n): f for n, f in predicted["stream_fps"].items()}
-    assert fps[1] * 0.99 <= 1e9 / sum(cycles) and fps[1] < fps[2] < fps[3] <= 3 * fps[1]
+    assert fps[1] * 0.99 <= 1 / predicted["latency_s"] and fps[1] < fps[2] < fps[3] <= 3 * fps[1]
     report = shard.verify(result.bundle, onnx_path, backend="sim")
     assert report.passed and report.outputs[0].cosine >= 0.9999
     assert set(report.shards) == {"shard_000", "shard_001", "shard_002"}

@@ -202,18 +202,20 @@ def vision_time(vision: dict, predicted: dict, bundle: Path | None) -> dict:
 def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str,
             bundle: Path | None = None) -> list[dict]:
     """Per cache capacity: prefill time for PREFILL_TOKENS and decode tokens/s from the vendor's cycle
-    estimates (each program's predicted latency: the sum of its shards'; hand-offs are not charged)
-    and, for decode, from DRAM bandwidth (the fp16 weights and the whole cache read once a token:
-    decode at batch 1 is bound by it); a VLM's vision time a square and, where an image splits
+    estimates and the board's hand-offs (each program's predicted latency: the sum of its shards',
+    writer.npu_prediction; the NPU's share of a decode step apart) and, for decode, from DRAM
+    bandwidth (the fp16 weights and the whole cache read once a token: decode at batch 1 is bound by
+    it; decode_over_bound compares the NPU's share with it); a VLM's vision time a square and, where an image splits
     into several, for the most squares pipelined over the cores (the vision program in `bundle`)."""
     chip = CHIPS.get(target)
     seen = vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle) if "vision" in reports else {}
     rows = []
     for capacity in spec.capacities:
-        latency = {p.width: (reports[p.name].get("predicted") or {}).get("latency_s")
-                   for p in spec.programs if p.capacity == capacity}
+        steps = {p.width: reports[p.name].get("predicted") or {} for p in spec.programs if p.capacity == capacity}
+        latency = {width: step.get("latency_s") for width, step in steps.items()}
         prefill = latency[max(latency)]
         decode = latency.get(1, prefill)   # a bundle of --one-step: the answer's tokens through the prompt's step
+        handoff = sum(steps.get(1, steps[max(steps)]).get("handoff_seconds", []))
         cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * capacity * 2   # keys and values, fp16
         row = {"capacity": capacity,
                "prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
@@ -225,8 +227,11 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             row["one_step_tokens_per_s"] = round(1 / prefill, 1)   # decoding through the prompt's step (--one-step)
         if chip is not None and chip.dram_gbs:
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)
-            row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs,
-                       dram_source=chip.dram_source, decode_over_bound=round(decode / bound, 2) if decode else None)
+            row.update(bandwidth_tokens_per_s=round(1 / bound, 1), dram_gbs=chip.dram_gbs, dram_source=chip.dram_source,
+                       decode_over_bound=round((decode - handoff) / bound, 2) if decode else None)
+        if handoff and decode:
+            # the step's inputs (the whole cache) set on the host every token: the NPU alone beside it
+            row.update(decode_handoff_ms=round(1e3 * handoff, 2), decode_npu_tokens_per_s=round(1 / (decode - handoff), 1))
         row.update(seen)   # the vision program's times: the same for every capacity
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures

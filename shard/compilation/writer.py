@@ -27,6 +27,7 @@ from shard.runtime import random_inputs
 from shard.runtime.host import load_tables, run_host, step_files, step_inputs
 from shard.runtime.scheduler import predict_stream
 from shard.targets import ShardBuild, ShardJob, Target
+from shard.targets.chips import board_handoff, elements
 
 
 @dataclass
@@ -239,16 +240,27 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
 
 
 def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None:
-    """One frame's NPU time and run_stream's frames/s on 1..cores cores, from each shard's estimated
-    cycles at the NPU clock (its MACs at the fp16 peak where the vendor gives none), through the
-    scheduler's own policy (shard.runtime.scheduler.predict_stream). Host steps not counted."""
+    """One frame's time and run_stream's frames/s on 1..cores cores, from each shard's estimated cycles
+    at the NPU clock (its MACs at the fp16 peak where the vendor gives none) and, on a chip whose
+    board's hand-off is known, each shard's inputs set and outputs got on the host
+    (shard.targets.chips.Handoff: a cost every shard pays where the vendor's one graph pays it once),
+    through the scheduler's own policy (shard.runtime.scheduler.predict_stream). Host steps not counted."""
     clock, per_mac = profile.facts.get("npu_clock_hz"), npu_seconds_per_mac(profile.facts)
     if not clock or not manifest.shards:
         return None
-    seconds = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
-    return {"shard_seconds": seconds, "latency_s": predict_stream(manifest.shards, seconds, [0])[0],
-            "stream_fps": {str(n): predict_stream(manifest.shards, seconds, list(range(n)))[1]
-                           for n in range(1, profile.cores + 1)}}
+    npu = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
+    handoff = board_handoff(manifest.target)
+    moves = [handoff.seconds(elements(t.shape for t in s.inputs), elements(t.shape for t in s.outputs))
+             if handoff else 0.0 for s in manifest.shards]
+    seconds = [a + b for a, b in zip(npu, moves)]
+    predicted = {"shard_seconds": seconds, "latency_s": predict_stream(manifest.shards, seconds, [0])[0],
+                 "stream_fps": {str(n): predict_stream(manifest.shards, seconds, list(range(n)))[1]
+                                for n in range(1, profile.cores + 1)}}
+    if handoff:
+        predicted.update(npu_seconds=npu, handoff_seconds=moves, handoff_source=handoff.source,
+                         vendor_handoff_s=handoff.seconds(elements(t.shape for t in manifest.inputs),
+                                                          elements(t.shape for t in manifest.outputs)))
+    return predicted
 
 
 def cycle_note(change: dict) -> str:

@@ -6,6 +6,7 @@ layer may read it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_TARGET = "rk3588"
@@ -23,7 +24,50 @@ class Chip:
     dram_gbs: float | None = None   # peak DRAM bandwidth, GB/s: what bounds a decoder's tokens/s
     dram_source: str = ""
     decoder_figures: dict | None = None   # a published decoder's prefill and decode speed on this chip
+    handoff: Handoff | None = None  # what the board's runtime takes to set a graph's inputs and get its outputs
 
+
+@dataclass(frozen=True)
+class Handoff:
+    """The host's share of one run of a compiled graph on the board, beside the NPU's: setting its inputs
+    (rknn_inputs_set converts each into the NPU's type and layout) and getting its outputs
+    (rknn_outputs_get, back to float32). Each direction is the line through two published points,
+    (elements, seconds), never under 0. What rknn_run itself takes before the NPU starts is not in it:
+    no published figure separates it."""
+
+    inputs: tuple[tuple[int, float], tuple[int, float]]
+    outputs: tuple[tuple[int, float], tuple[int, float]]
+    source: str
+
+    def seconds(self, input_elements: int, output_elements: int) -> float:
+        return through(self.inputs, input_elements) + through(self.outputs, output_elements)
+
+
+def through(points: tuple[tuple[int, float], tuple[int, float]], x: int) -> float:
+    (x0, y0), (x1, y1) = points
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def board_handoff(target: str) -> Handoff | None:
+    """The chip's published hand-off, where one is known."""
+    chip = CHIPS.get(target)
+    return chip.handoff if chip else None
+
+
+def elements(shapes) -> int:
+    """How many elements tensors of these shapes hold together."""
+    return sum(math.prod(shape) for shape in shapes)
+
+
+# rknn_model_zoo issue 167 (RK3588, the zoo's C benchmark, averages over its runs): mobilenet_v2, one
+# 224 x 224 x 3 input and 1,000 outputs; yolov5s_relu, one 640 x 640 x 3 input and three outputs of
+# 255 x (80^2 + 40^2 + 20^2). Both int8 models fed uint8 images: an fp16 shard's float32 inputs may
+# convert at another rate (no board here measured it).
+RK3588_HANDOFF = Handoff(
+    inputs=((150_528, 1.802e-3), (1_228_800, 14.845e-3)), outputs=((1_000, 0.029e-3), (2_142_000, 1.226e-3)),
+    source="rknn_model_zoo issue 167, RK3588: rknn_inputs_set 1.802 ms for mobilenet_v2's 150,528 input "
+           "elements and 14.845 ms for yolov5s's 1,228,800 (12.1 ns an element); rknn_outputs_get 0.029 ms for "
+           "1,000 and 1.226 ms for 2,142,000 (0.56 ns an element); int8 models fed uint8 images")
 
 TOOLKIT_FP16 = "seen here with rknn-toolkit2 2.5.0: a one-Conv fp16 model builds and simulates"
 INT8_ONLY = ("seen here with rknn-toolkit2 2.5.0: build() logs `Current target_platform(rv1106) not support "
@@ -39,7 +83,8 @@ CHIPS = {
                    decoder_figures={"label": "rknn-llm, SmolVLM-256M w8a8 (published)", "prefill_128_ms": 77.0,
                                     "decode_tokens_per_s": 78.0, "vision_ms": 842.0,
                                     "source": "rknn-llm's RK3588 benchmark of SmolVLM-256M in w8a8: vision 842 ms at "
-                                              "512x512, prefill 77 ms for 128 tokens, decode 78 tokens/s"}),
+                                              "512x512, prefill 77 ms for 128 tokens, decode 78 tokens/s"},
+                   handoff=RK3588_HANDOFF),
     "rk3576": Chip(2, 6.0, "RK3576 datasheet: 2-core NPU, 6 TOPS int8 (rknn core masks NPU_CORE_0/1)"),
     "rk3568": Chip(1, 0.8, "RK3568 datasheet: 1-core NPU, 0.8 TOPS int8"),
     "rk3566": Chip(1, 0.8, "RK3566 datasheet: 1-core NPU, 0.8 TOPS int8 (the RK3568's NPU)"),
