@@ -90,11 +90,12 @@ def test_shards_predicted_over_the_job_limit_are_split():
     assert not ctx.warnings
 
 
-def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models():
+def test_a_large_model_is_cut_so_that_its_builds_one_at_a_time_take_half_of_the_whole_models():
     """A vendor build's memory grows with the weights it holds (shard.targets.rknn.memory): by default a
-    large model is cut into the fewest shards whose builds, two at once beside the compile, are
-    predicted at half of one build of the whole model; a small one is not (the toolkit's own memory
-    is most of every build)."""
+    large model is cut into the fewest shards whose builds, one at a time beside the compile, are
+    predicted at half of one build of the whole model, not the more that two at once would need: each
+    cut is a hand-off on the board every frame. A small one is not cut for memory (the toolkit's own
+    memory is most of every build)."""
     from shard.passes.partition import partition
     from shard.targets.rknn.memory import (BUILD_BYTES_PER_WEIGHT_BYTE, COMPILE_BYTES, MIN_SHARD_WEIGHT_BYTES,
                                       WORKER_BYTES, build_bytes, shards_for_memory)
@@ -102,27 +103,30 @@ def test_a_large_model_is_cut_so_that_its_builds_take_half_of_the_whole_models()
     def compile_bytes(weights, shards, jobs=2):
         return COMPILE_BYTES + jobs * (WORKER_BYTES + BUILD_BYTES_PER_WEIGHT_BYTE * weights / shards)
 
-    assert shards_for_memory(345_733_832, 2) == 22   # SigLIP-512
+    assert shards_for_memory(345_733_832, 2) == 22 and shards_for_memory(345_733_832, 1) == 4   # SigLIP-512
     assert shards_for_memory(100e6, 2) == 0 and shards_for_memory(100e6, 1) == 0 and shards_for_memory(300e6, 1) > 0
     assert shards_for_memory(300e6, 2) == 0   # half would need shards of under MIN_SHARD_WEIGHT_BYTES
     for weights in (345e6, 419e6, 1e9, 4e9):
-        k = shards_for_memory(weights, 2)
-        assert compile_bytes(weights, k) <= build_bytes(weights) / 2 < compile_bytes(weights, k - 1)
-        assert weights / k >= MIN_SHARD_WEIGHT_BYTES
+        for jobs in (1, 2):
+            k = shards_for_memory(weights, jobs)
+            assert compile_bytes(weights, k, jobs) <= build_bytes(weights) / 2 < compile_bytes(weights, k - 1, jobs)
+            assert weights / k >= MIN_SHARD_WEIGHT_BYTES
 
-    # Sixteen [T, 2560] x [2560, 2560] products: 419 MB of weights. At T = 8, 839 M MACs: 8 shards at most
-    # (MIN_SHARD_MACS), where memory asks for 13 with 2 builds at once and 3 with one: so one at a time.
-    # At T = 32, 3.4 G MACs: the 13 memory asks for, 2 at once.
-    weights = [numpy_helper.from_array(np.zeros((2560, 2560), np.float32), f"w{k}") for k in range(16)]
+    # Sixteen products, [T, 2560] x [2560, 2112] and back by [2112, 2560]: 346 MB of weights, for which
+    # memory asks 22 shards with two builds at once and 4 with one. At T = 8, 692 M MACs: the 4, one at
+    # a time. At T = 3, 260 M MACs: 2 at most (MIN_SHARD_MACS), one at a time. Builds that do not grow:
+    # one a core, 2 at once.
+    weights = [numpy_helper.from_array(np.zeros((2560, 2112) if k % 2 == 0 else (2112, 2560), np.float32), f"w{k}")
+               for k in range(16)]
     nodes = [helper.make_node("MatMul", ["x" if k == 0 else f"h{k - 1}", f"w{k}"], ["y" if k == 15 else f"h{k}"])
              for k in range(16)]
-    for rows, build_memory, expected, at_once in ((8, True, 8, 1), (32, True, 13, 2), (8, False, 3, 2)):
+    for rows, build_memory, expected, at_once in ((8, True, 4, 1), (3, True, 2, 1), (8, False, 3, 2)):
         model = make_model(nodes, [("x", [1, rows, 2560])], [("y", [1, rows, 2560])], weights)
         sizing = get_target("rk3588" if build_memory else "cpu").shards_for_memory   # builds that grow, or none
         ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), shards_for_memory=sizing)
         _, report = partition(infer_shapes(gs.import_onnx(model)), ctx)
-        assert len(ctx.plan) == expected and report["weight_bytes"] == 16 * 2560 * 2560 * 4
+        assert len(ctx.plan) == expected and report["weight_bytes"] == 16 * 2560 * 2112 * 4
         assert sum(report["shard_weight_bytes"]) == report["weight_bytes"]
         if build_memory:
-            assert report["for_memory"] == 13
-        assert report["by_memory"] == (expected == 13) and report["builds_at_once"] == at_once, rows
+            assert report["for_memory"] == 4
+        assert report["by_memory"] == (expected == 4) and report["builds_at_once"] == at_once, rows

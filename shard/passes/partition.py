@@ -132,10 +132,13 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     costs = [estimate_macs(node) for node in graph.nodes]
     # By default one shard per core, but none under MIN_SHARD_MACS: every cut adds a dispatch and
     # edges the vendor may reshape on the CPU, which a small model never wins back. More where the
-    # target's builds grow with their weights and that many keep the compile within half of the
-    # whole model's build (the target's shards_for_memory: a large RKNN model only).
+    # target's builds grow with their weights and that many, built one at a time, keep the compile
+    # within half of the whole model's build (the target's shards_for_memory: a large RKNN model only,
+    # one that some count holds there with --jobs builds at once). Memory yields to run time: a cut is
+    # a hand-off on the board every frame (its inputs set and outputs got on the host:
+    # shard.targets.chips.Handoff), so a compile builds fewer at once rather than cutting finer.
     weights = sum(nbytes(t) for t in constants(graph))
-    for_memory = ctx.shards_for_memory(weights, opts.jobs)
+    for_memory = ctx.shards_for_memory(weights, 1) if ctx.shards_for_memory(weights, opts.jobs) else 0
     shards = max(1, getattr(opts, "shards", None)
                  or min(max(ctx.profile.cores, for_memory), sum(costs) // MIN_SHARD_MACS))
     max_ops = getattr(opts, "max_ops", None)
