@@ -38,6 +38,11 @@ def test_oversize_add_is_legalized_and_verifies_on_sim(save, tmp_path):
     manifest = json.loads((tmp_path / "a.shard" / "manifest.json").read_text())
     assert [s["op"] for s in manifest["host_pre"]] == ["slice", "slice"]
     assert all(t["shape"] == [1, 1, 1, 65536] for s in manifest["shards"] for t in s["inputs"] + s["outputs"])
+    # The summary charges the shard's hand-off on the board: its inputs set and outputs got on the host.
+    handoff = CHIPS["rk3588"].handoff
+    moves = sum(handoff.seconds(elements(t["shape"] for t in s["inputs"]), elements(t["shape"] for t in s["outputs"]))
+                for s in manifest["shards"])
+    assert f"hand-offs {1e3 * moves:.1f} ms (each of {len(manifest['shards'])} shard(s)" in res.stdout
     res = shard_cli("verify", tmp_path / "a.shard", "--reference", model, "--backend", "sim",
                     "--min-cosine", "0.99999", "--json", tmp_path / "v.json")
     assert res.returncode == 0, res.stdout + res.stderr

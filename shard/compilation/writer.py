@@ -257,7 +257,7 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
                  "stream_fps": {str(n): predict_stream(manifest.shards, seconds, list(range(n)))[1]
                                 for n in range(1, profile.cores + 1)}}
     if handoff:
-        predicted.update(npu_seconds=npu, handoff_seconds=moves, handoff_source=handoff.source,
+        predicted.update(npu_seconds=npu, handoff_seconds=moves, handoff_source=handoff.source, npu_clock_hz=clock,
                          vendor_handoff_s=handoff.seconds(elements(t.shape for t in manifest.inputs),
                                                           elements(t.shape for t in manifest.outputs)))
     return predicted
