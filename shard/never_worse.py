@@ -137,7 +137,7 @@ def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = N
     if have is not None and need > have / 2:
         return False, f"{gb}, more than half of the {have / 1e9:.1f} GB available"
     if cores <= jobs and shards_for_memory(weights, jobs) and not quantized:
-        return False, (f"{cores} cores, all taken by the shards' {jobs} parallel builds: the whole build of "
+        return False, (f"{cores} cores for --jobs {jobs}, a large model's shard builds: the whole build of "
                        f"{weights / 1e6:.0f} MB of weights would add its own time to the compile's")
     return True, gb + ("" if have is None else f", {have / 1e9:.1f} GB available") + f", {cores} cores"
 

@@ -95,7 +95,7 @@ def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_c
     large = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 10240])], [("y", [1, 10240])], [weight])
     room = 2 * predicted_build_bytes(large)
     fits, why = whole_build_fits(large, "auto", available=room, jobs=2, cores=2)
-    assert not fits and why.startswith("2 cores, all taken by the shards' 2 parallel builds: the whole build of 419 MB")
+    assert not fits and why.startswith("2 cores for --jobs 2, a large model's shard builds: the whole build of 419 MB")
     assert whole_build_fits(large, "auto", available=room, jobs=1, cores=2)[0]
     assert whole_build_fits(large, "auto", available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
     assert whole_build_fits(model, "whole", available=0, cores=1) == (True, "--vendor-alone whole")
