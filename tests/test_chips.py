@@ -52,14 +52,14 @@ def test_a_hand_off_is_the_line_through_the_published_points():
     line through its two published points, never under 0."""
     from shard.targets.chips import board_handoff, elements
 
-    published = board_handoff("rk3588")
+    published = board_handoff("rk3588", {})
     assert published is CHIPS["rk3588"].handoff and "rknn_model_zoo issue 167" in published.source
     assert published.seconds(150_528, 1_000) == pytest.approx(1.802e-3 + 0.029e-3)
     assert published.seconds(1_228_800, 2_142_000) == pytest.approx(14.845e-3 + 1.226e-3)
     assert published.seconds(1_000, 1_000) == pytest.approx(0.029e-3)   # the inputs' line is under 0 there
     # SmolLM2's cache of 512 fed to a decode step: 30 layers x keys and values x [3, 512, 64]
     assert 70e-3 < published.seconds(elements([[1, 3, 512, 64]] * 60), 0) < 72e-3
-    assert board_handoff("thor") is None and board_handoff("rk3576") is None   # no published figure
+    assert board_handoff("thor", {}) is None and board_handoff("rk3576", {}) is None   # no published figure
 
 
 def test_the_chip_table_is_the_toolkit_support_list():

@@ -175,3 +175,58 @@ def test_the_shipped_profile_is_what_the_probe_measures(tmp_path, chip):
         assert (got.value, got.failing, got.failure, got.passing) == (limit.value, limit.failing, limit.failure,
                                                                        limit.passing), name
         assert limit.toolkit == fresh.toolkit and limit.evidence.split(": ")[0] == got.evidence.split(": ")[0]
+
+
+@pytest.mark.toolkit
+def test_the_hand_off_graphs_build_clean_and_compute_what_they_say():
+    """The graphs `shard probe --on-board` times a board's hand-off with (shard.probes.handoff): each
+    built by the real toolkit without a CPU op or a REGTASK line, each run on the simulator as
+    onnxruntime runs it, and shaped as their sizes say."""
+    from shard.options import CompileOptions
+    from shard.probes.handoff import SIZES, base_model, inputs_model, outputs_model
+    from shard.profile import load_profile
+    from shard.targets.registry import get_target
+
+    ops = get_target("rk3588").pass_toolkit(load_profile("rk3588"), CompileOptions())
+    try:
+        for model in (base_model(), *(make(n) for n in SIZES for make in (inputs_model, outputs_model))):
+            dims = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*model.graph.input, *model.graph.output)]
+            assert sorted(math.prod(d) for d in dims) in ([64, 64], *([64, n] for n in SIZES)), model.graph.name
+            point = ops.prober.run_model(model, model.graph.name, simulate_range=1.0)
+            assert point.ok and point.figures["cosine"] >= 0.9999, (model.graph.name, point)
+    finally:
+        ops.close()
+
+
+def test_a_profile_that_timed_its_board_charges_that_hand_off():
+    from shard.probes.handoff import SIZES, measure_handoff, outputs_model
+    from shard.targets.chips import board_handoff
+
+    seconds = {"handoff_base": 2e-4, "handoff_in_65536": 9e-4, "handoff_in_1048576": 1.3e-2,
+               "handoff_out_65536": 3e-4, "handoff_out_1048576": 1.1e-3}
+    facts = measure_handoff(lambda model: seconds[model.graph.name], "rknn-toolkit2 2.5.0")
+    assert facts["handoff"]["run_s"] == 2e-4 and facts["handoff"]["inputs"] == [[SIZES[0], 7e-4], [SIZES[1], 1.28e-2]]
+    measured = board_handoff("rk3588", facts)
+    assert measured.source.startswith("shard probe --on-board with rknn-toolkit2 2.5.0")
+    assert measured.seconds(SIZES[1], SIZES[0]) == pytest.approx(2e-4 + 1.28e-2 + 1e-4)
+    outputs_at_0 = 1e-4 - (1.1e-3 - 3e-4) / (SIZES[1] - SIZES[0]) * SIZES[0]
+    assert measured.seconds(0, 0) == pytest.approx(2e-4 + outputs_at_0)   # the inputs' line is under 0 there
+    assert outputs_model(SIZES[0]).graph.output[0].type.tensor_type.shape.dim[2].dim_value == SIZES[0] // 512
+
+
+@pytest.mark.skipif(__import__("importlib.util").util.find_spec("rknnlite") is None,
+                    reason="needs rknn-toolkit-lite2 on a Rockchip board")
+def test_the_hand_off_is_timed_on_the_board():
+    from shard.options import CompileOptions
+    from shard.probes.handoff import measure_handoff
+    from shard.profile import load_profile
+    from shard.runtime.executors.rknn_board import time_inference
+    from shard.targets.registry import get_target
+
+    ops = get_target("rk3588").pass_toolkit(load_profile("rk3588"), CompileOptions())
+    try:
+        facts = measure_handoff(lambda model: ops.time_on_board(model, time_inference), ops.toolkit)["handoff"]
+    finally:
+        ops.close()
+    assert facts["run_s"] > 0 and facts["inputs"][1][1] > facts["inputs"][0][1] >= 0
+    assert facts["outputs"][1][1] > facts["outputs"][0][1] >= 0

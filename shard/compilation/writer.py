@@ -249,7 +249,7 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
     if not clock or not manifest.shards:
         return None
     npu = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
-    handoff = board_handoff(manifest.target)
+    handoff = board_handoff(manifest.target, profile.facts)
     moves = [handoff.seconds(elements(t.shape for t in s.inputs), elements(t.shape for t in s.outputs))
              if handoff else 0.0 for s in manifest.shards]
     seconds = [a + b for a, b in zip(npu, moves)]

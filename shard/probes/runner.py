@@ -18,6 +18,7 @@ from typing import Callable
 
 from shard.errors import ShardError, TargetError
 from shard.probes.families import Family, conv, conv_macs, limit_name, select
+from shard.probes.handoff import measure_handoff
 from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
 from shard.targets.chips import CHIPS, chip_facts
@@ -50,16 +51,16 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
         raise TargetError(f"`shard probe` probes the Rockchip chips ({', '.join(CHIPS)}) and cuda; not {target!r}")
     tgt = RknnTarget(target)
     chosen = select(families)
-    board = None
+    board = timer = None
     if on_board and ray:   # each clean point to a node of the cluster that owns a board of the chip
-        from shard.targets.rknn.remote import board_inference
+        from shard.targets.rknn.remote import board_inference, board_timing
 
-        board = board_inference(ray, target, timeout)
+        board, timer = board_inference(ray, target, timeout), board_timing(ray, target, timeout)
     elif on_board:
-        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once
+        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
 
         import_rknnlite()   # here, before the first build: a machine without it says so in one line
-        board = infer_once
+        board, timer = infer_once, time_inference
     base = base or starting_profile(target)
     from shard.targets.rknn.ops import ToolkitOps
 
@@ -93,6 +94,9 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     failed = True
     try:
         measured = measure_rates(ops, tgt, progress)   # the `slow` class is judged against these
+        if timer is not None and tgt.chip.fp16:   # the board's own hand-off (shard.targets.chips.Handoff)
+            progress("rates", 0, 1, note="hand-off on the board")
+            measured.update(measure_handoff(lambda model: ops.time_on_board(model, timer), ops.toolkit))
         ops.prober.use_rates(measured)
         progress("probe", 0, len(searches), note="")
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as executor:

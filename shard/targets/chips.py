@@ -31,16 +31,17 @@ class Chip:
 class Handoff:
     """The host's share of one run of a compiled graph on the board, beside the NPU's: setting its inputs
     (rknn_inputs_set converts each into the NPU's type and layout) and getting its outputs
-    (rknn_outputs_get, back to float32). Each direction is the line through two published points,
-    (elements, seconds), never under 0. What rknn_run itself takes before the NPU starts is not in it:
-    no published figure separates it."""
+    (rknn_outputs_get, back to float32). Each direction is the line through two points, (elements,
+    seconds), never under 0: the chip's published ones, or a board's (`shard probe --on-board`, which
+    also times a run's fixed cost; no published figure separates that)."""
 
     inputs: tuple[tuple[int, float], tuple[int, float]]
     outputs: tuple[tuple[int, float], tuple[int, float]]
     source: str
+    run_s: float = 0.0   # a run's fixed cost, where a board measured it (shard.probes.handoff)
 
     def seconds(self, input_elements: int, output_elements: int) -> float:
-        return through(self.inputs, input_elements) + through(self.outputs, output_elements)
+        return self.run_s + through(self.inputs, input_elements) + through(self.outputs, output_elements)
 
 
 def through(points: tuple[tuple[int, float], tuple[int, float]], x: int) -> float:
@@ -48,8 +49,12 @@ def through(points: tuple[tuple[int, float], tuple[int, float]], x: int) -> floa
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def board_handoff(target: str) -> Handoff | None:
-    """The chip's published hand-off, where one is known."""
+def board_handoff(target: str, facts: dict) -> Handoff | None:
+    """The hand-off a board measured (the profile's `handoff` fact), else the chip's published one."""
+    if "handoff" in facts:
+        measured = facts["handoff"]
+        return Handoff(tuple(map(tuple, measured["inputs"])), tuple(map(tuple, measured["outputs"])),
+                       measured["source"], measured["run_s"])
     chip = CHIPS.get(target)
     return chip.handoff if chip else None
 
@@ -62,7 +67,7 @@ def elements(shapes) -> int:
 # rknn_model_zoo issue 167 (RK3588, the zoo's C benchmark, averages over its runs): mobilenet_v2, one
 # 224 x 224 x 3 input and 1,000 outputs; yolov5s_relu, one 640 x 640 x 3 input and three outputs of
 # 255 x (80^2 + 40^2 + 20^2). Both int8 models fed uint8 images: an fp16 shard's float32 inputs may
-# convert at another rate (no board here measured it).
+# convert at another rate: `shard probe --on-board` times the board's own.
 RK3588_HANDOFF = Handoff(
     inputs=((150_528, 1.802e-3), (1_228_800, 14.845e-3)), outputs=((1_000, 0.029e-3), (2_142_000, 1.226e-3)),
     source="rknn_model_zoo issue 167, RK3588: rknn_inputs_set 1.802 ms for mobilenet_v2's 150,528 input "

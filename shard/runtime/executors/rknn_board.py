@@ -47,6 +47,31 @@ def infer_once(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, 
         rt.release()
 
 
+def time_inference(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, core: int = 0,
+                   runs: int = 30) -> float:
+    """The median seconds of one `inference` on `arrays` (ONNX layout) of one .rknn loaded on NPU core
+    `core`, after a first run: the inputs set, the run and the outputs got, as a shard's run takes them
+    (what `shard probe --on-board` times the hand-off with: shard.probes.handoff)."""
+    import statistics
+    import time
+
+    RKNNLite = import_rknnlite()
+    rt = RKNNLite()
+    try:
+        if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=core_mask(RKNNLite, chip, cores, core)) != 0:
+            raise RunError("load_rknn/init_runtime failed on the board")
+        formats = ["nchw"] * len(arrays)
+        seconds = []
+        for _ in range(runs + 1):
+            start = time.perf_counter()
+            if rt.inference(inputs=arrays, data_format=formats) is None:
+                raise RunError("inference on the board returned nothing")
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds[1:])
+    finally:
+        rt.release()
+
+
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
     """One RKNNLite runtime per shard and core, bound with that core's mask."""
     cores = manifest.profile.get("cores", 3)   # bundles made before profiles named it were RK3588's

@@ -21,7 +21,7 @@ import onnx
 
 from shard import scratch
 from shard.compare import compare
-from shard.errors import RunError
+from shard.errors import RunError, TargetError
 from shard.profile import Profile
 from shard.targets.rknn.cache import PointCache, default_cache_dir
 from shard.targets.rknn.classify import Point, classify_build, classify_numeric
@@ -72,6 +72,25 @@ class ToolkitOps:
             point = self.prober.run_model(model, digest, macs=macs, build=build)
             self.cache.put(MODELS, MODELS_VERSION, point, size=digest)
         return point
+
+    def time_on_board(self, model: onnx.ModelProto, timer) -> float:
+        """`model` built with the probe's options, which must build clean, then `timer` (the artifact and
+        inputs to seconds on the board: rknn_board.time_inference or its Ray form)."""
+        prober = self.prober
+        stem = prober.scratch / f"timed-{model.graph.name}"
+        onnx_path, log, artifact = (stem.with_suffix(suffix) for suffix in (".onnx", ".log", ".rknn"))
+        onnx.save(model, onnx_path)
+        try:
+            with self.pool.worker() as worker:
+                answer = build_request(worker.request, onnx_path, log, prober.build, artifact, timeout=prober.timeout)
+            point = classify_build(0, answer, parse_build_log(log.read_text(errors="replace")))
+            if not point.ok:
+                raise TargetError(f"{model.graph.name} did not build clean: {point.evidence}")
+            return timer(artifact, list(probe_inputs(model, 1.0).values()), prober.build["config"]["target_platform"],
+                         prober.cores)
+        finally:
+            for path in (onnx_path, log, artifact):
+                path.unlink(missing_ok=True)
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers (at once, if kill) and remove the scratch directory."""

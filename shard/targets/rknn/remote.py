@@ -306,14 +306,37 @@ def board_inference(address: str, chip: str, timeout: float | None = None):
     return infer
 
 
+def board_timing(address: str, chip: str, timeout: float | None = None):
+    """rknn_board.time_inference, run on a node of the cluster that owns a board of `chip` (the
+    artifact sent to it): what `shard probe --on-board --ray` times the hand-off with."""
+    require_board(address, chip)
+
+    def timed(artifact: Path, arrays: list, platform: str, cores: int) -> float:
+        return on_board(address, chip, time_sent, Path(artifact).read_bytes(), arrays, platform, cores,
+                        timeout=timeout)
+    return timed
+
+
 def infer_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> list:
     """infer_once on an artifact sent as bytes (on a board's node)."""
     from shard.runtime.executors.rknn_board import infer_once
 
+    return on_sent_artifact(rknn, infer_once, arrays, platform, cores)
+
+
+def time_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> float:
+    """time_inference on an artifact sent as bytes (on a board's node)."""
+    from shard.runtime.executors.rknn_board import time_inference
+
+    return on_sent_artifact(rknn, time_inference, arrays, platform, cores)
+
+
+def on_sent_artifact(rknn: bytes, fn, *args):
+    """fn(artifact, *args) with the artifact's bytes written to a file of its own."""
     with tempfile.TemporaryDirectory(prefix="shard-board-") as tmp:
         artifact = Path(tmp) / "point.rknn"
         artifact.write_bytes(rknn)
-        return infer_once(artifact, arrays, platform, cores)
+        return fn(artifact, *args)
 
 
 def run_pack(pack: bytes, inputs: dict[str, bytes], repeat: int, timeout: float | None = None
