@@ -109,10 +109,11 @@ def compile_command(
                                                                     "buckets: input_ids=1,64|1,128|1,256 (a variant "
                                                                     "each; inputs run on the smallest that fits)."),
     input_value: list[str] = typer.Option([], "--input-value", help="Fix an input (NAME=16000): an If it chooses inlined."),
-    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one per NPU core; for a model "
-                                                    "of over about 320 MB of weights, as many as keep its vendor "
-                                                    "builds within half of the memory of the whole model's; thor "
-                                                    "and cuda: pipeline stages, 2]."),
+    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one, as each cut is a hand-off on "
+                                                    "the board; for a model of over about 320 MB of weights, as "
+                                                    "many as keep its vendor builds, one at a time, within half of "
+                                                    "the memory of the whole model's; thor and cuda: pipeline "
+                                                    "stages, 2]."),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
     ray: Optional[str] = typer.Option(None, "--ray", help=RAY_HELP),

@@ -12,7 +12,7 @@ class CompileOptions:
 
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     input_values: dict[str, list] = field(default_factory=dict)   # inputs fixed at compile: constants
-    shards: int | None = None       # default: one per NPU core, more for a large model's build memory
+    shards: int | None = None       # default: one, more for a large model's build memory
                                     # (shard.targets.rknn.memory.shards_for_memory)
     max_ops: int | None = None      # more shards if any would hold more ops than this
     jobs: int = 2                   # vendor builds in parallel

@@ -115,12 +115,12 @@ def test_a_large_model_is_cut_so_that_its_builds_one_at_a_time_take_half_of_the_
     # Sixteen products, [T, 2560] x [2560, 2112] and back by [2112, 2560]: 346 MB of weights, for which
     # memory asks 22 shards with two builds at once and 4 with one. At T = 8, 692 M MACs: the 4, one at
     # a time. At T = 3, 260 M MACs: 2 at most (MIN_SHARD_MACS), one at a time. Builds that do not grow:
-    # one a core, 2 at once.
+    # one shard, 2 builds at once.
     weights = [numpy_helper.from_array(np.zeros((2560, 2112) if k % 2 == 0 else (2112, 2560), np.float32), f"w{k}")
                for k in range(16)]
     nodes = [helper.make_node("MatMul", ["x" if k == 0 else f"h{k - 1}", f"w{k}"], ["y" if k == 15 else f"h{k}"])
              for k in range(16)]
-    for rows, build_memory, expected, at_once in ((8, True, 4, 1), (3, True, 2, 1), (8, False, 3, 2)):
+    for rows, build_memory, expected, at_once in ((8, True, 4, 1), (3, True, 2, 1), (8, False, 1, 2)):
         model = make_model(nodes, [("x", [1, rows, 2560])], [("y", [1, rows, 2560])], weights)
         sizing = get_target("rk3588" if build_memory else "cpu").shards_for_memory   # builds that grow, or none
         ctx = PassContext(profile=load_profile("rk3588"), options=CompileOptions(), shards_for_memory=sizing)

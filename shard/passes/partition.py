@@ -130,17 +130,17 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if n == 0:
         raise ModelError("the model has no operators left after constant folding")
     costs = [estimate_macs(node) for node in graph.nodes]
-    # By default one shard per core, but none under MIN_SHARD_MACS: every cut adds a dispatch and
-    # edges the vendor may reshape on the CPU, which a small model never wins back. More where the
-    # target's builds grow with their weights and that many, built one at a time, keep the compile
-    # within half of the whole model's build (the target's shards_for_memory: a large RKNN model only,
-    # one that some count holds there with --jobs builds at once). Memory yields to run time: a cut is
-    # a hand-off on the board every frame (its inputs set and outputs got on the host:
-    # shard.targets.chips.Handoff), so a compile builds fewer at once rather than cutting finer.
+    # By default one shard: a cut is a hand-off on the board every frame (its inputs set and outputs got
+    # on the host: shard.targets.chips.Handoff), and buys no speed of its own: one frame's shards run one
+    # after the other, and a stream of frames spreads a one-shard bundle over the cores as well (the
+    # scheduler's balanced policy). More where a limit asks: the target's builds grow with their
+    # weights and that many, built one at a time, keep the compile within half of the whole model's
+    # build (the target's shards_for_memory: a large RKNN model only, one that some count holds there
+    # with --jobs builds at once; fewer at once rather than cut finer), though none under
+    # MIN_SHARD_MACS; the driver's job limit, --max-ops, --shards.
     weights = sum(nbytes(t) for t in constants(graph))
     for_memory = ctx.shards_for_memory(weights, 1) if ctx.shards_for_memory(weights, opts.jobs) else 0
-    shards = max(1, getattr(opts, "shards", None)
-                 or min(max(ctx.profile.cores, for_memory), sum(costs) // MIN_SHARD_MACS))
+    shards = max(1, getattr(opts, "shards", None) or min(for_memory, sum(costs) // MIN_SHARD_MACS))
     max_ops = getattr(opts, "max_ops", None)
     if max_ops:
         shards = max(shards, math.ceil(n / max_ops))
@@ -165,7 +165,7 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     report = {"requested": shards, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts], "weight_bytes": weights,
               "kept_whole": avoided,   # where the cheapest cut ran through a fused pattern
               "macs": [p.macs for p in ctx.plan], "for_memory": for_memory, "builds_at_once": at_once,
-              "by_memory": not getattr(opts, "shards", None) and shards == for_memory > ctx.profile.cores,
+              "by_memory": not getattr(opts, "shards", None) and shards == for_memory > 1,
               "shard_weight_bytes": [sum(nbytes(t) for t in constants(p.nodes)) for p in ctx.plan]}
     if per_mac and limit:
         predicted = [p.macs * per_mac for p in ctx.plan]
