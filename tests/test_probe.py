@@ -190,7 +190,8 @@ def test_the_hand_off_graphs_build_clean_and_compute_what_they_say():
     ops = get_target("rk3588").pass_toolkit(load_profile("rk3588"), CompileOptions())
     try:
         for model in (base_model(), *(make(n) for n in SIZES for make in (inputs_model, outputs_model))):
-            dims = [[d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*model.graph.input, *model.graph.output)]
+            dims = [[d.dim_value for d in v.type.tensor_type.shape.dim]
+                    for v in (*model.graph.input, *model.graph.output)]
             assert sorted(math.prod(d) for d in dims) in ([64, 64], *([64, n] for n in SIZES)), model.graph.name
             point = ops.prober.run_model(model, model.graph.name, simulate_range=1.0)
             assert point.ok and point.figures["cosine"] >= 0.9999, (model.graph.name, point)

@@ -205,8 +205,9 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
     estimates and the board's hand-offs (each program's predicted latency: the sum of its shards',
     writer.npu_prediction; the NPU's share of a decode step apart) and, for decode, from DRAM
     bandwidth (the fp16 weights and the whole cache read once a token: decode at batch 1 is bound by
-    it; decode_over_bound compares the NPU's share with it); a VLM's vision time a square and, where an image splits
-    into several, for the most squares pipelined over the cores (the vision program in `bundle`)."""
+    it; decode_over_bound compares the NPU's share with it); a VLM's vision time a square and, where
+    an image splits into several, for the most squares pipelined over the cores (the vision program
+    in `bundle`)."""
     chip = CHIPS.get(target)
     seen = vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle) if "vision" in reports else {}
     rows = []
@@ -231,7 +232,8 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
                        decode_over_bound=round((decode - handoff) / bound, 2) if decode else None)
         if handoff and decode:
             # the step's inputs (the whole cache) set on the host every token: the NPU alone beside it
-            row.update(decode_handoff_ms=round(1e3 * handoff, 2), decode_npu_tokens_per_s=round(1 / (decode - handoff), 1))
+            row.update(decode_handoff_ms=round(1e3 * handoff, 2),
+                       decode_npu_tokens_per_s=round(1 / (decode - handoff), 1))
         row.update(seen)   # the vision program's times: the same for every capacity
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures

@@ -4,6 +4,9 @@ RK3576 2, the others one core, whose runtime takes the default mask (NPU_CORE_AU
 
 from __future__ import annotations
 
+import statistics
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,20 +34,31 @@ def core_mask(rknnlite, chip: str, cores: int, core: int):
     return [rknnlite.NPU_CORE_0, rknnlite.NPU_CORE_1, rknnlite.NPU_CORE_2][core]
 
 
-def infer_once(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, core: int = 0) -> list[np.ndarray]:
-    """One .rknn loaded on NPU core `core` of this board and run once on `arrays` (ONNX layout): what
-    `shard probe --on-board` checks each clean point with, here or on a Ray node that owns the board."""
+@contextmanager
+def loaded(artifact: Path, chip: str, cores: int, core: int = 0):
+    """One .rknn loaded on NPU core `core` of this board, released after."""
     RKNNLite = import_rknnlite()
     rt = RKNNLite()
     try:
         if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=core_mask(RKNNLite, chip, cores, core)) != 0:
             raise RunError("load_rknn/init_runtime failed on the board")
-        outs = rt.inference(inputs=arrays, data_format=["nchw"] * len(arrays))
-        if outs is None:
-            raise RunError("inference on the board returned nothing")
-        return [np.asarray(out) for out in outs]
+        yield rt
     finally:
         rt.release()
+
+
+def run_loaded(rt, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    outs = rt.inference(inputs=arrays, data_format=["nchw"] * len(arrays))
+    if outs is None:
+        raise RunError("inference on the board returned nothing")
+    return [np.asarray(out) for out in outs]
+
+
+def infer_once(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, core: int = 0) -> list[np.ndarray]:
+    """One .rknn loaded on NPU core `core` of this board and run once on `arrays` (ONNX layout): what
+    `shard probe --on-board` checks each clean point with, here or on a Ray node that owns the board."""
+    with loaded(artifact, chip, cores, core) as rt:
+        return run_loaded(rt, arrays)
 
 
 def time_inference(artifact: Path, arrays: list[np.ndarray], chip: str, cores: int, core: int = 0,
@@ -52,24 +66,13 @@ def time_inference(artifact: Path, arrays: list[np.ndarray], chip: str, cores: i
     """The median seconds of one `inference` on `arrays` (ONNX layout) of one .rknn loaded on NPU core
     `core`, after a first run: the inputs set, the run and the outputs got, as a shard's run takes them
     (what `shard probe --on-board` times the hand-off with: shard.probes.handoff)."""
-    import statistics
-    import time
-
-    RKNNLite = import_rknnlite()
-    rt = RKNNLite()
-    try:
-        if rt.load_rknn(str(artifact)) != 0 or rt.init_runtime(core_mask=core_mask(RKNNLite, chip, cores, core)) != 0:
-            raise RunError("load_rknn/init_runtime failed on the board")
-        formats = ["nchw"] * len(arrays)
+    with loaded(artifact, chip, cores, core) as rt:
         seconds = []
         for _ in range(runs + 1):
             start = time.perf_counter()
-            if rt.inference(inputs=arrays, data_format=formats) is None:
-                raise RunError("inference on the board returned nothing")
+            run_loaded(rt, arrays)
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds[1:])
-    finally:
-        rt.release()
 
 
 def make(bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]]) -> dict:
