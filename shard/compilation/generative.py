@@ -213,10 +213,10 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
     rows = []
     for capacity in spec.capacities:
         steps = {p.width: reports[p.name].get("predicted") or {} for p in spec.programs if p.capacity == capacity}
-        latency = {width: step.get("latency_s") for width, step in steps.items()}
-        prefill = latency[max(latency)]
-        decode = latency.get(1, prefill)   # a bundle of --one-step: the answer's tokens through the prompt's step
-        handoff = sum(steps.get(1, steps[max(steps)]).get("handoff_seconds", []))
+        prompt_step = steps[max(steps)]
+        decode_step = steps.get(1, prompt_step)   # --one-step: the answer's tokens through the prompt's step
+        prefill, decode = prompt_step.get("latency_s"), decode_step.get("latency_s")
+        handoff = sum(decode_step.get("handoff_seconds", []))
         cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * capacity * 2   # keys and values, fp16
         row = {"capacity": capacity,
                "prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
@@ -224,7 +224,7 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
                "weight_bytes": weight_bytes, "cache_bytes": cache_bytes,
                "from": f"the vendor's cycle estimates of each program's shards (prefill: ceil({PREFILL_TOKENS} / "
                        f"{spec.chunk}) steps)"}
-        if 1 in latency and len(latency) > 1 and prefill:
+        if 1 in steps and len(steps) > 1 and prefill:
             row["one_step_tokens_per_s"] = round(1 / prefill, 1)   # decoding through the prompt's step (--one-step)
         if chip is not None and chip.dram_gbs:
             bound = (weight_bytes + cache_bytes) / (chip.dram_gbs * 1e9)

@@ -27,7 +27,7 @@ from shard.runtime import random_inputs
 from shard.runtime.host import load_tables, run_host, step_files, step_inputs
 from shard.runtime.scheduler import predict_stream
 from shard.targets import ShardBuild, ShardJob, Target
-from shard.targets.chips import board_handoff, elements
+from shard.targets.chips import board_handoff
 
 
 @dataclass
@@ -250,16 +250,14 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
         return None
     npu = [(row["diagnostics"].get("estimated_cycles") or 0) / clock or row["macs"] * per_mac for row in rows]
     handoff = board_handoff(manifest.target, profile.facts)
-    moves = [handoff.seconds(elements(t.shape for t in s.inputs), elements(t.shape for t in s.outputs))
-             if handoff else 0.0 for s in manifest.shards]
+    moves = [handoff.between(s.inputs, s.outputs) if handoff else 0.0 for s in manifest.shards]
     seconds = [a + b for a, b in zip(npu, moves)]
     predicted = {"shard_seconds": seconds, "latency_s": predict_stream(manifest.shards, seconds, [0])[0],
                  "stream_fps": {str(n): predict_stream(manifest.shards, seconds, list(range(n)))[1]
                                 for n in range(1, profile.cores + 1)}}
     if handoff:
         predicted.update(npu_seconds=npu, handoff_seconds=moves, handoff_source=handoff.source, npu_clock_hz=clock,
-                         vendor_handoff_s=handoff.seconds(elements(t.shape for t in manifest.inputs),
-                                                          elements(t.shape for t in manifest.outputs)))
+                         vendor_handoff_s=handoff.between(manifest.inputs, manifest.outputs))
     return predicted
 
 

@@ -43,6 +43,10 @@ class Handoff:
     def seconds(self, input_elements: int, output_elements: int) -> float:
         return self.run_s + through(self.inputs, input_elements) + through(self.outputs, output_elements)
 
+    def between(self, inputs, outputs) -> float:
+        """A run of a graph taking `inputs` and giving `outputs` (anything with a `shape`)."""
+        return self.seconds(elements(t.shape for t in inputs), elements(t.shape for t in outputs))
+
 
 def through(points: tuple[tuple[int, float], tuple[int, float]], x: int) -> float:
     (x0, y0), (x1, y1) = points

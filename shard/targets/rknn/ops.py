@@ -76,21 +76,10 @@ class ToolkitOps:
     def time_on_board(self, model: onnx.ModelProto, timer) -> float:
         """`model` built with the probe's options, which must build clean, then `timer` (the artifact and
         inputs to seconds on the board: rknn_board.time_inference or its Ray form)."""
-        prober = self.prober
-        stem = prober.scratch / f"timed-{model.graph.name}"
-        onnx_path, log, artifact = (stem.with_suffix(suffix) for suffix in (".onnx", ".log", ".rknn"))
-        onnx.save(model, onnx_path)
-        try:
-            with self.pool.worker() as worker:
-                answer = build_request(worker.request, onnx_path, log, prober.build, artifact, timeout=prober.timeout)
-            point = classify_build(0, answer, parse_build_log(log.read_text(errors="replace")))
-            if not point.ok:
-                raise TargetError(f"{model.graph.name} did not build clean: {point.evidence}")
-            return timer(artifact, list(probe_inputs(model, 1.0).values()), prober.build["config"]["target_platform"],
-                         prober.cores)
-        finally:
-            for path in (onnx_path, log, artifact):
-                path.unlink(missing_ok=True)
+        point = self.prober.run_model(model, f"timed-{model.graph.name}", timer=timer)
+        if not point.ok:
+            raise TargetError(f"{model.graph.name} did not build clean: {point.evidence}")
+        return point.figures["board_seconds"]
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers (at once, if kill) and remove the scratch directory."""
@@ -162,14 +151,15 @@ class RknnProber:
                       True: float(facts.get("macs_per_cycle_int8", self.rates.get(True, 1024)))}
 
     def run_model(self, model: onnx.ModelProto, stem: str, size: int = 0, macs: int | None = None,
-                  simulate_range: float | None = None, build: dict | None = None) -> Point:
+                  simulate_range: float | None = None, build: dict | None = None, timer=None) -> Point:
         """Build one model (with `build`, else the prober's options), classify what the compiler said;
-        simulate it (inputs uniform in +-simulate_range) or run it on the board where asked. A
+        simulate it (inputs uniform in +-simulate_range) or run it on the board where asked; with
+        `timer`, time a clean build on the board instead (its seconds in figures' `board_seconds`). A
         quantized build is calibrated on two seeded random samples."""
         build = build or self.build
         stem = self.scratch / stem
         onnx_path, log = stem.with_suffix(".onnx"), stem.with_suffix(".log")
-        artifact = stem.with_suffix(".rknn") if self.board else None
+        artifact = stem.with_suffix(".rknn") if self.board or timer else None
         onnx.save(model, onnx_path)
         key = stem.name if simulate_range is not None else None
         dataset = write_samples(model, stem) if build["build"].get("do_quantization") else []
@@ -187,7 +177,10 @@ class RknnProber:
                                            for layer in diag.layers if layer.op not in HOST_OPS]
                 if point.ok and key is not None:
                     point = self._simulate(worker, key, model, simulate_range, point)
-            if point.ok and self.board:
+            if point.ok and timer:
+                point.figures["board_seconds"] = timer(artifact, list(probe_inputs(model, 1.0).values()),
+                                                       build["config"]["target_platform"], self.cores)
+            elif point.ok and self.board:
                 point = self._on_board(artifact, model, simulate_range or 1.0, point)
             return point
         finally:

@@ -298,23 +298,23 @@ def board_inference(address: str, chip: str, timeout: float | None = None):
     """rknn_board.infer_once, run on a node of the cluster that owns a board of `chip` (the artifact
     sent to it), stopped past `timeout` seconds: what `shard probe --on-board --ray` checks each clean
     point with."""
-    require_board(address, chip)   # before the first build
-
-    def infer(artifact: Path, arrays: list, platform: str, cores: int) -> list:
-        return on_board(address, chip, infer_sent, Path(artifact).read_bytes(), arrays, platform, cores,
-                        timeout=timeout)
-    return infer
+    return on_board_with(address, chip, infer_sent, timeout)
 
 
 def board_timing(address: str, chip: str, timeout: float | None = None):
-    """rknn_board.time_inference, run on a node of the cluster that owns a board of `chip` (the
-    artifact sent to it): what `shard probe --on-board --ray` times the hand-off with."""
+    """rknn_board.time_inference the same way: what `shard probe --on-board --ray` times the hand-off
+    with."""
+    return on_board_with(address, chip, time_sent, timeout)
+
+
+def on_board_with(address: str, chip: str, sent, timeout: float | None):
+    """(artifact, arrays, platform, cores) -> sent(the artifact's bytes, ...) on a node that owns a
+    board of `chip`; the board asked for now, before the first build."""
     require_board(address, chip)
 
-    def timed(artifact: Path, arrays: list, platform: str, cores: int) -> float:
-        return on_board(address, chip, time_sent, Path(artifact).read_bytes(), arrays, platform, cores,
-                        timeout=timeout)
-    return timed
+    def run(artifact: Path, arrays: list, platform: str, cores: int):
+        return on_board(address, chip, sent, Path(artifact).read_bytes(), arrays, platform, cores, timeout=timeout)
+    return run
 
 
 def infer_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> list:
