@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -24,6 +24,7 @@ import onnx_graphsurgeon as gs
 from shard.macs import estimate_macs
 from shard.passes.partition import ShardPlan
 from shard.runtime.host import step_inputs, step_outputs
+from shard.targets.chips import Handoff
 from shard.targets.rknn.memory import build_bytes, shards_for_memory
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a
@@ -45,8 +46,10 @@ class Figures:
     error_lines: int = 0
     cpu_ops: int = 0
     single_core_fallbacks: int = 0
-    cost_cycles: int = 0          # the compiler's estimate, plus the ops it leaves at 0 costed by bytes
+    cost_cycles: int = 0          # the compiler's estimate, plus the ops it leaves at 0 costed by bytes,
+                                  # plus handoff_cycles
     estimated_cycles: int = 0     # the compiler's estimate alone
+    handoff_cycles: int = 0       # each graph's inputs set and outputs got on the board (handoff_cycles())
 
     @classmethod
     def of(cls, builds: list) -> Figures:
@@ -60,13 +63,28 @@ class Figures:
                    cost_cycles=sum(x.get("cost_cycles", 0) for x in d),
                    estimated_cycles=sum(x.get("estimated_cycles", 0) for x in d))
 
+    def with_handoffs(self, cycles: int) -> Figures:
+        """These figures with `cycles` of hand-offs in their cost."""
+        return replace(self, cost_cycles=self.cost_cycles + cycles, handoff_cycles=self.handoff_cycles + cycles)
+
     def key(self, axes: tuple[str, ...] = AXES) -> tuple:
         return tuple(not v if axis == "builds" else v for axis, v in ((a, getattr(self, a)) for a in axes))
 
     def show(self, axis: str) -> str:
         value = getattr(self, axis)
-        return ("yes" if value else "no") if axis == "builds" else \
-            f"{value / 1e6:.1f}" if axis == "cost_cycles" else str(value)
+        if axis == "cost_cycles":
+            return f"{value / 1e6:.1f}" + (f" ({self.handoff_cycles / 1e6:.1f} hand-offs)" if self.handoff_cycles else "")
+        return ("yes" if value else "no") if axis == "builds" else str(value)
+
+
+def handoff_cycles(plans: list, handoff: Handoff | None, clock_hz: float | None) -> int:
+    """What the graphs of `plans` (each with inputs and outputs of static shapes) hand off on the board,
+    in cycles of the NPU clock: every graph has its inputs set and its outputs got on the host
+    (shard.targets.chips.Handoff), so a cut pays for its edge twice where one graph pays nothing. 0
+    where the board's hand-off or the clock is unknown."""
+    if handoff is None or not clock_hz:
+        return 0
+    return round(sum(handoff.between(p.inputs, p.outputs) for p in plans) * clock_hz)
 
 
 def verdict(ours: Figures, theirs: Figures, axes: tuple[str, ...] = AXES) -> str:

@@ -1,5 +1,7 @@
 """shard.never_worse on small graphs: the unrewritten twins, the host steps they keep, the verdicts."""
 
+from functools import partial
+
 import numpy as np
 import onnx_graphsurgeon as gs
 from conftest import make_model, mlp_chain, run_ort
@@ -7,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from shard.options import CompileOptions
 from shard.graph import infer_shapes
-from shard.never_worse import Figures, fidelity_worse, original_plans, per_axis, prune_host_steps, verdict
+from shard.never_worse import AXES, Figures, fidelity_worse, original_plans, per_axis, prune_host_steps, verdict
 from shard.passes import PassContext, run_pipeline
 from shard.passes.fit import Legality, WidthLimit
 from shard.profile import Profile
@@ -126,3 +128,32 @@ def test_shards_joined_by_an_edge_held_scaled_keep_the_same_version():
     # A shard without a twin keeps its group rewritten.
     chosen, _ = choose_versions(plans, [plans[0], plans[1], None], builds, scaled={"r"})
     assert [name for name, _ in chosen] == ["a", "b", "c"]
+
+
+def test_a_cut_pays_its_hand_offs_beside_the_vendors_one_graph():
+    # Each graph run on the board has its inputs set and outputs got on the host; two shards of the
+    # same cycles as the vendor's one graph hand their [1, 1024, 768] edge off twice more, and are worse.
+    from shard.compilation.choice import against_vendor_alone
+    from shard.compilation.state import VENDOR_ALONE
+    from shard.never_worse import handoff_cycles
+    from shard.passes.partition import ShardPlan
+    from shard.targets import ShardBuild
+    from shard.targets.chips import RK3588_HANDOFF
+
+    x, h, y = (gs.Variable(name, np.float32, [1, 1024, 768]) for name in ("x", "h", "y"))
+    plans = [ShardPlan("a", [], [x], [h], 0), ShardPlan("b", [], [h], [y], 0)]
+    whole = gs.Graph(nodes=[], inputs=[x], outputs=[y])
+    board = partial(handoff_cycles, handoff=RK3588_HANDOFF, clock_hz=1e9)
+    one = RK3588_HANDOFF.between([x], [y])
+    assert board(plans) == round(2 * one * 1e9) and board(plans) > 2 * 9.5e6   # 12.1 ns an element set
+    assert handoff_cycles(plans, None, 1e9) == 0 and handoff_cycles(plans, RK3588_HANDOFF, None) == 0
+    builds = {name: ShardBuild(name, 0.0, {"cost_cycles": 50_000_000 if name == VENDOR_ALONE else 24_000_000})
+              for name in ("a", "b", VENDOR_ALONE)}
+    chosen = [(p.name, p) for p in plans]
+    kept, versus = against_vendor_alone(chosen, builds, AXES, False, whole)
+    assert kept == chosen and versus["verdict"] == "better"            # cycles alone: 48 M against 50 M
+    kept, versus = against_vendor_alone(chosen, builds, AXES, False, whole, board)
+    assert [name for name, _ in kept] == [VENDOR_ALONE] and versus["bundle"] == "vendor alone"
+    assert versus["rewritten"]["handoff_cycles"] == board(plans) and versus["vendor"]["handoff_cycles"] == board([
+        ShardPlan(VENDOR_ALONE, [], [x], [y], 0)])
+    assert "hand-offs)" in versus["line"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,28 +125,34 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
 
 
 def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
-                         canonical: gs.Graph) -> tuple[list, dict | None]:
+                         canonical: gs.Graph, handoffs: Callable[[list], int] = lambda plans: 0
+                         ) -> tuple[list, dict | None]:
     """The kept shards beside the vendor alone's build of the model as it came: where shard is
-    worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build. Returns the shards to bundle and
-    the comparison for the report (None without a vendor build)."""
+    worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build.
+    `handoffs`: the cycles a list of plans hands off on the board (never_worse.handoff_cycles), in
+    each side's cost. Returns the shards to bundle and the comparison for the report (None without a
+    vendor build)."""
     vendor = builds.get(VENDOR_ALONE)
     if vendor is None:
         return chosen, None
     if vendor_only and vendor.error:
         raise CompileError(vendor.error)
-    ours, theirs = Figures.of([builds[name] for name, _ in chosen]), Figures.of([vendor])
+    ours = Figures.of([builds[name] for name, _ in chosen]).with_handoffs(handoffs([plan for _, plan in chosen]))
+    theirs = Figures.of([vendor]).with_handoffs(handoffs([vendor_plan(canonical)]))
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
     return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
 
 
 def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict[str, ShardBuild],
-                        axes: tuple[str, ...]) -> tuple[list, dict]:
+                        axes: tuple[str, ...], handoffs: Callable[[list], int] = lambda plans: 0
+                        ) -> tuple[list, dict]:
     """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
     made: each shard built without its rewrites (its twin where the passes changed it, else its own
     build), which is also the bundle where shard is worse."""
     unrewritten = unrewritten_versions(plans, originals)
-    ours, theirs = (Figures.of([builds[name] for name, _ in kept]) for kept in (chosen, unrewritten))
+    ours, theirs = (Figures.of([builds[name] for name, _ in kept]).with_handoffs(handoffs([p for _, p in kept]))
+                    for kept in (chosen, unrewritten))
     fall_back = verdict(ours, theirs, axes) == "worse"
     versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD)
     return (unrewritten if fall_back else chosen), versus

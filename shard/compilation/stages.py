@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -27,7 +29,7 @@ from shard.compilation.state import (FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, 
 from shard.compilation.writer import BundleWriter, confirm_tiles_in_logs, link_builds
 from shard.errors import ShardError
 from shard.graph import default_opset, fix_input_values, load_model, own_values, quiet_graphsurgeon, sha256_file
-from shard.never_worse import AXES, HARD_AXES, fix_input_shapes, original_plans, whole_build_fits
+from shard.never_worse import AXES, HARD_AXES, fix_input_shapes, handoff_cycles, original_plans, whole_build_fits
 from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
@@ -35,6 +37,7 @@ from shard.passes.fit import Legality, OneOpBuilds
 from shard.precision import rank_linears
 from shard.profile import load_profile
 from shard.targets.build_cache import structure_key
+from shard.targets.chips import board_handoff
 from shard.targets.registry import get_target
 
 
@@ -215,11 +218,12 @@ def stand_beside_vendor(c: Compilation) -> None:
     bundle where shard is worse. Range rescales exist because the model as it came leaves fp16's
     range: the simulator judges that (fidelity, on by default then), not the cycles they cost."""
     judged = HARD_AXES if c.in_range else c.axes
+    handoffs = board_handoffs(c)
     if c.per_shard:
-        c.chosen, c.versus = against_unrewritten(c.own, c.plans, c.originals, c.builds, judged)
+        c.chosen, c.versus = against_unrewritten(c.own, c.plans, c.originals, c.builds, judged, handoffs)
     else:
         c.chosen, c.versus = against_vendor_alone(c.own, c.builds, judged, c.options.vendor_only,
-                                                  c.canonical or c.graph)
+                                                  c.canonical or c.graph, handoffs)
     if c.versus:
         c.versus["why"] = c.why
     # Fidelity is part of never worse: a rewrite or a cut can lose what the vendor's build keeps
@@ -234,7 +238,17 @@ def stand_beside_vendor(c: Compilation) -> None:
         c.builds.update(c.compile_jobs([c.vendor_job], "compile the model as it came (vendor alone)",
                                        config=c.vendor_build))
         c.chosen, c.versus = against_vendor_alone(c.own, c.builds, judged, c.options.vendor_only,
-                                                  c.canonical or c.graph)
+                                                  c.canonical or c.graph, handoffs)
+
+
+def board_handoffs(c: Compilation) -> Callable[[list], int]:
+    """What a list of plans hands off on the target's board, in NPU cycles (never_worse.handoff_cycles),
+    for the comparison with the vendor alone; nothing where --shards fixed the cut: its hand-offs are
+    the user's choice (a stream spread over the cores), as forced tiles' cycles are."""
+    if c.options.shards:
+        return lambda plans: 0
+    return partial(handoff_cycles, handoff=board_handoff(c.target, c.profile.facts),
+                   clock_hz=c.profile.facts.get("npu_clock_hz"))
 
 
 def write_bundle(c: Compilation) -> None:
