@@ -183,7 +183,7 @@ def test_a_one_shard_frame_run_on_the_calling_thread_is_a_cores_run(tmp_path, di
         got = [session.scheduler.run_here(100 + k, f)["y"] for k, f in enumerate(inputs)]
         assert all(np.array_equal(a, b) for a, b in zip(want, got))
         assert [(e.shard, e.frame, e.core) for e in session.executions[3:]] == [("shard_000", 100 + k, 0) for k in range(3)]
-        with pytest.raises(RunError, match=r"shard_000: .*"):
+        with pytest.raises(RunError, match=r"shard_000: .* \(frame 200, core 0\)$"):
             session.scheduler.run_here(200, {"x": np.zeros((N, 3), np.float32)})
         assert np.array_equal(session.run(inputs[0])["y"], want[0])
     with shard.load(diamond, backend="cpu", cores=[0]) as session, \

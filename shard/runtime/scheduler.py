@@ -181,9 +181,7 @@ class Scheduler:
         started = self.clock()
         try:
             outputs = self.executors[core].run(shard, given)
-        except RunError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - as a core's thread reports it
+        except Exception as exc:  # noqa: BLE001 - as a core's thread reports it: with the frame and core
             raise failure(exc, shard, frame, core) from exc
         ended = self.clock()
         with self._cond:
