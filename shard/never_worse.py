@@ -80,7 +80,7 @@ class Figures:
 def handoff_cycles(plans: list, handoff: Handoff | None, clock_hz: float | None) -> int:
     """What the graphs of `plans` (each with inputs and outputs of static shapes) hand off on the board,
     in cycles of the NPU clock: every graph has its inputs set and its outputs got on the host
-    (shard.targets.chips.Handoff), so a cut pays for its edge twice where one graph pays nothing. 0
+    (shard.targets.chips.Handoff), so a cut pays for its edge twice where one graph never hands it off. 0
     where the board's hand-off or the clock is unknown."""
     if handoff is None or not clock_hz:
         return 0
