@@ -60,7 +60,12 @@ def test_the_vendor_alone_shard_by_shard_is_each_shards_build_without_its_rewrit
     report = json.loads((tmp_path / "a.shard" / "report.json").read_text())
     versus, (choice,) = report["versus_vendor"], report["choices"]
     assert report["vendor_alone"] is None and report["builds"]["total"] == 2   # the shard and its twin, no more
-    assert versus["vendor"] == choice["unrewritten"] and versus["vendor"]["regtask_lines"] > 0
+    # the twin's build, with its hand-off on the board (its input set, its output got) in the cost
+    moves = versus["vendor"]["handoff_cycles"]
+    assert moves == versus["shard"]["handoff_cycles"] > 0 and choice["unrewritten"]["handoff_cycles"] == 0
+    assert versus["vendor"] == {**choice["unrewritten"], "handoff_cycles": moves,
+                                "cost_cycles": choice["unrewritten"]["cost_cycles"] + moves}
+    assert versus["vendor"]["regtask_lines"] > 0
     assert versus["bundle"] == "shard" and versus["verdict"] == "better"
 
 
