@@ -87,6 +87,11 @@ def handoff_cycles(plans: list, handoff: Handoff | None, clock_hz: float | None)
     return round(sum(handoff.between(p.inputs, p.outputs) for p in plans) * clock_hz)
 
 
+def no_handoffs(plans: list) -> int:
+    """No hand-off charged (a target without a board's figures, or a cut the user fixed)."""
+    return 0
+
+
 def verdict(ours: Figures, theirs: Figures, axes: tuple[str, ...] = AXES) -> str:
     """better, equal or worse, by `axes` in order (the first axis that differs decides)."""
     a, b = ours.key(axes), theirs.key(axes)

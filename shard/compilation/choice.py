@@ -20,8 +20,8 @@ from shard.edges import SUFFIX as EDGES
 from shard.errors import CompileError
 from shard.graph import tensor_spec
 from shard.macs import estimate_macs
-from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, per_axis,
-                               prune_host_steps, verdict)
+from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, no_handoffs,
+                               per_axis, prune_host_steps, verdict)
 from shard.passes import PassContext
 from shard.passes.partition import ShardPlan
 from shard.targets import ShardBuild
@@ -125,7 +125,7 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
 
 
 def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
-                         canonical: gs.Graph, handoffs: Callable[[list], int] = lambda plans: 0
+                         canonical: gs.Graph, handoffs: Callable[[list], int] = no_handoffs
                          ) -> tuple[list, dict | None]:
     """The kept shards beside the vendor alone's build of the model as it came: where shard is
     worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build.
@@ -137,15 +137,16 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
         return chosen, None
     if vendor_only and vendor.error:
         raise CompileError(vendor.error)
+    whole = vendor_plan(canonical)
     ours = Figures.of([builds[name] for name, _ in chosen]).with_handoffs(handoffs([plan for _, plan in chosen]))
-    theirs = Figures.of([vendor]).with_handoffs(handoffs([vendor_plan(canonical)]))
+    theirs = Figures.of([vendor]).with_handoffs(handoffs([whole]))
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
-    return ([(VENDOR_ALONE, vendor_plan(canonical))] if fall_back else chosen), versus
+    return ([(VENDOR_ALONE, whole)] if fall_back else chosen), versus
 
 
 def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict[str, ShardBuild],
-                        axes: tuple[str, ...], handoffs: Callable[[list], int] = lambda plans: 0
+                        axes: tuple[str, ...], handoffs: Callable[[list], int] = no_handoffs
                         ) -> tuple[list, dict]:
     """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
     made: each shard built without its rewrites (its twin where the passes changed it, else its own

@@ -29,7 +29,8 @@ from shard.compilation.state import (FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, 
 from shard.compilation.writer import BundleWriter, confirm_tiles_in_logs, link_builds
 from shard.errors import ShardError
 from shard.graph import default_opset, fix_input_values, load_model, own_values, quiet_graphsurgeon, sha256_file
-from shard.never_worse import AXES, HARD_AXES, fix_input_shapes, handoff_cycles, original_plans, whole_build_fits
+from shard.never_worse import (AXES, HARD_AXES, fix_input_shapes, handoff_cycles, no_handoffs, original_plans,
+                               whole_build_fits)
 from shard.options import CompileOptions
 from shard.passes import PassContext, run_pipeline
 from shard.passes.canonicalize import prepare_model
@@ -246,7 +247,7 @@ def board_handoffs(c: Compilation) -> Callable[[list], int]:
     for the comparison with the vendor alone; nothing where --shards fixed the cut: its hand-offs are
     the user's choice (a stream spread over the cores), as forced tiles' cycles are."""
     if c.options.shards:
-        return lambda plans: 0
+        return no_handoffs
     return partial(handoff_cycles, handoff=board_handoff(c.target, c.profile.facts),
                    clock_hz=c.profile.facts.get("npu_clock_hz"))
 
