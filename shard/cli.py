@@ -449,8 +449,16 @@ def print_totals(report: dict) -> None:
     mixed = report.get("mixed", {})
     if mixed.get("rounds"):
         n = mixed["samples"]
-        console.print(f"mixed precision: int8 ranges from {n['calibration']} calibration samples, each round accepted "
-                      f"on {n['held_out']} held out (the simulator against onnxruntime, worst output cosine)")
+        if n.get("folds", 1) > 1:
+            refit = f"; the bundle's ranges from all {n['calibration']}, cosine {mixed['bundle_cosine']:.5f} on them" \
+                if "bundle_cosine" in mixed else ""
+            console.print(f"mixed precision: each round accepted on all {n['held_out']} calibration samples, held out "
+                          f"of the int8 ranges in turn ({n['folds']} folds; the simulator against onnxruntime, worst "
+                          f"output cosine){refit}")
+        else:
+            console.print(f"mixed precision: int8 ranges from {n['calibration']} calibration samples, each round "
+                          f"accepted on {n['held_out']} held out (the simulator against onnxruntime, worst output "
+                          f"cosine)")
     for r in mixed.get("rounds", []):
         replica = "" if r["predicted"] is None else f" (int8 replica {r['predicted']:.5f})"
         kept = " (kept)" if r["round"] == mixed.get("kept") and len(mixed["rounds"]) > 1 else ""

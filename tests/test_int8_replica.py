@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import onnx_graphsurgeon as gs
+from hypothesis import given
+from hypothesis import strategies as st
 from conftest import make_model, run_ort
 from onnx import helper, numpy_helper
 
 from shard.calibration import collect_stats
 from shard.graph import infer_shapes
-from shard.compilation.variants import kept_before, next_count
+from shard.compilation.variants import HELD_OUT, IN_TURN, kept_before, next_count, sample_folds
 from shard.precision import GATES, bisect_prefix, int8_replica, is_int8_candidate, next_prefix, rank_linears
 
 
@@ -112,3 +114,18 @@ def test_mixed_rounds_search_for_the_most_int8_that_reaches_the_target():
     assert kept_before(round_of(3, 0.9991, share=0.6), round_of(4, 0.9995, share=0.5), 0.999)
     assert not kept_before(round_of(2, 0.9989, share=0.8), round_of(4, 0.9991, share=0.5), 0.999)
     assert kept_before(round_of(2, 0.9989), round_of(0, 0.998), 0.999)
+
+
+@given(st.integers(1, 3 * IN_TURN))
+def test_mixed_precision_holds_out_a_quarter_of_many_samples_and_every_one_of_few_in_turn(n):
+    samples = [{"x": np.full(1, k)} for k in range(n)]
+    folds = sample_folds(samples)
+    ids = [([int(s["x"][0]) for s in fit], [int(s["x"][0]) for s in held]) for fit, held in folds]
+    if n == 1:   # one sample both sets the ranges and accepts
+        assert ids == [([0], [0])]
+    elif n >= IN_TURN:   # the last quarter held out of the ranges
+        assert ids == [(list(range(n - n // HELD_OUT)), list(range(n - n // HELD_OUT, n)))]
+    else:   # each sample accepts once, in a fold whose ranges come from all the others
+        assert len(folds) == min(n, HELD_OUT)
+        assert sorted(k for _, held in ids for k in held) == list(range(n))
+        assert all(held and sorted(fit + held) == list(range(n)) for fit, held in ids)

@@ -50,7 +50,7 @@ def test_int8_bundle_keeps_its_samples_and_verifies_on_the_simulator(tmp_path, s
 
 def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
     model = save(mlp_chain(3, width=32))
-    calib = calib_file(tmp_path, width=32)
+    calib = calib_file(tmp_path, n=16, width=32)
     options = CompileOptions(precision="mixed", calib=str(calib), min_cosine=0.9999)
     first = shard.compile(model, "rk3588", tmp_path / "a.shard", options).report
     second = shard.compile(model, "rk3588", tmp_path / "b.shard", options).report
@@ -64,26 +64,54 @@ def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):
     reached = [r for r in rounds if r["cosine"] >= 0.9999]
     before = rounds[:rounds.index(reached[0]) + 1] if reached else rounds
     assert [len(r["promoted"]) for r in before] == sorted(len(r["promoted"]) for r in before)   # growing till one reaches it
-    kept = next(r for r in rounds if r["round"] == first["mixed"]["kept"])
-    assert first["mixed"]["reached"] == bool(reached) and first["mixed"]["cosine"] == kept["cosine"]
+    assert first["mixed"]["reached"] == bool(reached)
     if reached:   # then bisected towards more int8: the one kept has the most int8 of those that reached it
-        assert kept["int8_mac_share"] == max(r["int8_mac_share"] for r in reached)
-    # ranges from 5 of the 6 samples, each round accepted on the sixth, which no range saw
-    assert first["mixed"]["samples"] == {"calibration": 5, "held_out": 1, "compared": 1}
+        kept = next(r for r in rounds if r["round"] == first["mixed"]["kept"])
+        assert first["mixed"]["cosine"] == kept["cosine"] and kept["int8_mac_share"] == max(
+            r["int8_mac_share"] for r in reached)
+    # ranges from 12 of the 16 samples, each round accepted on the last 4, which no range saw
+    assert first["mixed"]["samples"] == {"calibration": 12, "held_out": 4, "compared": 4, "folds": 1}
     assert all(0 < r["cosine_calibration"] <= 1 and 0 < r["cosine"] <= 1 for r in rounds)
+    assert "bundle_cosine" not in first["mixed"]   # the bundle is the kept round's own
     (spec,) = read_manifest(tmp_path / "a.shard").shards
-    if spec.build != "vendor_alone":   # the vendor's own int8 wins where it is better (never worse)
-        assert spec.precision == "mixed" and set(rounds[-1]["promoted"]) <= set(spec.build_options["float16"])
-        held = np.load(calib)["x"][5]
-        assert len(spec.dataset) == 5 and not any(np.array_equal(np.load(tmp_path / "a.shard" / s[0]), held)
-                                                  for s in spec.dataset)
+    if spec.build != "vendor_alone" and spec.precision == "mixed":   # never worse: the vendor's own int8 may win
+        assert set(kept["promoted"]) <= set(spec.build_options["float16"])
+        held = np.load(calib)["x"][12:]
+        assert len(spec.dataset) == 12 and not any(np.array_equal(np.load(tmp_path / "a.shard" / s[0]), h)
+                                                   for s in spec.dataset for h in held)
+
+
+def test_mixed_holds_few_samples_out_in_turn_and_keeps_ranges_from_all(tmp_path, save):
+    # 6 samples are few: one held out would say little about the next input, so each round is
+    # compiled once a fold, with ranges from the others, and accepted on the worst of the 6; the
+    # bundle is the kept round's linears with ranges from all 6
+    model = save(mlp_chain(1, width=16))
+    calib = calib_file(tmp_path, n=6)
+    steps = []
+    options = CompileOptions(precision="mixed", calib=str(calib), min_cosine=0.99, vendor_baseline=False)
+    report = shard.compile(model, "rk3588", tmp_path / "m.shard", options,
+                           progress=lambda step, done, total: steps.append(step)).report
+    mixed = report["mixed"]
+    assert mixed["samples"] == {"calibration": 6, "held_out": 6, "compared": 6, "folds": 4}
+    assert [r["round"] for r in mixed["rounds"]] == [1] and mixed["kept"] == 1 and mixed["reached"]
+    assert any(step.endswith("(fold 4/4)") for step in steps) and not any("(fold 5/" in step for step in steps)
+    assert mixed["cosine"] >= 0.99 and 0.99 <= mixed["bundle_cosine"] <= 1
+    (spec,) = read_manifest(tmp_path / "m.shard").shards
+    assert spec.precision == "mixed"
+    assert [np.load(tmp_path / "m.shard" / s[0]).tolist() for s in spec.dataset] == np.load(calib)["x"].tolist()
+    from shard.cli import console, print_totals
+
+    with console.capture() as seen:
+        print_totals(report)
+    assert (f"each round accepted on all 6 calibration samples, held out of the int8 ranges in turn (4 folds"
+            in seen.get()) and f"the bundle's ranges from all 6, cosine {mixed['bundle_cosine']:.5f}" in seen.get()
 
 
 def test_mixed_where_no_round_with_int8_reaches_the_target_is_the_fp16_compile(tmp_path, save):
     # a target no round reaches: the most faithful round has every linear in fp16, and its outlier
     # splits only cost cycles, so the bundle is the model compiled in fp16
     model = save(mlp_chain(2, width=32))
-    options = CompileOptions(precision="mixed", calib=str(calib_file(tmp_path, width=32)), min_cosine=1.0)
+    options = CompileOptions(precision="mixed", calib=str(calib_file(tmp_path, n=16, width=32)), min_cosine=1.0)
     report = shard.compile(model, "rk3588", tmp_path / "m.shard", options).report
     rounds = report["mixed"]["rounds"]
     assert report["mixed"]["kept"] is None and not report["mixed"]["reached"]

@@ -35,15 +35,30 @@ def compile_uncached(model: Path, target: str, output: Path, options: CompileOpt
 
 
 HELD_OUT = 4   # mixed precision: one calibration sample in this many is held out of the ranges, to accept on
+IN_TURN = 4 * HELD_OUT   # fewer calibration samples than this are held out in turn, a quarter at a time
 
 
-def split_samples(samples: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(the samples the int8 ranges come from, those a round is accepted on): the last quarter held
-    out, at least one; a single sample does both."""
-    if len(samples) < 2:
-        return samples, samples
-    held = max(1, len(samples) // HELD_OUT)
-    return samples[:-held], samples[-held:]
+def sample_folds(samples: list[dict]) -> list[tuple[list[dict], list[dict]]]:
+    """Mixed precision's (the samples the int8 ranges come from, those a round is accepted on), per
+    fold. From IN_TURN samples on, one fold: the last quarter held out. Fewer are held out in turn, a
+    quarter at a time (HELD_OUT folds, or one a sample where there are fewer), so that every sample
+    accepts each round once: a held-out part of one or two samples says little about the next
+    input. A single sample does both."""
+    n = len(samples)
+    if n < 2:
+        return [(samples, samples)]
+    if n >= IN_TURN:
+        held = n // HELD_OUT
+        return [(samples[:-held], samples[-held:])]
+    k = min(n, HELD_OUT)
+    bounds = [n * f // k for f in range(k + 1)]
+    return [(samples[:a] + samples[b:], samples[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def save_samples(path: Path, samples: list[dict]) -> Path:
+    """Samples as a --calib file: one array per input, the samples along its first axis."""
+    np.savez(path, **{name: np.stack([s[name] for s in samples]) for name in samples[0]})
+    return path
 
 
 def mixed_samples(model: Path, options: CompileOptions) -> tuple[list[dict], str | None]:
@@ -73,32 +88,31 @@ def kept_before(this: dict, best: dict, target: float) -> bool:
 def compile_mixed(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
     """--precision mixed: compile with the linears in int8 (their outlier channels on fp16 side
     linears) and everything else in fp16, their ranges from three quarters of the calibration samples,
-    and measure the bundle on the simulator with the quarter held out (split_samples: ranges fit
-    the samples they came from, and the next input is not one of them). Where that falls short of
-    options.min_cosine, rank the linears once with the int8 replica (shard.precision) and move,
-    round by round, as many of the most harmful to fp16 as the replica predicts the target needs
-    (scaled by how far the last round missed its prediction); once one reaches it, the rounds left
-    bisect towards more int8 (next_count). Builds are cached by content, so a round rebuilds only
-    the shards it changed. The round with the most int8 that reaches the target is kept (else the
-    most faithful; where that has no linear left in int8, the model compiled in fp16), its report
-    listing every round with both cosines."""
+    and measure the bundle on the simulator with the quarter held out (sample_folds: ranges fit
+    the samples they came from, and the next input is not one of them; few samples are held out in
+    turn). Where that falls short of options.min_cosine, rank the linears once with the int8 replica
+    (shard.precision) and move, round by round, as many of the most harmful to fp16 as the replica
+    predicts the target needs (scaled by how far the last round missed its prediction); once one
+    reaches it, the rounds left bisect towards more int8 (next_count). Builds are cached by content,
+    so a round rebuilds only the shards it changed. The round with the most int8 that reaches the
+    target is kept (else the most faithful; where that has no linear left in int8, the model compiled
+    in fp16; where the samples were held out in turn, its linears compiled with ranges from all of
+    them), its report listing every round with both cosines."""
     from dataclasses import replace
 
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.mixed-{os.getpid()}-", dir=output.parent))
     rounds, best, ranking = [], None, None
     try:
         samples, warning = mixed_samples(model, options)
-        fit, held = split_samples(samples)
-        np.savez(work / "fit.npz", **{name: np.stack([s[name] for s in fit]) for name in fit[0]})
-        fitted = replace(options, calib=str(work / "fit.npz"), check_fidelity=False)
+        folds = sample_folds(samples)
+        fitted = [replace(options, calib=str(save_samples(work / f"fit{f}.npz", fit)), check_fidelity=False)
+                  for f, (fit, _) in enumerate(folds)]
         promoted: list[str] = []
         while True:
             k = len(rounds)
             progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
-            result = compile_one(model, target, work / f"round{k}.shard", replace(fitted, promote=tuple(promoted)),
-                                 progress)
-            cosine = simulator_cosine(result.bundle, Path(model), held)   # every sample held out: what --min-cosine holds on
-            on_fit = simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit else cosine
+            cosine, on_fit, result = measure_round(model, target, work / f"round{k}", folds, fitted, promoted,
+                                                   progress)
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
                 ranking = result.rank()
             result.rank = None   # lets go of the round's graph
@@ -117,18 +131,10 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             if count is None:
                 break
             promoted = [c["node"] for c in linears[:count]]
-        cosine, result = best[0]["cosine"], best[1]
-        # No linear left in int8: its outlier splits would cost cycles for nothing (all-mpnet-base-v2 with
-        # every linear in fp16: 25.4 M estimated cycles against 22.0 M compiled in fp16).
-        plain = not best[0]["int8_mac_share"] and rounds[0]["int8_mac_share"]
-        if plain:
-            result = compile_one(model, target, work / "fp16.shard", replace(options, precision="fp16"), progress)
-        report = result.report
-        report["mixed"] = {"min_cosine": options.min_cosine, "samples": {"calibration": len(fit), "held_out": len(
-            held) if held is not fit else 0, "compared": len(held)},
-                           "ranking": ranking,
-                           "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds], "cosine": cosine,
-                           "kept": None if plain else best[0]["round"], "reached": cosine >= options.min_cosine}
+        plain = not best[0]["int8_mac_share"] and bool(rounds[0]["int8_mac_share"])
+        report = mixed_report(model, target, work, options, samples, folds, best, plain, progress)
+        cosine = best[0]["cosine"]
+        report["mixed"].update({"ranking": ranking, "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds]})
         if warning:
             report["warnings"].append(warning)
         if plain:
@@ -137,11 +143,71 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
         elif cosine < options.min_cosine:
             report["warnings"].append(f"mixed precision: no round reached cosine {options.min_cosine} on the "
                                       f"held-out samples; kept the most faithful ({cosine:.5f})")
-        (result.bundle / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        replace_dir(result.bundle, output)
+        (work / "kept.shard" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        replace_dir(work / "kept.shard", output)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return CompileResult(bundle=output, manifest=read_manifest(output), report=report)
+
+
+def measure_round(model: Path, target: str, work: Path, folds: list, fitted: list[CompileOptions],
+                  promoted: list[str], progress: Progress) -> tuple[float, float, CompileResult]:
+    """One round of mixed precision: `promoted` in fp16, compiled once a fold with that fold's int8
+    ranges and measured on the simulator on its held-out samples. (the worst held-out cosine, the worst
+    on the calibration samples, the first fold's compile); the other folds' bundles are let go."""
+    from dataclasses import replace
+
+    held_out, on_fit, first = [], [], None
+    for f, ((fit, held), options) in enumerate(zip(folds, fitted)):
+        step = progress if len(folds) == 1 else \
+            (lambda what, done, total, f=f: progress(f"{what} (fold {f + 1}/{len(folds)})", done, total))
+        result = compile_one(model, target, work.with_name(f"{work.name}-fold{f}.shard"),
+                             replace(options, promote=tuple(promoted)), step)
+        held_out.append(simulator_cosine(result.bundle, Path(model), held))   # every sample held out: what --min-cosine holds on
+        on_fit.append(simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit
+                      else held_out[-1])
+        if first is None:
+            first = result
+        else:
+            shutil.rmtree(result.bundle)
+    return min(held_out), min(on_fit), first
+
+
+def mixed_report(model: Path, target: str, work: Path, options: CompileOptions, samples: list[dict],
+                 folds: list, best: tuple[dict, CompileResult], plain: bool, progress: Progress) -> dict:
+    """The report of the bundle mixed precision keeps, which it leaves at work/kept.shard: the best
+    round's own where one fold held the samples out; its linears compiled with ranges from all the
+    samples where they were held out in turn (its cosine on them under "bundle_cosine"); the model
+    in fp16 where `plain`, the best round having no linear left in int8 (all-mpnet-base-v2 with
+    every linear in fp16: 25.4 M estimated cycles against 22.0 M compiled in fp16, the outlier
+    splits staying)."""
+    from dataclasses import replace
+
+    kept, result = best
+    mixed = {"min_cosine": options.min_cosine, "cosine": kept["cosine"], "reached": kept["cosine"] >= options.min_cosine,
+             "samples": samples_report(samples, folds)}
+    if plain:
+        result = compile_one(model, target, work / "fp16.shard", replace(options, precision="fp16"), progress)
+        mixed["kept"] = None
+    elif len(folds) > 1:
+        every = replace(options, calib=str(save_samples(work / "all.npz", samples)), check_fidelity=False,
+                        promote=kept["promoted"])
+        result = compile_one(model, target, work / "all.shard", every, progress)
+        mixed.update(kept=kept["round"], bundle_cosine=simulator_cosine(result.bundle, Path(model), samples))
+    else:
+        mixed["kept"] = kept["round"]
+    result.bundle.rename(work / "kept.shard")
+    return {**result.report, "mixed": mixed}
+
+
+def samples_report(samples: list[dict], folds: list) -> dict:
+    """How mixed precision used the calibration samples: how many the bundle's int8 ranges come from,
+    how many accepted each round without having set its ranges, in how many folds."""
+    fit, held = folds[0]
+    if len(folds) > 1:
+        return {"calibration": len(samples), "held_out": len(samples), "compared": len(samples), "folds": len(folds)}
+    return {"calibration": len(fit), "held_out": len(held) if held is not fit else 0, "compared": len(held),
+            "folds": 1}
 
 
 def compile_buckets(model: Path, target: str, output: Path, options: CompileOptions, progress: Progress) -> CompileResult:
