@@ -153,8 +153,9 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
 def measure_round(model: Path, target: str, work: Path, folds: list, fitted: list[CompileOptions],
                   promoted: list[str], progress: Progress) -> tuple[float, float, CompileResult]:
     """One round of mixed precision: `promoted` in fp16, compiled once a fold with that fold's int8
-    ranges and measured on the simulator on its held-out samples. (the worst held-out cosine, the worst
-    on the calibration samples, the first fold's compile); the other folds' bundles are let go."""
+    ranges and measured on the simulator on its held-out samples. Returns the worst held-out cosine,
+    the worst on the calibration samples and the first fold's compile; the other folds' bundles are
+    let go."""
     from dataclasses import replace
 
     held_out, on_fit, first = [], [], None
