@@ -121,8 +121,10 @@ def shard_row(name: str, precision: str, model: Path, calib_file: Path, test: li
     mixed = result.report.get("mixed")
     kept = next((r for r in mixed["rounds"] if r["round"] == mixed["kept"]), None) if mixed else None
     if kept:   # the compile's own split: ranges from one part of --calib, each round accepted on the other
-        print(f"  split: int8 ranges from {mixed['samples']['calibration']} calibration sentences, accepted on "
-              f"{mixed['samples']['held_out']} held out; kept round {kept['round']}: {kept['cosine']:.5f} held out, "
+        n = mixed["samples"]
+        split = f"each of the {n['held_out']} held out in turn ({n['folds']} folds)" if n.get("folds", 1) > 1 else \
+            f"int8 ranges from {n['calibration']} calibration sentences, accepted on {n['held_out']} held out"
+        print(f"  split: {split}; kept round {kept['round']}: {kept['cosine']:.5f} held out, "
               f"{kept['cosine_calibration']:.5f} on the calibration sentences", flush=True)
     return {"name": name, "cosines": [comps[0].cosine for comps in report.samples],
             "int8": totals.get("int8_mac_share") or 0.0, "cycles": totals["estimated_cycles"],
