@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -110,9 +111,9 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
         promoted: list[str] = []
         while True:
             k = len(rounds)
-            progress(f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16", 0, 1)
+            step = f"mixed precision, round {k + 1}: {len(promoted)} linears in fp16"
             cosine, on_fit, result = measure_round(model, target, work / f"round{k}", folds, fitted, promoted,
-                                                   progress)
+                                                   lambda f: progress(step, f, len(folds)), progress)
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
                 ranking = result.rank()
             result.rank = None   # lets go of the round's graph
@@ -151,19 +152,19 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
 
 
 def measure_round(model: Path, target: str, work: Path, folds: list, fitted: list[CompileOptions],
-                  promoted: list[str], progress: Progress) -> tuple[float, float, CompileResult]:
+                  promoted: list[str], fold_done: Callable[[int], None],
+                  progress: Progress) -> tuple[float, float, CompileResult]:
     """One round of mixed precision: `promoted` in fp16, compiled once a fold with that fold's int8
-    ranges and measured on the simulator on its held-out samples. Returns the worst held-out cosine,
-    the worst on the calibration samples and the first fold's compile; the other folds' bundles are
-    let go."""
+    ranges and measured on the simulator on its held-out samples (`fold_done(f)` before fold f, the
+    round's own bar). Returns the worst held-out cosine, the worst on the calibration samples and the
+    first fold's compile; the other folds' bundles are let go."""
     from dataclasses import replace
 
     held_out, on_fit, first = [], [], None
     for f, ((fit, held), options) in enumerate(zip(folds, fitted)):
-        step = progress if len(folds) == 1 else \
-            (lambda what, done, total, f=f: progress(f"{what} (fold {f + 1}/{len(folds)})", done, total))
+        fold_done(f)
         result = compile_one(model, target, work.with_name(f"{work.name}-fold{f}.shard"),
-                             replace(options, promote=tuple(promoted)), step)
+                             replace(options, promote=tuple(promoted)), progress)
         held_out.append(simulator_cosine(result.bundle, Path(model), held))   # every sample held out: what --min-cosine holds on
         on_fit.append(simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit
                       else held_out[-1])
