@@ -36,19 +36,23 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 @contextmanager
 def progress_bar() -> Iterator:
     """A callback (step, done, total, note="") drawing one bar per step, on stderr; the note (what is
-    happening within the step) is shown after the bar."""
+    happening within the step) is shown after the bar. A step named "GROUP: DETAIL" draws on GROUP's
+    bar, DETAIL in its note: a compile's passes, a round of mixed precision or a generative
+    program's steps take one line each."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=err, transient=False) as bar:
         tasks: dict[str, int] = {}
 
         def update(step: str, done: int, total: int, note: str = "") -> None:
             stop_point()
+            group, _, detail = step.partition(": ")
+            note = ", ".join(part for part in (detail, note) if part)
             for name, task in tasks.items():  # a new step means the earlier ones are finished
-                if name != step:
+                if name != group:
                     bar.update(task, completed=bar.tasks[task].total)
-            if step not in tasks:
-                tasks[step] = bar.add_task(step, total=total, note=note)
-            bar.update(tasks[step], completed=done, total=total, note=note)
+            if group not in tasks:
+                tasks[group] = bar.add_task(group, total=total, note=note)
+            bar.update(tasks[group], completed=done, total=total, note=note)
 
         yield update
         for task in tasks.values():
@@ -450,21 +454,20 @@ def print_totals(report: dict) -> None:
     if mixed.get("rounds"):
         n = mixed["samples"]
         if n.get("folds", 1) > 1:
-            refit = f"; the bundle's ranges from all {n['calibration']}, cosine {mixed['bundle_cosine']:.5f} on them" \
-                if "bundle_cosine" in mixed else ""
-            console.print(f"mixed precision: each round accepted on all {n['held_out']} calibration samples, held out "
-                          f"of the int8 ranges in turn ({n['folds']} folds; the simulator against onnxruntime, worst "
-                          f"output cosine){refit}")
+            refit = f" (cosine {mixed['bundle_cosine']:.5f})" if "bundle_cosine" in mixed else ""
+            console.print(f"mixed precision: {n['folds']} folds, each round's cosine the worst of the {n['held_out']} "
+                          f"samples, each held out of the int8 ranges once; the bundle's ranges from all "
+                          f"{n['calibration']}{refit}")
         else:
             console.print(f"mixed precision: int8 ranges from {n['calibration']} calibration samples, each round "
                           f"accepted on {n['held_out']} held out (the simulator against onnxruntime, worst output "
                           f"cosine)")
-    for r in mixed.get("rounds", []):
-        replica = "" if r["predicted"] is None else f" (int8 replica {r['predicted']:.5f})"
+    for r in mixed.get("rounds", []):   # one line each, under 160 columns
+        replica = "" if r["predicted"] is None else f" (replica {r['predicted']:.5f})"
         kept = " (kept)" if r["round"] == mixed.get("kept") and len(mixed["rounds"]) > 1 else ""
-        console.print(f"mixed precision, round {r['round']}{kept}: {len(r['promoted'])} linears in fp16: cosine "
-                      f"{r['cosine']:.5f} held out, {r['cosine_calibration']:.5f} on the calibration samples{replica}, "
-                      f"int8 MACs {100 * r['int8_mac_share']:.1f} %, {r['estimated_cycles'] / 1e6:.1f} M estimated cycles")
+        console.print(f"mixed precision, round {r['round']}{kept}: {len(r['promoted'])} linears in fp16, cosine "
+                      f"{r['cosine']:.5f} held out, {r['cosine_calibration']:.5f} calibration{replica}, int8 "
+                      f"{100 * r['int8_mac_share']:.1f} % of the MACs, {r['estimated_cycles'] / 1e6:.1f} M cycles")
     cut = report["passes"].get("partition", {})
     if cut.get("by_memory"):
         console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "

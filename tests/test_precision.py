@@ -104,8 +104,9 @@ def test_mixed_holds_few_samples_out_in_turn_and_keeps_ranges_from_all(tmp_path,
 
     with console.capture() as seen:
         print_totals(report)
-    assert (f"each round accepted on all 6 calibration samples, held out of the int8 ranges in turn (4 folds"
-            in seen.get()) and f"the bundle's ranges from all 6, cosine {mixed['bundle_cosine']:.5f}" in seen.get()
+    assert ("4 folds, each round's cosine the worst of the 6 samples, each held out of the int8 ranges once; the "
+            f"bundle's ranges from all 6 (cosine {mixed['bundle_cosine']:.5f})") in seen.get()
+    assert "mixed precision, round 1: 0 linears in fp16, cosine" in seen.get()
 
 
 def test_mixed_where_no_round_with_int8_reaches_the_target_is_the_fp16_compile(tmp_path, save):
