@@ -2,7 +2,7 @@
 
 A trained sentence encoder (--model: all-mpnet-base-v2 or all-MiniLM-L6-v2, weights shipped in
 packages of the index, see bench/trained.py), its sentence embedding at sequence length 128: 32
-calibration sentences, 4 held-back test sentences, every variant on rknn-toolkit2's simulator
+calibration sentences (--calib-count: the first N), 4 held-back test sentences, every variant on rknn-toolkit2's simulator
 against onnxruntime fp32 on the test sentences.
 
     vendor fp16          the model as it came, do_quantization=False
@@ -20,7 +20,7 @@ Each line: mean and worst cosine over the test sentences, the int8 share of the 
 (from the build's layer table) and the vendor's estimated cycles; for shard mixed also the compile's
 own split and its two cosines (held out, calibration). Ends with one RESULT line.
 
-    python bench/fidelity.py [--model NAME] [--work DIR] [--only NAME ...]
+    python bench/fidelity.py [--model NAME] [--work DIR] [--only NAME ...] [--calib-count N]
 """
 
 from __future__ import annotations
@@ -137,10 +137,13 @@ def main() -> None:
     parser.add_argument("--model", choices=ENCODERS, default=ENCODERS[0], help="the trained encoder [default: %(default)s]")
     parser.add_argument("--work", type=Path, default=None, help="keep builds here [default: a temporary folder]")
     parser.add_argument("--only", nargs="*", default=None, help="variants to run (names as printed)")
+    parser.add_argument("--calib-count", type=int, default=None,
+                        help="calibrate on the first N of the 32 sentences (under 16, mixed holds them out in turn)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="shard-fidelity-"))
     work.mkdir(parents=True, exist_ok=True)
     model, calib, test = sentence_encoder(args.model, work / f"{args.model}.onnx")
+    calib = {name: values[:args.calib_count] for name, values in calib.items()}
     calib_file = work / "calib.npz"
     np.savez(calib_file, **calib)
     calib_samples, test_samples = samples_of(calib), samples_of(test)
