@@ -2,8 +2,8 @@
 
 A trained sentence encoder (--model: all-mpnet-base-v2 or all-MiniLM-L6-v2, weights shipped in
 packages of the index, see bench/trained.py), its sentence embedding at sequence length 128: 32
-calibration sentences (--calib-count: the first N), 4 held-back test sentences, every variant on rknn-toolkit2's simulator
-against onnxruntime fp32 on the test sentences.
+calibration sentences (--calib-count: the first N), 4 held-back test sentences, every variant on
+rknn-toolkit2's simulator against onnxruntime fp32 on the test sentences.
 
     vendor fp16          the model as it came, do_quantization=False
     vendor int8          w8a8, quantized_algorithm normal, from the 32 calibration samples
