@@ -93,7 +93,10 @@ def test_attention_softmax_with_row_sums_as_matmuls_equals_softmax_in_fp32(shape
     want = run_ort(model, feeds)[0]
     # p @ v sums terms of both signs: an entry that nearly cancels has fp32 error relative to the terms,
     # not to itself (seed 806, [1, 12, 8, 64]: 1.6e-6 off on -0.0094 where the output reaches 0.43).
-    np.testing.assert_allclose(run_ort(out, feeds)[0], want, rtol=2e-5, atol=1e-5 * float(np.abs(want).max()))
+    # And exp as a ratio of sigmoids carries more fp32 error the wider the scores spread: over seeds
+    # 0-1000 the most past rtol is 1.4e-6 of the output's largest at [1, 12, 8, 64] and 2.05e-5 at
+    # [1, 3, 5, 1024], scale 0.6 (seed 912: 0.024065 for 0.024053, the output reaching 0.57).
+    np.testing.assert_allclose(run_ort(out, feeds)[0], want, rtol=2e-5, atol=3e-5 * float(np.abs(want).max()))
 
 
 def test_attention_softmax_whose_input_spans_too_far_for_fp16_is_left_to_the_compiler():
