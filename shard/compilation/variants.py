@@ -165,8 +165,8 @@ def measure_round(model: Path, target: str, work: Path, folds: list, fitted: lis
         fold_done(f)
         result = compile_one(model, target, work.with_name(f"{work.name}-fold{f}.shard"),
                              replace(options, promote=tuple(promoted)), progress)
-        held_out.append(simulator_cosine(result.bundle, Path(model), held))   # every sample held out: what --min-cosine holds on
-        on_fit.append(simulator_cosine(result.bundle, Path(model), fit[:FIDELITY_SAMPLES]) if held is not fit
+        held_out.append(simulator_cosine(result.bundle, model, held))   # every sample held out: what --min-cosine holds on
+        on_fit.append(simulator_cosine(result.bundle, model, fit[:FIDELITY_SAMPLES]) if held is not fit
                       else held_out[-1])
         if first is None:
             first = result
@@ -195,7 +195,7 @@ def mixed_report(model: Path, target: str, work: Path, options: CompileOptions, 
         every = replace(options, calib=str(save_samples(work / "all.npz", samples)), check_fidelity=False,
                         promote=kept["promoted"])
         result = compile_one(model, target, work / "all.shard", every, progress)
-        mixed.update(kept=kept["round"], bundle_cosine=simulator_cosine(result.bundle, Path(model), samples))
+        mixed.update(kept=kept["round"], bundle_cosine=simulator_cosine(result.bundle, model, samples))
     else:
         mixed["kept"] = kept["round"]
     result.bundle.rename(work / "kept.shard")
@@ -205,9 +205,9 @@ def mixed_report(model: Path, target: str, work: Path, options: CompileOptions, 
 def samples_report(samples: list[dict], folds: list) -> dict:
     """How mixed precision used the calibration samples: how many the bundle's int8 ranges come from,
     how many accepted each round without having set its ranges, in how many folds."""
-    fit, held = folds[0]
     if len(folds) > 1:
         return {"calibration": len(samples), "held_out": len(samples), "compared": len(samples), "folds": len(folds)}
+    ((fit, held),) = folds
     return {"calibration": len(fit), "held_out": len(held) if held is not fit else 0, "compared": len(held),
             "folds": 1}
 
