@@ -4,6 +4,7 @@ numerics (verify, the passes' probes, precision's rankings). numpy only."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,3 +29,8 @@ def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
         cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
         diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     return Comparison(name, cosine, diff)
+
+
+def worst_of(comparisons: Iterable[Comparison]) -> Comparison:
+    """The comparison with the lowest cosine; one with a NaN before any number."""
+    return min(comparisons, key=lambda c: (c.cosine == c.cosine, c.cosine))

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from shard.bundle import read_manifest
-from shard.compare import Comparison, compare
+from shard.compare import Comparison, compare, worst_of
 from shard.errors import VerifyError
 from shard.calibration import run_each
 from shard.graph import fix_input_values, load_model, sha256_file
@@ -81,10 +81,10 @@ def check_reference(reference: str | Path, model, manifest) -> None:
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
                   progress: Callable[[str, int, int], None] = lambda *a: None,
-                  samples: list[dict[str, np.ndarray]] | None = None) -> VerifyReport:
+                  samples: list[dict[str, np.ndarray]] | None = None, shards: bool = True) -> VerifyReport:
     """Run inputs through the reference (onnxruntime) and the bundle; compare every output. The inputs
     are `samples` (shard.calibration's format) or one seeded random sample; `outputs` holds each
-    output's worst sample, and the shards are checked alone on the first sample."""
+    output's worst sample, and the shards are checked alone on the first sample (where `shards`)."""
     manifest = read_manifest(bundle)
     model = load_model(reference)
     fix_input_values(model, manifest.input_values)   # the inputs the compile fixed, as it fixed them
@@ -118,13 +118,12 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
             runs.append(session.run_all(inputs))
         per_sample = [[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs]
                       for expected, actual in zip(references, runs)]
-        worst = [min((comps[i] for comps in per_sample), key=lambda c: (c.cosine == c.cosine, c.cosine))
-                 for i in range(len(manifest.outputs))]
+        worst = [worst_of(comps[i] for comps in per_sample) for i in range(len(manifest.outputs))]
         report = VerifyReport(backend=session.backend, min_cosine=min_cosine, outputs=worst,
                               reference_is_source=sha256_file(reference) == manifest.source["sha256"],
                               samples=per_sample, files=dict(session.files))
         expected, actual = references[0], runs[0]
-        for k, shard in enumerate(manifest.shards):
+        for k, shard in enumerate(manifest.shards if shards else []):
             progress("shards, fed the reference's tensors", k, len(manifest.shards))
             missing = [t.name for t in (*shard.inputs, *shard.outputs) if t.name not in expected]
             if missing:

@@ -79,6 +79,15 @@ def test_verdicts_go_by_the_axes_in_order():
     assert not fidelity_worse(0.2, float("nan"))
 
 
+def test_the_worst_comparison_is_the_lowest_cosine_and_a_nan_before_any():
+    from shard.compare import Comparison, worst_of
+
+    seen = [Comparison("a", 0.9, 0.1), Comparison("b", 0.5, 0.3), Comparison("c", 0.99, 0.0)]
+    assert worst_of(seen).name == "b" and worst_of(reversed(seen)).name == "b"
+    assert worst_of([*seen, Comparison("d", float("nan"), float("inf"))]).name == "d"
+    assert worst_of([Comparison("d", float("nan"), float("inf")), *seen]).name == "d"
+
+
 def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_compile():
     from shard.never_worse import weight_bytes, whole_build_fits
     from shard.targets.rknn.memory import build_bytes

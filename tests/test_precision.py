@@ -46,6 +46,14 @@ def test_int8_bundle_keeps_its_samples_and_verifies_on_the_simulator(tmp_path, s
     np.savez(held_back, x=np.random.default_rng(9).standard_normal((2, 1, 8, 16)).astype(np.float32))
     out = shard_cli("verify", tmp_path / "m.shard", "-r", model, "--inputs", held_back, "--min-cosine", "0.99")
     assert out.returncode == 0 and "2 samples from test.npz" in out.stdout, out.stdout + out.stderr
+    # groups of samples in one simulator session (mixed precision's held-out and fitted samples) measure
+    # as each group alone does
+    from shard.compilation.choice import simulator_cosine, simulator_cosines
+
+    samples = [{"x": x} for x in np.load(calib)["x"]]
+    apart = [simulator_cosine(tmp_path / "m.shard", model, group) for group in (samples[:1], samples[1:])]
+    assert simulator_cosines(tmp_path / "m.shard", model, samples[:1], samples[1:]) == apart
+    assert apart[0] != apart[1]   # the groups' own worst, not one worst over both
 
 
 def test_mixed_search_is_deterministic_and_records_every_round(tmp_path, save):

@@ -15,6 +15,7 @@ import onnx_graphsurgeon as gs
 
 from shard.bundle import Manifest, read_manifest
 from shard.calibration import calibration_samples, domain_samples
+from shard.compare import worst_of
 from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.edges import SUFFIX as EDGES
 from shard.errors import CompileError
@@ -75,6 +76,17 @@ def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> 
     """The worst output cosine of a bundle against onnxruntime on the simulator (the samples, or
     one seeded input)."""
     return min(c.cosine for c in verify_bundle(bundle, model, backend="sim", samples=samples).outputs)
+
+
+def simulator_cosines(bundle: Path, model: Path, *groups: list[dict]) -> list[float]:
+    """The worst output cosine of a bundle against onnxruntime on the simulator over each group of
+    samples, all run in one simulator session (setting one up builds every shard for the simulator),
+    the shards not checked alone. A NaN is the worst."""
+    report = verify_bundle(bundle, model, backend="sim", samples=[s for group in groups for s in group],
+                           shards=False)
+    per_sample = [worst_of(comparisons) for comparisons in report.samples]
+    bounds = np.cumsum([0, *map(len, groups)])
+    return [worst_of(per_sample[a:b]).cosine for a, b in zip(bounds, bounds[1:])]
 
 
 def bound_groups(plans: list, scaled: set[str]) -> list[list[int]]:

@@ -15,7 +15,7 @@ import onnx
 
 from shard.bundle import TensorSpec, read_manifest
 from shard.calibration import compile_samples
-from shard.compilation.choice import simulator_cosine
+from shard.compilation.choice import simulator_cosine, simulator_cosines
 from shard.compilation.stages import compile_one
 from shard.compilation.staging import replace_dir, staging_folder
 from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
@@ -165,9 +165,10 @@ def measure_round(model: Path, target: str, work: Path, folds: list, fitted: lis
         fold_done(f)
         result = compile_one(model, target, work.with_name(f"{work.name}-fold{f}.shard"),
                              replace(options, promote=tuple(promoted)), progress)
-        held_out.append(simulator_cosine(result.bundle, model, held))   # every sample held out: what --min-cosine holds on
-        on_fit.append(simulator_cosine(result.bundle, model, fit[:FIDELITY_SAMPLES]) if held is not fit
-                      else held_out[-1])
+        # every sample held out (what --min-cosine holds on) and a few it was fitted on, in one session
+        cosines = simulator_cosines(result.bundle, model, *([held] if held is fit else [held, fit[:FIDELITY_SAMPLES]]))
+        held_out.append(cosines[0])
+        on_fit.append(cosines[-1])
         if first is None:
             first = result
         else:
