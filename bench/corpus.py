@@ -329,6 +329,7 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
     """Compile `model` with `options`; its simulator cosine from the compile's fidelity check where it
     made one, else from `shard verify`."""
     import shard
+    from shard.compare import worst_of
     from shard.errors import ShardError
 
     result, started = Side(), time.monotonic()
@@ -345,7 +346,7 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
             result.cosine = fidelity["vendor" if result.figures["bundle"] == "vendor alone" else "shard"]
         else:
             report = shard.verify(compiled.bundle, model, backend="sim", min_cosine=MIN_COSINE)
-            result.cosine = min(c.cosine for c in report.outputs)
+            result.cosine = worst_of(report.outputs).cosine
     except ShardError as exc:
         result.error = str(exc).splitlines()[0]
     except Exception:  # noqa: BLE001 - a bug: kept, counted, and the corpus goes on

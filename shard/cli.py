@@ -835,6 +835,7 @@ def verify_command(
     (the last column: the same tensor in the end-to-end run, so where along the shards fidelity drops).
     A bundle of shape buckets is checked bucket by bucket; a generative bundle against its checkpoint
     (GGUF or transformers folder), prompt by prompt: greedy tokens and teacher-forced logits."""
+    from shard.compare import worst_of
     from shard.runtime.buckets import is_bucketed, read_buckets
     from shard.runtime.generate import is_generative
 
@@ -852,7 +853,7 @@ def verify_command(
 
         data = {name: {**asdict(r), "passed": r.passed} for name, r in reports.items()}
         json_out.write_text(json.dumps(data[""] if "" in data else data, indent=2) + "\n")
-    worst = min(c.cosine for r in reports.values() for c in r.outputs)
+    worst = worst_of(c for r in reports.values() for c in r.outputs).cosine
     if not all(r.passed for r in reports.values()):
         err.print(f"[red]FAIL[/]: end-to-end cosine {worst:.7f} < {min_cosine}")
         raise typer.Exit(1)

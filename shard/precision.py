@@ -26,7 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from shard.calibration import graph_stats, ort_session
-from shard.compare import compare
+from shard.compare import compare, worst_of
 from shard.macs import estimate_macs
 
 LINEAR_OPS = ("MatMul", "Gemm", "Conv")
@@ -195,7 +195,7 @@ def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Gra
 
 def worst_cosine(outputs: list[str], expected: list[list[np.ndarray]], got: list[list[np.ndarray]]) -> float:
     """The lowest cosine of any output of any sample (a NaN counts as worse than any cosine)."""
-    worst = min(compare(o, e, g).cosine for es, gs_ in zip(expected, got) for o, e, g in zip(outputs, es, gs_))
+    worst = worst_of(compare(o, e, g) for es, gs_ in zip(expected, got) for o, e, g in zip(outputs, es, gs_)).cosine
     return worst if worst == worst else -1.0
 
 

@@ -15,7 +15,8 @@ from onnx import helper, numpy_helper
 from shard.calibration import collect_stats
 from shard.graph import infer_shapes
 from shard.compilation.variants import HELD_OUT, IN_TURN, kept_before, next_count, sample_folds
-from shard.precision import GATES, bisect_prefix, int8_replica, is_int8_candidate, next_prefix, rank_linears
+from shard.precision import (GATES, bisect_prefix, int8_replica, is_int8_candidate, next_prefix, rank_linears,
+                             worst_cosine)
 
 
 def two_linears(seed: int = 0, loud: float = 1.0):
@@ -73,6 +74,16 @@ def test_ranking_orders_the_linears_by_their_int8_loss_per_mac():
     assert every < 1.0 - 1e-6 and ranking[-1].cosine_after == pytest.approx(1.0, abs=1e-12)
     assert ranking[0].cosine_after == pytest.approx(1.0 - ranking[1].error, abs=1e-12)   # the second alone in int8
     assert rank_linears(infer_shapes(gs.import_onnx(model)), feeds) == (ranking, every)   # deterministic
+
+
+def test_a_nan_in_any_output_of_any_sample_is_the_worst_cosine():
+    # min() over floats keeps a NaN only where it comes first: a round whose second output went NaN
+    # read as that of its first
+    good, same = np.ones(4, np.float32), np.ones(4, np.float32)
+    nan = np.array([1, np.nan, 1, 1], np.float32)
+    assert worst_cosine(["a", "b"], [[good, good]], [[same, same]]) == pytest.approx(1.0)
+    assert worst_cosine(["a", "b"], [[good, good]], [[same, nan]]) == -1.0
+    assert worst_cosine(["a", "b"], [[good, good], [good, good]], [[same, same], [nan, same]]) == -1.0
 
 
 def test_next_round_takes_the_fewest_linears_the_replica_says_suffice():
