@@ -57,6 +57,7 @@ def document(tokenizer, tokens: int) -> str:
 def main() -> None:
     import transformers as tf
 
+    from shard.compare import lowest
     from shard.runtime.generate import GenerativeSession
     from shard.verifier import check_prompt
     from shard.zoo.decoder import embedding_table
@@ -102,7 +103,7 @@ def main() -> None:
     ties = sum(bool(c.parting and c.parting.fp16_tie) for c in checks)
     print(f"RESULT prompts={len(checks)} same_tokens={sum(c.same_tokens for c in checks)} fp16_ties={ties} "
           f"forced_steps={steps} "
-          f"top1={sum(c.top1 * c.steps for c in checks) / steps:.4f} min_cosine={min(c.min_cosine for c in checks):.7f} "
+          f"top1={sum(c.top1 * c.steps for c in checks) / steps:.4f} min_cosine={lowest(c.min_cosine for c in checks):.7f} "
           f"mean_cosine={sum(c.mean_cosine * c.steps for c in checks) / steps:.7f}")
 
 

@@ -63,6 +63,7 @@ from shard.calibration import run_each
 from shard.compilation import compile_model
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
+from shard.compare import lowest
 from shard.verifier import compare
 
 
@@ -92,7 +93,7 @@ def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: i
                  for name, p in e.prepared.items()}
         passed = {name: why for e in session.executors.values() for name, why in e.passed_over.items()}
         outputs = session.run(x)   # warm
-        worst = min(compare(t.name, reference[t.name], outputs[t.name]).cosine for t in session.manifest.outputs)
+        worst = lowest(compare(t.name, reference[t.name], outputs[t.name]).cosine for t in session.manifest.outputs)
         latencies = []
         for _ in range(latency_runs):
             started = time.perf_counter()
@@ -104,8 +105,8 @@ def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: i
         if batch > 1:   # micro-batching: single frames in, stacked `batch` to a run, each one's outputs out
             singles = [{name: value[k:k + 1] for name, value in x.items()} for k in range(batch)]
             got = list(session.run_stream(singles))
-            worst = min(worst, *(compare(t.name, reference[t.name], np.concatenate([g[t.name] for g in got])).cosine
-                                 for t in session.manifest.outputs))
+            worst = lowest((worst, *(compare(t.name, reference[t.name], np.concatenate([g[t.name] for g in got])).cosine
+                                 for t in session.manifest.outputs)))
             single = stream_rate(session, singles, frames * batch)
         stages = stage_seconds(session)
     return {"fps": rate * batch, "fps_single": single, "latency": statistics.median(latencies), "cosine": worst,
@@ -289,7 +290,7 @@ def main() -> None:
                        + (f"micro_batch=({micro[0]}x{micro[1]}) micro_fps={runs[micro]['fps_single']:.1f} "
                           f"micro_vs_compile_same_batch={over(runs, base, micro, 'reduce-overhead', single=True)} "
                           if micro else "") +
-                       f"cosine={min(r['cosine'] for r in runs.values()):.6f} "
+                       f"cosine={lowest(r['cosine'] for r in runs.values()):.6f} "
                        f"predicted_ratio={statistics.median(ratios):.3f} over_floor={statistics.median(floors):.3f}")
         for p in precisions[1:]:   # each further precision against the first, at the same K and B
             pairs = {(k, b): r["fps"] / runs[k, b]["fps"] for (k, b, q), r in every.items() if q == p}
@@ -297,7 +298,7 @@ def main() -> None:
             device = sum(runs[top]["stages"].values()) / sum(every[(*top, p)]["stages"].values())
             results.append(f"RESULT model={name} precision={p} vs={precisions[0]} at_1x1={pairs.get((1, 1), 0):.3f} "
                            f"best={pairs[top]:.3f} (K={top[0]} B={top[1]}) device={device:.3f} "
-                           f"cosine={min(r['cosine'] for (_, _, q), r in every.items() if q == p):.6f}")
+                           f"cosine={lowest(r['cosine'] for (_, _, q), r in every.items() if q == p):.6f}")
     print("\n".join(results))
 
 

@@ -56,7 +56,7 @@ def main() -> None:
     import torch
     from PIL import Image
 
-    from shard.compare import compare
+    from shard.compare import compare, lowest
     from shard.runtime.generate import GenerativeSession
     from shard.verifier import parting
     from shard.zoo.decoder import load_causal_lm
@@ -117,7 +117,7 @@ def main() -> None:
     print(f"vision of {sum(t[2] for t in looks)} squares (4 images): {alone:.1f} s a square at a time, {streamed:.1f} s "
           f"as a stream over the cores ({alone / streamed:.2f}x)")
     print(f"RESULT images=4 prompts={len(PROMPTS)} same_tokens={same} of {len(requests)} fp16_ties={ties} "
-          f"forced_steps={len(agree)} top1={np.mean(agree):.4f} min_cosine={min(cosines):.7f} "
+          f"forced_steps={len(agree)} top1={np.mean(agree):.4f} min_cosine={lowest(cosines):.7f} "
           f"overlap_speedup={one_by_one / ahead:.2f} squares_stream_speedup={alone / streamed:.2f}")
 
 

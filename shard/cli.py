@@ -866,6 +866,7 @@ def verify_decoder(bundle: Path, reference: Path, backend, prompts: list[str], n
     """verify_generative with its table printed; exit 1 below either threshold."""
     from dataclasses import asdict
 
+    from shard.compare import lowest
     from shard.verifier import PROMPTS, verify_generative
 
     if new < 1 or forced < 1:
@@ -889,7 +890,7 @@ def verify_decoder(bundle: Path, reference: Path, backend, prompts: list[str], n
         console.print("[yellow]warning[/]: the reference is not the checkpoint this bundle was compiled from (sha256 differs)")
     if json_out:
         json_out.write_text(json.dumps({**asdict(report), "passed": report.passed}, indent=2) + "\n")
-    worst = min(p.min_cosine for p in report.prompts)
+    worst = lowest(p.min_cosine for p in report.prompts)
     top1 = min(p.top1 for p in report.prompts)
     line = f"worst teacher-forced cosine {worst:.7f}, top-1 agreement {top1:.4f}"
     if not report.passed:

@@ -31,6 +31,17 @@ def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
     return Comparison(name, cosine, diff)
 
 
+def nan_first(cosine: float) -> tuple[bool, float]:
+    """The key that orders cosines from the worst: a NaN before any number (min over floats keeps a
+    NaN only where it comes first)."""
+    return cosine == cosine, cosine
+
+
 def worst_of(comparisons: Iterable[Comparison]) -> Comparison:
     """The comparison with the lowest cosine; one with a NaN before any number."""
-    return min(comparisons, key=lambda c: (c.cosine == c.cosine, c.cosine))
+    return min(comparisons, key=lambda c: nan_first(c.cosine))
+
+
+def lowest(cosines: Iterable[float]) -> float:
+    """The lowest of these cosines; a NaN before any number."""
+    return min(cosines, key=nan_first)

@@ -245,7 +245,7 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
     got = teacher_forced(run, cache(), table[ids + theirs[:forced - 1]], len(ids) - 1, chunk, decode)
     rows = [compare("logits", want[k], g) for k, g in enumerate(got)]
     top1 = float(np.mean([np.argmax(g) == np.argmax(want[k]) for k, g in enumerate(got)]))
-    return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, min(r.cosine for r in rows),
+    return PromptCheck("", len(ids), ours, theirs[:new], len(got), top1, worst_of(rows).cosine,
                        float(np.mean([r.cosine for r in rows])), parting(ours, theirs, want))
 
 

@@ -119,6 +119,29 @@ def test_one_step_program_per_capacity_takes_the_answer_too(checkpoint, tmp_path
         assert check.same_tokens and check.top1 == 1.0 and check.min_cosine > 0.99999
 
 
+def test_a_nan_in_a_later_steps_logits_is_the_prompts_worst_cosine(checkpoint, cpu_bundle):
+    """The teacher-forced steps' worst cosine is NaN where any step's logits are, not only the first
+    (min over floats kept a NaN only where it came first): such a prompt never passes verify."""
+    from shard.compare import lowest
+    from shard.verifier import check_prompt
+
+    _, model = checkpoint
+    with load(cpu_bundle.bundle) as session:
+        decodes = []
+
+        def faulty(feeds):   # the bundle's own step; from the second decode step on, its logits NaN
+            outputs = session.run(feeds)
+            decodes.extend([1] if feeds["inputs_embeds"].shape[1] == 1 else [])
+            return {**outputs, "logits": outputs["logits"] * np.nan} if len(decodes) >= 2 else outputs
+
+        spec = session.spec
+        clean = check_prompt(session.run, session.table, session.cache, spec.chunk, model, PROMPT, 1, 6)
+        # one greedy token (the prompt's steps alone), then 6 teacher-forced: the prompt's, 5 decode steps
+        check = check_prompt(faulty, session.table, session.cache, spec.chunk, model, PROMPT, 1, 6)
+    assert len(decodes) == 5 and clean.min_cosine > 0.99999 and np.isnan(check.min_cosine)
+    assert np.isnan(lowest([0.9, float("nan"), 0.5])) and lowest([0.9, 0.5, 0.99]) == 0.5
+
+
 def test_the_compile_says_where_one_step_would_decode_faster():
     from shard.cli import console, print_generative_prediction
 
