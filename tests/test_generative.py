@@ -16,7 +16,8 @@ from shard.bundle import read_manifest
 from shard.compilation.generative import compile_generative, vision_time
 from shard.errors import RunError, ShardError
 from shard.runtime import load
-from shard.runtime.generate import GenerativeSession, read_generative, sampler, step_mask
+from shard.runtime.executors import held_nhwc
+from shard.runtime.generate import Cache, GenerativeSession, read_generative, sampler, step_mask, teacher_forced
 from shard.verifier import parting
 
 WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
@@ -140,6 +141,32 @@ def test_a_nan_in_a_later_steps_logits_is_the_prompts_worst_cosine(checkpoint, c
         check = check_prompt(faulty, session.table, session.cache, spec.chunk, model, PROMPT, 1, 6)
     assert len(decodes) == 5 and clean.min_cosine > 0.99999 and np.isnan(check.min_cosine)
     assert np.isnan(lowest([0.9, float("nan"), 0.5])) and lowest([0.9, 0.5, 0.99]) == 0.5
+
+
+def test_an_npu_runtime_is_handed_the_cache_as_held_with_no_copy():
+    """A cache held for an rknn runtime (float16, NHWC memory) goes to it as that memory with
+    data_format "nhwc", through the buckets too; float64 goes as float32 and ONNX's layout as "nchw"."""
+    from shard.bundle import ShardSpec, TensorSpec
+    from shard.runtime.executors import npu_inputs
+    from shard.runtime.generate import grown
+
+    cache = Cache.empty(layers=1, kv_heads=2, capacity=8, head_dim=4, dtype=np.float16, buckets=(16,), nhwc=True)
+    cache.write({"key.0": np.ones((1, 2, 3, 4), np.float32), "value.0": np.full((1, 2, 3, 4), 2.0)}, 3)
+    cache.make_room(9)
+    key = cache.keys[0]
+    assert key.shape == (1, 2, 16, 4) and key.dtype == np.float16 and held_nhwc(key)
+    assert key[:, :, :3].min() == key[:, :, :3].max() == 1 and not key[:, :, 3:].any()
+    shard = ShardSpec("s", "s.onnx", None, None, [TensorSpec("past_key.0", [1, 2, 16, 4], "float32"),
+                                                  TensorSpec("mask", [1, 1, 1, 16], "float32"),
+                                                  TensorSpec("x", [1, 4], "float64")], [], 0, "fp16")
+    mask, x = np.zeros((1, 1, 1, 16), np.float32), np.arange(4.0)[None]
+    arrays, formats = npu_inputs(shard, {"past_key.0": key, "mask": mask, "x": x})
+    assert formats == ["nhwc", "nchw", "nchw"]
+    assert arrays[0].shape == (1, 16, 4, 2) and arrays[0].dtype == np.float16 and np.shares_memory(arrays[0], key)
+    np.testing.assert_array_equal(arrays[0], key.transpose(0, 2, 3, 1))
+    assert np.shares_memory(arrays[1], mask) and arrays[2].dtype == np.float32
+    plain = grown(Cache.empty(layers=1, kv_heads=2, capacity=8, head_dim=4).keys[0], 16)
+    assert npu_inputs(shard, {"past_key.0": plain, "mask": mask, "x": x})[1][0] == "nchw"
 
 
 def test_the_compile_says_where_one_step_would_decode_faster():
@@ -346,6 +373,14 @@ def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(che
             want = model(torch.tensor([ids])).logits[0].numpy()
         got = session.logits(ids)
         assert min(cosine(got[k], want[k]) for k in range(len(ids))) >= 0.999
+        # The cache as the board's runtime is handed it (float16, its memory NHWC, given with no
+        # transpose), through both buckets: the logits of a float32 cache in ONNX's layout, to the bit.
+        s = session.spec
+        assert not held_nhwc(session.cache().keys[0]) and session.cache().keys[0].dtype == np.float32
+        held = Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, np.float16,
+                           buckets=tuple(s.capacities[1:]), nhwc=True)
+        np.testing.assert_array_equal(teacher_forced(session.run, held, session.embed(ids), 0, s.chunk), got)
+        assert held.capacity == 32 and all(a.dtype == np.float16 and held_nhwc(a) for a in held.keys + held.values)
 
 
 def test_verify_checks_a_generative_bundle_against_its_checkpoint(checkpoint, cpu_bundle, tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError, TargetError
 from shard.runtime.batching import Batching
-from shard.runtime.executors import STAGE_BACKENDS, OnDevice, make_executors, to_host
+from shard.runtime.executors import NPU_BACKENDS, STAGE_BACKENDS, OnDevice, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
@@ -78,7 +78,8 @@ class Session:
         self.written = frozenset().union(*(getattr(e, "written", frozenset()) for e in self.executors.values()))
 
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The graph inputs, complete and of the compiled shapes and dtypes."""
+        """The graph inputs, complete and of the compiled shapes and dtypes (on an rknn runtime, a float16
+        array for a float32 input as it is: executors.npu_inputs)."""
         expected = {t.name: t for t in self.manifest.inputs}
         inputs = self.without_fixed(inputs, expected)
         missing = set(expected) - set(inputs)
@@ -93,7 +94,8 @@ class Session:
             array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
             if list(array.shape) != spec.shape:
                 raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
-            checked[name] = array if kept else array.astype(spec.dtype, copy=False)
+            halves = self.backend in NPU_BACKENDS and array.dtype == np.float16 and spec.dtype == "float32"
+            checked[name] = array if kept or halves else array.astype(spec.dtype, copy=False)
         return checked
 
     def without_fixed(self, inputs: dict[str, np.ndarray], expected: dict) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ import numpy as np
 
 from shard.bundle import read_versioned
 from shard.errors import BundleError, RunError
-from shard.runtime.executors import to_host
+from shard.runtime.executors import held_nhwc, to_host
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
@@ -63,11 +63,13 @@ class Cache:
 
     @classmethod
     def empty(cls, layers: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32,
-              buckets: tuple[int, ...] = (), device: str | None = None) -> Cache:
+              buckets: tuple[int, ...] = (), device: str | None = None, nhwc: bool = False) -> Cache:
         """Zeros, in numpy; or, with `device`, torch tensors there (a GPU backend's steps then read the
-        cache where it lies and hand back their new entries there: nothing crosses to the host)."""
+        cache where it lies and hand back their new entries there: nothing crosses to the host).
+        nhwc: each held as [1, capacity, head_dim, kv_heads] and seen in the order above, the layout the
+        board's runtime takes a 4-D input in (executors.npu_inputs hands it over with no transpose)."""
         shape = (1, kv_heads, capacity, head_dim)
-        return cls(*([zeros(shape, dtype, device) for _ in range(layers)] for _ in ("keys", "values")),
+        return cls(*([zeros(shape, dtype, device, nhwc) for _ in range(layers)] for _ in ("keys", "values")),
                    buckets=tuple(sorted(buckets)))
 
     @property
@@ -123,8 +125,11 @@ def settle(array) -> None:
         torch.cuda.current_stream(array.device).synchronize()
 
 
-def zeros(shape: tuple, dtype, device: str | None):
-    """np.zeros, or torch.zeros on `device` (a numpy dtype)."""
+def zeros(shape: tuple, dtype, device: str | None, nhwc: bool = False):
+    """np.zeros (with `nhwc`, a 4-D view of NHWC memory: executors.held_nhwc), or torch.zeros on
+    `device` (a numpy dtype)."""
+    if device is None and nhwc:
+        return np.zeros((shape[0], *shape[2:], shape[1]), dtype).transpose(0, 3, 1, 2)
     if device is None:
         return np.zeros(shape, dtype)
     import torch
@@ -133,9 +138,9 @@ def zeros(shape: tuple, dtype, device: str | None):
 
 
 def grown(old, capacity: int):
-    """Zeros of `old`'s kind, type and device, `capacity` entries long (axis 2)."""
+    """Zeros of `old`'s kind, type, layout and device, `capacity` entries long (axis 2)."""
     shape = (*old.shape[:2], capacity, old.shape[3])
-    return np.zeros(shape, old.dtype) if isinstance(old, np.ndarray) else old.new_zeros(shape)
+    return zeros(shape, old.dtype, None, held_nhwc(old)) if isinstance(old, np.ndarray) else old.new_zeros(shape)
 
 
 def like(value, array):
@@ -409,11 +414,21 @@ class GenerativeSession:
         return outputs
 
     def cache(self) -> Cache:
+        """An empty cache where the steps read it: on the GPU, the decode step's own input buffers; for
+        the board's runtime, in numpy as it takes a 4-D input (NHWC memory, handed over with no
+        transpose: executors.npu_inputs), and in float16 where every step is built in fp16 (the NPU
+        reads the cache as fp16 whatever it is handed, and its new entries come back as fp16 numbers:
+        the same logits, half the bytes a step hands over); else float32 in ONNX's layout (on the
+        simulator the held form measured no faster: bench/cache_handoff.py)."""
         s = self.spec
         if self.device:   # the decode step's own input buffers, which it reads without a copy
             keys, values = self.stored(s.capacities[0])
             return Cache(keys, values, buckets=tuple(s.capacities[1:]), storage=self.stored)
-        return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, buckets=tuple(s.capacities[1:]))
+        board = self.backend == "board"
+        halves = board and all(shard.precision == "fp16" for session in self.sessions.values()
+                               for shard in session.manifest.shards)
+        return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, np.float16 if halves else np.float32,
+                           buckets=tuple(s.capacities[1:]), nhwc=board)
 
     def stored(self, capacity: int) -> tuple[list, list]:
         """The keys and values of a cache of `capacity` on the GPU: each the decode step's own input

@@ -22,6 +22,7 @@ from shard.errors import TargetError
 MODULES = {"cpu": "cpu", "sim": "rknn_sim", "board": "rknn_board", "cuda": "cuda", "tensorrt": "tensorrt"}
 BACKENDS = tuple(MODULES)
 STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
+NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32 input goes as it is (npu_inputs)
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,31 @@ def to_host(value) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else value.detach().cpu().numpy()
 
 
-def npu_inputs(shard: ShardSpec, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The arrays an rknn runtime takes, in the shard's input order: float64 as float32 (the NPU has no
-    fp64, and the toolkit's runtimes return nothing for it), each in the shape its graph declares."""
-    return [np.ascontiguousarray(edge_input(shard, spec, inputs[spec.name]),
-                                 dtype=np.float32 if spec.dtype == "float64" else spec.dtype) for spec in shard.inputs]
+def npu_inputs(shard: ShardSpec, inputs: dict[str, np.ndarray]) -> tuple[list[np.ndarray], list[str]]:
+    """The arrays an rknn runtime takes, in the shard's input order, each in the shape its graph declares,
+    and each one's layout for the runtime's `data_format`:
+    - float64 as float32 (the NPU has no fp64, and the toolkit's runtimes return nothing for it);
+    - a float16 array for a float32 input as it is (the runtime converts it to the graph's input type
+      as it does float32; an fp16 graph's is float16: the same numbers, half the bytes to hand over);
+    - a 4-D array held in NHWC (`held_nhwc`: a decoder's cache for the board) as that memory, "nhwc"
+      (given "nchw" where the model's input is NHWC, rknn-toolkit-lite2 transposes it on the host at
+      every run: bench/cache_handoff.py times that);
+    - the rest contiguous, "nchw" (ONNX's layout)."""
+    arrays, formats = [], []
+    for spec in shard.inputs:
+        array = edge_input(shard, spec, inputs[spec.name])
+        kept = array.dtype == np.float16 and spec.dtype == "float32"
+        dtype = array.dtype if kept else np.float32 if spec.dtype == "float64" else spec.dtype
+        nhwc = held_nhwc(array)
+        arrays.append(np.ascontiguousarray(array.transpose(0, 2, 3, 1) if nhwc else array, dtype=dtype))
+        formats.append("nhwc" if nhwc else "nchw")
+    return arrays, formats
+
+
+def held_nhwc(array: np.ndarray) -> bool:
+    """A 4-D array in ONNX's order whose memory is NHWC: a view of [N, H, W, C], as generate.Cache holds
+    a cache for the board (Cache.empty's `nhwc`)."""
+    return array.ndim == 4 and not array.flags.c_contiguous and array.transpose(0, 2, 3, 1).flags.c_contiguous
 
 
 def edge_input(shard: ShardSpec, spec, value: np.ndarray) -> np.ndarray:

@@ -63,10 +63,10 @@ class RknnSimExecutor:
 
     def _run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=self.scratch))
-        arrays = npu_inputs(shard, inputs)
+        arrays, formats = npu_inputs(shard, inputs)
         try:
             outs = infer(lambda **req: self._ask(shard, **req), shard.name, arrays, work,
-                         self.scratch / f"{shard.name}.run.log")
+                         self.scratch / f"{shard.name}.run.log", formats)
         except RunError as exc:
             raise RunError(f"{shard.name}: {exc}") from None
         finally:

@@ -340,17 +340,19 @@ def build_failure(answer: dict) -> tuple[str, object, str | None]:
     return stage, rc.get(stage, "?"), lines[-1] if lines else None
 
 
-def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path) -> list[np.ndarray]:
+def infer(request: Callable[..., dict], key: str, arrays: list[np.ndarray], workdir: Path, log: Path,
+          formats: list[str] | None = None) -> list[np.ndarray]:
     """Run the model a toolkit worker keeps under `key` on `arrays`, handed over as .npy files in
-    `workdir`; RunError if the simulator fails."""
+    `workdir`, each in its layout of `formats` ("nchw", ONNX's, unless given); RunError if the
+    simulator fails."""
     paths = []
     for k, array in enumerate(arrays):
         paths.append(str(workdir / f"in{k}.npy"))
         np.save(paths[-1], array)
-    # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout
-    # (the toolkit ignores the format of other ranks but refuses None).
-    answer = request(op="infer", key=key, inputs=paths, data_format=["nchw"] * len(paths), outdir=str(workdir),
-                     log=str(log))
+    # The simulator reads 4-D inputs as NHWC unless told; shard tensors keep the ONNX layout unless
+    # `formats` says otherwise (the toolkit ignores the format of other ranks but refuses None).
+    answer = request(op="infer", key=key, inputs=paths, data_format=formats or ["nchw"] * len(paths),
+                     outdir=str(workdir), log=str(log))
     if not answer["ok"]:
         raise RunError(f"simulator inference failed ({answer['error']}); log: {log}")
     return [np.load(p) for p in answer["outputs"]]
