@@ -144,8 +144,9 @@ def test_a_nan_in_a_later_steps_logits_is_the_prompts_worst_cosine(checkpoint, c
 
 
 def test_an_npu_runtime_is_handed_the_cache_as_held_with_no_copy():
-    """A cache held for an rknn runtime (float16, NHWC memory) goes to it as that memory with
-    data_format "nhwc", through the buckets too; float64 goes as float32 and ONNX's layout as "nchw"."""
+    """A cache held as the board's runtime takes it (float16, NHWC memory) goes to an rknn runtime as
+    that memory with data_format "nhwc", through the buckets too; float64 goes as float32, and
+    ONNX's layout as "nchw"."""
     from shard.bundle import ShardSpec, TensorSpec
     from shard.runtime.executors import npu_inputs
     from shard.runtime.generate import grown
