@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trained import ENCODERS, sentence_encoder  # noqa: E402
 
+from shard.compare import lowest  # noqa: E402
 from shard.targets.rknn.worker import infer  # noqa: E402
 from shard.targets.rknn.log import macs_by_dtype, parse_build_log  # noqa: E402
 from shard.targets.rknn.env import find_python  # noqa: E402
@@ -162,10 +163,10 @@ def main() -> None:
             print(f"{name:20s} failed: {row['error']}", flush=True)
             continue
         c = row["cosines"]
-        print(f"{name:20s} cosine mean {np.mean(c):.6f} worst {min(c):.6f}  int8 MACs {100 * row['int8']:5.1f} %  "
+        print(f"{name:20s} cosine mean {np.mean(c):.6f} worst {lowest(c):.6f}  int8 MACs {100 * row['int8']:5.1f} %  "
               f"est. {row['cycles'] / 1e6:6.1f} M cycles  CPU ops {row['cpu_ops']:2d}  built in {row['seconds']:.0f} s",
               flush=True)
-    worst = {r["name"]: min(r["cosines"]) for r in rows if "cosines" in r}
+    worst = {r["name"]: lowest(r["cosines"]) for r in rows if "cosines" in r}
     share = {r["name"]: r["int8"] for r in rows if "cosines" in r}
     cycles = {r["name"]: r["cycles"] for r in rows if "cosines" in r}
     mixed = next((r for r in rows if r["name"] == "shard mixed" and "cosines" in r), {})

@@ -19,7 +19,7 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError, TargetError
 from shard.runtime.batching import Batching
-from shard.runtime.executors import NPU_BACKENDS, STAGE_BACKENDS, OnDevice, make_executors, to_host
+from shard.runtime.executors import NPU_BACKENDS, STAGE_BACKENDS, OnDevice, as_float16, make_executors, to_host
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
@@ -94,7 +94,7 @@ class Session:
             array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
             if list(array.shape) != spec.shape:
                 raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
-            halves = self.backend in NPU_BACKENDS and array.dtype == np.float16 and spec.dtype == "float32"
+            halves = self.backend in NPU_BACKENDS and as_float16(array, spec.dtype)
             checked[name] = array if kept or halves else array.astype(spec.dtype, copy=False)
         return checked
 

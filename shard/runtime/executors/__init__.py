@@ -22,7 +22,7 @@ from shard.errors import TargetError
 MODULES = {"cpu": "cpu", "sim": "rknn_sim", "board": "rknn_board", "cuda": "cuda", "tensorrt": "tensorrt"}
 BACKENDS = tuple(MODULES)
 STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
-NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32 input goes as it is (npu_inputs)
+NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32 input goes as it is (as_float16)
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,16 @@ def npu_inputs(shard: ShardSpec, inputs: dict[str, np.ndarray]) -> tuple[list[np
     arrays, formats = [], []
     for spec in shard.inputs:
         array = edge_input(shard, spec, inputs[spec.name])
-        kept = array.dtype == np.float16 and spec.dtype == "float32"
-        dtype = array.dtype if kept else np.float32 if spec.dtype == "float64" else spec.dtype
+        dtype = array.dtype if as_float16(array, spec.dtype) else np.float32 if spec.dtype == "float64" else spec.dtype
         nhwc = held_nhwc(array)
         arrays.append(np.ascontiguousarray(array.transpose(0, 2, 3, 1) if nhwc else array, dtype=dtype))
         formats.append("nhwc" if nhwc else "nchw")
     return arrays, formats
+
+
+def as_float16(array, dtype: str) -> bool:
+    """A float16 array for a float32 input, which an rknn runtime takes as it is (npu_inputs)."""
+    return array.dtype == np.float16 and dtype == "float32"
 
 
 def held_nhwc(array: np.ndarray) -> bool:

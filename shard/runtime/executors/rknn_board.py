@@ -47,15 +47,16 @@ def loaded(artifact: Path, chip: str, cores: int, core: int = 0):
         rt.release()
 
 
-def run_loaded(rt, arrays: list[np.ndarray], formats: list[str] | None = None) -> list[np.ndarray]:
+def run_loaded(rt, arrays: list[np.ndarray], formats: list[str] | None = None,
+               what: str = "inference on the board") -> list[np.ndarray]:
     """One inference on `arrays`, each in its layout of `formats` (ONNX's, "nchw", unless given: the
     toolkit refuses None for other ranks); where one is float16 (npu_inputs), every array's dtype
-    named (data_type), so that none is read as another type."""
+    named (data_type), so that none is read as another type. `what` names the run where it fails."""
     halves = any(a.dtype == np.float16 for a in arrays)
     outs = rt.inference(inputs=arrays, data_type=[a.dtype.name for a in arrays] if halves else None,
                         data_format=formats or ["nchw"] * len(arrays))
     if outs is None:
-        raise RunError("inference on the board returned nothing")
+        raise RunError(f"{what} returned nothing")
     return [np.asarray(out) for out in outs]
 
 
@@ -105,10 +106,8 @@ class RknnBoardExecutor:
             raise
 
     def run(self, shard: ShardSpec, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        try:
-            outs = run_loaded(self.runtimes[shard.name], *npu_inputs(shard, inputs))
-        except RunError:
-            raise RunError(f"{shard.name}: inference on NPU core {self.core} returned nothing") from None
+        outs = run_loaded(self.runtimes[shard.name], *npu_inputs(shard, inputs),
+                          what=f"{shard.name}: inference on NPU core {self.core}")
         return outputs_by_name(shard, outs)
 
     def close(self) -> None:
