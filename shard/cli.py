@@ -147,8 +147,12 @@ def compile_command(
                                                "calibration samples each shard sees); or mixed (linears in int8, "
                                                "the rest in fp16, the most sensitive linears moved to fp16 until "
                                                "--min-cosine holds on the simulator)."),
-    min_cosine: float = typer.Option(0.999, help="--precision mixed: the simulator cosine on the calibration "
-                                                 "samples to reach."),
+    min_cosine: float = typer.Option(0.999, help="fp16: the floor under the bundle's simulator cosine wherever "
+                                                 "fidelity is checked (a bundle under it, or with a NaN or an Inf "
+                                                 "in any precision, is not written); --precision mixed: the "
+                                                 "cosine on the calibration samples to reach."),
+    allow_low_fidelity: bool = typer.Option(False, "--allow-low-fidelity", help="Write a bundle under the fidelity "
+                                                                                "floor anyway, with a warning."),
     calib: Optional[Path] = typer.Option(None, help="Calibration samples: an .npz of arrays named after the model's "
                                                     "inputs, each with a leading sample axis ([N, 1, 128] for "
                                                     "input_ids) [default: 8 seeded random samples, with a warning]."),
@@ -178,6 +182,7 @@ def compile_command(
                              disable_rules=tuple(disable_rule), vendor_baseline=vendor_baseline, vendor_alone=vendor_alone,
                              vendor_only=vendor_only, build_cache=not no_cache, check_fidelity=check_fidelity,
                              precision=precision, calib=str(calib) if calib else None, min_cosine=min_cosine,
+                             allow_low_fidelity=allow_low_fidelity,
                              batch=parse_batch(batch_size), latency_budget=latency_budget and latency_budget / 1e3)
     compile_all(batch(models, target.split(","), output), options,
                 {"capacity": parse_ids(max_context, "--max-context"), "chunk": chunk, "one_step": one_step})
@@ -565,7 +570,8 @@ def print_versus_vendor(report: dict) -> None:
                           "cache); built again only where its artifact is needed")
         if "fidelity" in versus:
             f = versus["fidelity"]
-            console.print(f"simulator cosine, shard / vendor alone: {f['shard']:.7f} / {f['vendor']:.7f}")
+            shown = ["not run" if f[side] is None else f"{f[side]:.7f}" for side in ("shard", "vendor")]
+            console.print(f"simulator cosine, shard / vendor alone: {shown[0]} / {shown[1]}")
         if versus["bundle"] != "shard" and not report.get("vendor_only"):
             held = ("its build of the model as it came" if versus["bundle"] == "vendor alone"
                     else "each shard's build without its rewrites")

@@ -15,6 +15,13 @@ class Comparison:
     name: str
     cosine: float
     max_abs_diff: float
+    finite: bool = True             # the values compared hold no NaN and no Inf
+    reference_finite: bool = True   # nor do the reference's
+
+    @property
+    def overflowed(self) -> bool:
+        """A NaN or an Inf where the reference has none: the output left its number format."""
+        return self.reference_finite and not self.finite
 
 
 def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
@@ -28,7 +35,7 @@ def compare(name: str, expected: np.ndarray, actual: np.ndarray) -> Comparison:
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
         cosine = 1.0 if na == nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
         diff = float(np.max(np.abs(a - b))) if a.size else 0.0
-    return Comparison(name, cosine, diff)
+    return Comparison(name, cosine, diff, bool(np.isfinite(b).all()), bool(np.isfinite(a).all()))
 
 
 def nan_first(cosine: float) -> tuple[bool, float]:

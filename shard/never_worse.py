@@ -109,16 +109,35 @@ def fidelity_worse(ours: float, theirs: float) -> bool:
     return not ours >= theirs - FIDELITY_SLACK
 
 
+def fidelity_verdict(ours: float, theirs: float) -> str:
+    """better, equal or worse on the simulator's cosine (FIDELITY_SLACK apart). A NaN is worse than any
+    number and equal to nothing: beside a NaN, a NaN is "both NaN"."""
+    if ours != ours or theirs != theirs:
+        return "both NaN" if ours != ours and theirs != theirs else "worse" if ours != ours else "better"
+    return "worse" if fidelity_worse(ours, theirs) else "better" if fidelity_worse(theirs, ours) else "equal"
+
+
 def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
     return {axis: verdict(Figures(**{**asdict(theirs), axis: getattr(ours, axis)}), theirs) for axis in AXES}
 
 
-def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor alone") -> str:
-    """One line: each axis as ours / theirs (`sides` names them), and the verdict."""
+def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor alone",
+                    fidelity: tuple[float, float] | None = None) -> str:
+    """One line: the simulator's cosines where measured (`fidelity`: ours, theirs), which decide first,
+    then each axis as ours / theirs (`sides` names them), and the verdict. Beside a build that failed,
+    only that is named: its other figures are of no build."""
     cells = ", ".join(f"{LABELS[a]} {ours.show(a)} / {theirs.show(a)}" for a in AXES)
     axes = per_axis(ours, theirs)
-    why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal"]
-    return f"{sides}: {cells}: {verdict(ours, theirs)}" + (f" ({', '.join(why)})" if why else "")
+    why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal" and (a == "builds" or ours.builds
+                                                                                == theirs.builds)]
+    word = verdict(ours, theirs)
+    if fidelity is not None:
+        cells = f"simulator cosine {fidelity[0]:.7f} / {fidelity[1]:.7f}, {cells}"
+        said = fidelity_verdict(*fidelity)
+        if said != "equal":
+            why.insert(0, f"{said} on the simulator's cosine")
+            word = said if said != "both NaN" else "no better: both NaN on the simulator"
+    return f"{sides}: {cells}: {word}" + (f" ({', '.join(why)})" if why else "")
 
 
 BASELINES = ("auto", "whole", "shards")   # --vendor-alone: how the vendor alone is built (whole_build_fits)

@@ -34,7 +34,9 @@ class CompileOptions:
                                          # (None: only where the precision is not the target's default)
     precision: str = "fp16"         # fp16, int8 or mixed (rk3588)
     calib: str | None = None        # calibration samples (.npz, shard.calibration); seeded random without
-    min_cosine: float = 0.999       # mixed: the simulator cosine on the calibration samples to reach
+    min_cosine: float = 0.999       # fp16: the floor under the bundle's simulator cosine (where it is
+                                    # checked); mixed: the cosine on the calibration samples to reach
+    allow_low_fidelity: bool = False   # write a bundle under the floor (NaN, Inf, or under min_cosine)
     promote: tuple[str, ...] | None = None   # mixed: linears kept in fp16 (None: search, compile_mixed)
     buckets: list[dict[str, tuple[int, ...]]] = field(default_factory=list)   # input shapes per bucket
     batch: int | None = 1           # frames a run takes at once (the inputs' leading axis); None: the GPU

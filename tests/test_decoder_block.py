@@ -18,7 +18,7 @@ from shard.graph import infer_shapes
 from shard.passes import PassContext
 from shard.passes.fused import normalizations
 from shard.passes.partition import partition
-from shard.passes.scale_sandwich import MAX_SHIFT
+from shard.passes.scale_sandwich import FP16_POWERS, HELD_SPAN
 from shard.profile import load_profile
 from test_scale_sandwich import assert_same, run_ort, run_rewritten, sandwiched
 
@@ -112,8 +112,9 @@ def test_the_sandwich_carries_a_factor_through_a_norm_by_its_epsilon_and_the_mas
         assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
 
 
-def test_factors_compounding_through_products_stop_the_pass_in_one_line():
-    # y_{n+1} = y_n * y_n / 2^8 - no norm between: each product doubles the factor it carries.
+def test_factors_through_chains_of_products_stay_in_check_and_the_outputs_are_exact():
+    # y_{n+1} = (y_n * y_n) @ I / 3e4 - no norm between: carried as they came, each product would double
+    # the factor it carries (2^1024 after a few layers); the linears take the excess back.
     nodes, inits, x = [], [], "x"
     big = linear(nodes, inits, x, "big", np.eye(8) * 3e4)
     for b in range(8):
@@ -122,8 +123,47 @@ def test_factors_compounding_through_products_stop_the_pass_in_one_line():
     model = make_model(nodes, [("x", [1, 4, 8])], [(big, [1, 4, 8])], inits)
     sample = {"x": np.full((1, 4, 8), 1.0, np.float32)}
     graph, ctx, report = sandwiched(model, [sample], safe=16380.0, precision="fp16")
+    assert report["changes"] and not report["not_fixed"]
+    factors = {name: k for name, (_, k) in ctx.scales.items()}
+    # the products (9e8) need 2^16; what they carry is bounded by what their values can be held at
+    # 3e4 held at 2^14 (1.8: as far down as HELD_SPAN lets it), so the products carry 2^28 (3.4), not 2^(2^b)
+    assert HELD_SPAN == 14 and all(factors[f"l{b}/y"] == 14 for b in range(8))
+    assert max(factors.values()) == 28 and all(factors[f"p{b}"] == 28 for b in range(1, 8))
+    assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)[big])
+
+
+def test_a_product_of_tensors_carried_past_their_need_is_renormalized_before_it():
+    # x @ W (2e8 at most: held / 2^14) -> * 1e-8 (2 at most, still held / 2^14) -> squared: 2^28 carried.
+    inits = [numpy_helper.from_array(np.float32(1e-8), "tiny")]
+    nodes = []
+    big = linear(nodes, inits, "x", "big", np.eye(8) * 1e8)
+    nodes += [helper.make_node("Mul", [big, "tiny"], ["small"], name="shrink"),
+              helper.make_node("Mul", ["small", "small"], ["sq"], name="square"),
+              helper.make_node("Sigmoid", ["sq"], ["y"], name="sigmoid")]
+    model = make_model(nodes, [("x", [1, 4, 8])], [("y", [1, 4, 8])], inits)
+    sample = {"x": np.linspace(-2, 2, 32, dtype=np.float32).reshape(1, 4, 8)}
+    graph, ctx, report = sandwiched(model, [sample], safe=16380.0, precision="fp16")
+    square = next(c for c in report["changes"] if c["node"] == "square")
+    assert "renormalized before the product" in square["action"] and square["factor"] == 1.0
+    muls = [n for n in graph.nodes if n.name.startswith("square/in")]
+    assert len(muls) == 1 and float(muls[0].inputs[1].values) == 2.0 ** 14   # x * x: one Mul, both sides
+    assert not [n for n in graph.nodes if n.name.startswith("sigmoid/in")]   # the product is at its true scale
+    assert_same(run_ort(model, sample)[0], run_rewritten(graph, ctx, sample)["y"])
+
+
+def test_a_factor_no_fp16_constant_can_carry_leaves_the_graph_as_it_came_in_one_line():
+    # 1 / (x @ W), W = 1e8: held times 2^14; its square carries 2^-28 and needs 2^0: a Mul by 2^-28.
+    inits = [numpy_helper.from_array(np.float32(1.0), "one")]
+    nodes = []
+    big = linear(nodes, inits, "x", "big", np.eye(8) * 1e8)
+    nodes += [helper.make_node("Div", ["one", big], ["inv"], name="inverse"),
+              helper.make_node("Mul", ["inv", "inv"], ["sq"], name="square"),
+              helper.make_node("Sigmoid", ["sq"], ["y"], name="sigmoid")]
+    model = make_model(nodes, [("x", [1, 4, 8])], [("y", [1, 4, 8])], inits)
+    sample = {"x": np.linspace(1, 2, 32, dtype=np.float32).reshape(1, 4, 8)}
+    graph, ctx, report = sandwiched(model, [sample], safe=16380.0, precision="fp16")
     assert not report["changes"] and not ctx.scales
-    assert f"past 2^{MAX_SHIFT}" in report["not_fixed"][0]["reason"]
+    assert f"past what fp16 holds (2^{FP16_POWERS[0]} to 2^{FP16_POWERS[1]})" in report["not_fixed"][0]["reason"]
     assert [n.op for n in graph.nodes] == [n.op_type for n in model.graph.node]
 
 

@@ -79,6 +79,32 @@ def test_verdicts_go_by_the_axes_in_order():
     assert not fidelity_worse(0.2, float("nan"))
 
 
+def test_the_verdict_words_count_fidelity_first_and_a_nan_equals_nothing():
+    from shard.never_worse import comparison_line, fidelity_verdict
+
+    nan = float("nan")
+    assert fidelity_verdict(1.0, nan) == "better" and fidelity_verdict(nan, 0.2) == "worse"
+    assert fidelity_verdict(nan, nan) == "both NaN" and fidelity_verdict(0.99995, 1.0) == "equal"
+    ours, theirs = Figures(builds=True, cpu_ops=0, cost_cycles=300), Figures(builds=True, cpu_ops=2, cost_cycles=100)
+    line = comparison_line(ours, theirs, fidelity=(1.0, nan))
+    assert ": better (better on the simulator's cosine, better on CPU ops, worse on est. Mcycles)" in line
+    assert "simulator cosine 1.0000000 / nan" in line
+    assert ": worse (worse on the simulator's cosine, better on CPU ops" in comparison_line(ours, theirs, fidelity=(0.5, 1.0))
+    assert "no better: both NaN on the simulator" in comparison_line(ours, theirs, fidelity=(nan, nan))
+    # Beside a build that failed (the vendor's SIGFPE), only that is named: its other figures are of no build.
+    beside_none = comparison_line(Figures(builds=True, cpu_ops=1, error_lines=2), Figures(builds=False))
+    assert beside_none.endswith(": better (better on builds)")
+
+
+def test_an_output_overflowed_only_where_the_reference_is_finite():
+    from shard.compare import compare
+
+    ref = np.ones((2, 3), np.float32)
+    assert compare("y", ref, np.full((2, 3), np.inf, np.float32)).overflowed
+    assert not compare("y", ref, ref).overflowed
+    assert not compare("y", np.full((2, 3), np.nan, np.float32), np.full((2, 3), np.nan, np.float32)).overflowed
+
+
 def test_the_worst_comparison_is_the_lowest_cosine_and_a_nan_before_any():
     from shard.compare import Comparison, worst_of
 

@@ -188,13 +188,54 @@ def growing_to_softmax(save, tail: bool):
 
 def test_rescales_that_leave_both_nan_do_not_cost_cycles(tmp_path, save):
     """The Softmax overflows fp16 in shard's bundle and the vendor's alike; the Muls shard spent on
-    range rescales then bought nothing, the cycles count again, and the bundle is the vendor's."""
-    result = shard.compile(growing_to_softmax(save, tail=False), "rk3588", tmp_path / "n.shard", CompileOptions())
+    range rescales then bought nothing, the cycles count again, and the bundle is the vendor's
+    (written under the fidelity floor only where asked, saying so)."""
+    result = shard.compile(growing_to_softmax(save, tail=False), "rk3588", tmp_path / "n.shard",
+                           CompileOptions(allow_low_fidelity=True))
+    assert result.report["under_the_floor"]
+    assert any("written anyway (--allow-low-fidelity)" in w for w in result.report["warnings"])
     versus = result.report["versus_vendor"]
     assert any(c["form"] == "range" for c in result.report["passes"]["scale_sandwich"]["changes"])
     assert versus["fidelity"]["shard"] != versus["fidelity"]["shard"] and versus["fidelity"]["vendor"] != versus["fidelity"]["vendor"]
     assert "cost_cycles" in versus["judged_on"]
     assert versus["bundle"] == "vendor alone" and "both NaN on the simulator, so the cycles count" in versus["line"]
+
+
+def test_a_bundle_that_overflows_on_the_simulator_is_not_written(tmp_path, save):
+    """The same model without --allow-low-fidelity: both bundles hold NaN, so the compile stops in one
+    line naming the first output to overflow, exit 1, and nothing is left at the output."""
+    out = shard_cli("compile", growing_to_softmax(save, tail=False), "-o", tmp_path / "n.shard")
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]   # the rest: progress bars
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "under the fidelity floor: its output y holds a NaN or an Inf" in lines[0]
+    assert "the vendor alone's build does no better" in lines[0]
+    assert "the first to overflow, fed onnxruntime's tensors: y, an output of shard_000" in lines[0]
+    assert "(Softmax): it takes d, which reaches" in lines[0]   # scale_sandwich names the tensor past fp16
+    assert "--allow-low-fidelity" in lines[0]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".n.shard", "n.shard"))]
+
+
+def test_a_conv_relu_chain_growing_past_1e19_compiles_to_a_faithful_bundle(tmp_path, save):
+    """16 Conv/Relu layers, 16x or more each: activations pass 1e19 (1e21 at the end; onnx's legacy CNNs:
+    vgg19 at 1e31). The range rescale carries the chain divided by 2^57 at its end, a few powers of two
+    at a time in each layer's weights, and the host multiplies it back in fp32."""
+    rng = np.random.default_rng(0)
+    layers, nodes, weights, x = 16, [], [], "x"
+    for k in range(layers):
+        w = rng.standard_normal((8, 8, 1, 1)) * 16 * np.sqrt(2 / 8) * 1.7
+        weights.append(numpy_helper.from_array(w.astype(np.float32), f"w{k}"))
+        nodes += [helper.make_node("Conv", [x, f"w{k}"], [f"c{k}"], name=f"conv{k}"),
+                  helper.make_node("Relu", [f"c{k}"], [f"r{k}" if k < layers - 1 else "y"], name=f"relu{k}")]
+        x = f"r{k}"
+    model = save(make_model(nodes, [("x", [1, 8, 8, 8])], [("y", [1, 8, 8, 8])], weights))
+    result = shard.compile(model, "rk3588", tmp_path / "c.shard", CompileOptions())
+    sandwich = result.report["passes"]["scale_sandwich"]
+    assert not sandwich["not_fixed"] and max(c.get("factor", 0) for c in sandwich["changes"]) >= 2.0 ** 50
+    fidelity = result.report["versus_vendor"]["fidelity"]
+    assert fidelity["shard"] >= 0.999 and result.report["versus_vendor"]["bundle"] == "shard"
+    assert result.report["totals"]["cpu_ops"] == 0
+    assert shard.verify(result.bundle, model, backend="sim", min_cosine=0.999).passed
 
 
 def test_a_last_softmax_past_fp16_runs_on_the_host_in_fp32(tmp_path, save):

@@ -15,13 +15,13 @@ import onnx_graphsurgeon as gs
 
 from shard.bundle import Manifest, read_manifest
 from shard.calibration import calibration_samples, domain_samples
-from shard.compare import worst_of
+from shard.compare import Comparison, worst_of
 from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.edges import SUFFIX as EDGES
 from shard.errors import CompileError
 from shard.graph import tensor_spec
 from shard.macs import estimate_macs
-from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_worse, no_handoffs,
+from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_verdict, no_handoffs,
                                per_axis, prune_host_steps, verdict)
 from shard.passes import PassContext
 from shard.passes.partition import ShardPlan
@@ -31,19 +31,25 @@ from shard.verifier import verify_bundle
 
 def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
                            progress: Progress, samples: list | None = None,
-                           spent_for_fidelity: bool = False) -> tuple[Manifest, dict]:
+                           spent_for_fidelity: bool = False) -> tuple[Manifest, dict, Comparison]:
     """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
     inputs (`samples`, or seeded ones); where shard's worst cosine is lower, the vendor's becomes the
-    staging bundle. `spent_for_fidelity`: shard was judged without the cycle axes, its cycles spent
-    for fidelity (range rescales, mixed precision's fp16 ops); where that bought nothing (both NaN),
-    they count again. Returns the staging bundle's manifest and report, `versus` updated in both."""
+    staging bundle. The verdict counts the cosines first. `spent_for_fidelity`: shard was judged without
+    the cycle axes, its cycles spent for fidelity (range rescales, mixed precision's fp16 ops); where
+    that bought nothing (both NaN), they count again. Returns the staging bundle's manifest and report,
+    `versus` updated in both, and the kept bundle's worst output."""
     progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
-    ours = simulator_cosine(staging, model, samples)
+    ours = simulator_worst(staging, model, samples)
     progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
-    theirs = simulator_cosine(vendor_dir, model, samples)
-    versus["fidelity"] = {"shard": ours, "vendor": theirs}
-    worse = fidelity_worse(ours, theirs)
-    if spent_for_fidelity and ours != ours and theirs != theirs:
+    theirs = simulator_worst(vendor_dir, model, samples)
+    versus["fidelity"] = {"shard": ours.cosine, "vendor": theirs.cosine}
+    said = fidelity_verdict(ours.cosine, theirs.cosine)
+    versus["line"] = comparison_line(Figures(**versus["shard"]), Figures(**versus["vendor"]),
+                                     f"shard / {versus['vendor_alone']}", (ours.cosine, theirs.cosine)) + versus.get("note", "")
+    if said in ("better", "worse"):
+        versus["verdict"] = said
+    worse = said == "worse"
+    if spent_for_fidelity and said == "both NaN":
         versus["judged_on"] = list(AXES)
         versus["line"] += "; both NaN on the simulator, so the cycles count"
         worse = verdict(Figures(**versus["shard"]), Figures(**versus["vendor"])) == "worse"
@@ -56,7 +62,7 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus:
         shutil.rmtree(vendor_dir)
     report = json.loads((staging / "report.json").read_text())
     report["versus_vendor"] = versus
-    return read_manifest(staging), report
+    return read_manifest(staging), report, theirs if worse else ours
 
 
 def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], versus: dict | None
@@ -72,10 +78,27 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
                             outputs={t.name for t in ctx.model_outputs})
 
 
+def simulator_worst(bundle: Path, model: Path, samples: list | None = None) -> Comparison:
+    """The bundle's worst output against onnxruntime on the simulator (the samples, or one seeded
+    input); a NaN is the worst. The shards are not checked alone: nothing here reads it."""
+    return worst_of(verify_bundle(bundle, model, backend="sim", samples=samples, shards=False).outputs)
+
+
+def first_overflow(bundle: Path, model: Path, samples: list) -> str | None:
+    """The first shard output (in the bundle's order) holding a NaN or an Inf on the simulator where
+    onnxruntime's has none: each shard fed the reference's tensors, else end to end; None if none does."""
+    report = verify_bundle(bundle, model, backend="sim", samples=samples)
+    for alone, seen in ((True, report.shards), (False, report.chained)):
+        for shard, comparisons in seen.items():
+            for c in comparisons:
+                if c.overflowed:
+                    return f"{c.name}, an output of {shard}" + ("" if alone else " (end to end)")
+    return None
+
+
 def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> float:
-    """The worst output cosine of a bundle against onnxruntime on the simulator (the samples, or
-    one seeded input); a NaN is the worst. The shards are not checked alone: nothing here reads it."""
-    return worst_of(verify_bundle(bundle, model, backend="sim", samples=samples, shards=False).outputs).cosine
+    """simulator_worst's cosine."""
+    return simulator_worst(bundle, model, samples).cosine
 
 
 def simulator_cosines(bundle: Path, model: Path, *groups: list[dict]) -> list[float]:
@@ -204,11 +227,11 @@ def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back:
     """versus_vendor of the report: shard's figures (the vendor's where the bundle fell back to its
     builds) beside the vendor alone's (`vendor`: how it was built), the verdict and the printed line."""
     bundled = theirs if fall_back else ours
-    line = comparison_line(ours, theirs, f"shard / {vendor}") + (
-        "" if axes == AXES else f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
-                                "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
+    note = "" if axes == AXES else (f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
+                                    "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
     return {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
-            "verdict": verdict(bundled, theirs), "line": line, "vendor_alone": vendor,
+            "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs, f"shard / {vendor}") + note,
+            "note": note, "vendor_alone": vendor,
             "bundle": vendor if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
 
 

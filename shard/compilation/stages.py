@@ -19,15 +19,15 @@ import onnx_graphsurgeon as gs
 from shard import scratch
 from shard.cache_folder import default_cache_dir
 from shard.compilation.choice import (against_unrewritten, against_vendor_alone, choose_versions, fidelity_baseline,
-                                      fidelity_samples, host_steps, keep_better_edges, keep_the_more_faithful,
-                                      unrewritten_versions, vendor_plan)
+                                      fidelity_samples, first_overflow, host_steps, keep_better_edges,
+                                      keep_the_more_faithful, simulator_worst, unrewritten_versions, vendor_plan)
 from shard.compilation.jobs import (Datasets, data_inputs, quantization_values, relayout_jobs, vendor_alone_job,
                                     write_jobs, write_vendor_alone)
 from shard.compilation.staging import replace_dir, scratch_folders
 from shard.compilation.state import (FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, UNREWRITTEN, VENDOR_ALONE, Compilation,
                                      CompileResult, Progress)
 from shard.compilation.writer import BundleWriter, confirm_tiles_in_logs, link_builds
-from shard.errors import ShardError
+from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, fix_input_values, load_model, own_values, quiet_graphsurgeon, sha256_file
 from shard.never_worse import (AXES, HARD_AXES, fix_input_shapes, handoff_cycles, no_handoffs, original_plans,
                                whole_build_fits)
@@ -275,24 +275,63 @@ def write_bundle(c: Compilation) -> None:
 
 
 def check_fidelity(c: Compilation) -> None:
-    """On the simulator, the bundle beside the vendor alone's on the same inputs: the more faithful
-    is kept (a quantized bundle that loses the model's accuracy gets a warning)."""
-    if not c.baseline:
+    """On the simulator, the bundle beside the vendor alone's on the same inputs: the more faithful is
+    kept (a quantized bundle that loses the model's accuracy gets a warning); where nothing stands
+    beside it (the vendor alone did not build, or the bundle is its build), the bundle alone. Then
+    the floor (hold_the_floor)."""
+    if not c.measure or not c.tgt.vendor or c.options.vendor_only:
         return
-    steps = host_steps(c.ctx, c.baseline, c.builds, None) if c.per_shard else ([], [])
-    c.writer.write(c.vendor_dir, c.baseline, *steps)
-    c.manifest, c.report = keep_the_more_faithful(
-        c.staging, c.vendor_dir, c.model, c.versus, c.progress,
-        fidelity_samples(c.ctx, c.canonical or c.graph, c.quantized),
-        spent_for_fidelity=bool(c.in_range) or c.options.precision == "mixed")
-    kept = c.report["versus_vendor"]["fidelity"]["shard" if c.versus["bundle"] == "shard" else "vendor"]
-    if c.quantized and not kept >= LOW_FIDELITY:
+    samples = fidelity_samples(c.ctx, c.canonical or c.graph, c.quantized)
+    if c.baseline:
+        steps = host_steps(c.ctx, c.baseline, c.builds, None) if c.per_shard else ([], [])
+        c.writer.write(c.vendor_dir, c.baseline, *steps)
+        c.manifest, c.report, c.kept = keep_the_more_faithful(
+            c.staging, c.vendor_dir, c.model, c.versus, c.progress, samples,
+            spent_for_fidelity=bool(c.in_range) or c.options.precision == "mixed")
+    else:
+        c.progress("fidelity on the simulator", 0, 1)
+        c.kept = simulator_worst(c.staging, c.model, samples)
+        if c.versus is not None:   # the other side was not run: it did not build, or it is this bundle
+            c.versus["fidelity"] = {"shard": None, "vendor": None,
+                                    "shard" if c.versus["bundle"] == "shard" else "vendor": c.kept.cosine}
+            c.report["versus_vendor"] = c.versus
+        else:
+            c.report["fidelity"] = {"bundle": c.kept.cosine}
+    if c.quantized and not c.kept.cosine >= LOW_FIDELITY:
         c.report["warnings"].append(
-            f"{c.options.precision} loses this model's accuracy: simulator cosine {kept:.4f} on "
+            f"{c.options.precision} loses this model's accuracy: simulator cosine {c.kept.cosine:.4f} on "
             f"{min(len(c.ctx.samples), FIDELITY_SAMPLES)} calibration samples; "
             f"check it with `shard verify --inputs`, or compile in fp16")
+    hold_the_floor(c, samples)
     c.report["seconds"]["total"] = round(time.monotonic() - c.started, 2)
     (c.staging / "report.json").write_text(json.dumps(c.report, indent=2) + "\n")
+
+
+def hold_the_floor(c: Compilation, samples: list[dict]) -> None:
+    """A bundle whose outputs overflow on the fidelity samples (a NaN or an Inf where onnxruntime's fp32
+    has none) or, in fp16, fall under --min-cosine is not written: the compile stops in one line that
+    names the first shard output to overflow when fed onnxruntime's tensors. --allow-low-fidelity
+    writes it, saying so. Mixed precision's rounds are judged by compile_mixed (its floor is its fp16)."""
+    kept, options = c.kept, c.options
+    if options.precision == "mixed" or not (kept.overflowed or options.precision == "fp16" and kept.reference_finite
+                                             and not kept.cosine >= options.min_cosine):
+        return
+    what = (f"its output {kept.name} holds a NaN or an Inf on the simulator where onnxruntime's fp32 holds none"
+            if kept.overflowed else f"its output {kept.name} reaches cosine {kept.cosine:.6f} against onnxruntime's "
+                                    f"fp32 on the simulator, under --min-cosine {options.min_cosine}")
+    fidelity = (c.versus or {}).get("fidelity", {})
+    tried = ("; the vendor alone's build does no better" if fidelity.get("vendor") is not None
+             and fidelity.get("shard") is not None else "")
+    c.progress("fidelity floor: the first output to overflow", 0, 1)
+    first = first_overflow(c.staging, c.model, samples[:1])
+    where = f"; the first to overflow, fed onnxruntime's tensors: {first}" if first else ""
+    unfixed = c.ctx.reports.get("scale_sandwich", {}).get("not_fixed") or []
+    why = f"; scale_sandwich: {unfixed[0]['node']} ({unfixed[0]['op']}): {unfixed[0]['reason']}" if unfixed else ""
+    line = f"the bundle is under the fidelity floor: {what}{tried}{where}{why}"
+    if not options.allow_low_fidelity:
+        raise CompileError(f"{line}; nothing written (--allow-low-fidelity writes it anyway)")
+    c.report["warnings"].append(f"{line}; written anyway (--allow-low-fidelity)")
+    c.report["under_the_floor"] = True
 
 
 def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress: Progress = lambda *a: None,

@@ -11,6 +11,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.bundle import Manifest
+from shard.compare import Comparison
 from shard.options import CompileOptions
 from shard.passes import PassContext
 from shard.passes.partition import ShardPlan
@@ -101,6 +102,7 @@ class Compilation:
     baseline: list | None = None
     manifest: Manifest | None = None
     report: dict = field(default_factory=dict)
+    kept: Comparison | None = None                    # the bundle's worst output on the simulator
 
     @property
     def vendor_dir(self) -> Path:

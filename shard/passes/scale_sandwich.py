@@ -64,10 +64,17 @@ MINUS_INFINITY = -1e30   # a value at or below this stands for -inf (masks), nev
 MASK_MARGIN = 32.0    # masked logits end this far below every calibrated score: exp(-32) = 1.3e-14
 CLAMP = "/clamp"      # the name ending of a mask clamp's Max
 CHECK_RTOL = 1e-5     # outputs may move by this, relative to their largest value (unfused onnxruntime)
-# The largest factor a tensor is carried at. A real activation past fp16 needs a few (SmolLM2-135M's
-# residual stream 1); past this, the factors are compounding through products of carried tensors,
-# and a tensor held divided by 2^24 is below fp16's smallest step.
-MAX_SHIFT = 24
+# The powers of two a constant on the NPU can be: fp16 holds 2^-24 (its smallest step) to 2^15. A
+# factor a tensor is carried at has no such cap where it passes through linear and ReLU-like ops alone
+# (vgg19: 2^91, folded into each layer's weights a few powers at a time and multiplied back on the
+# host in fp32); only the constants the NPU multiplies by, and the host's fp32, bound it.
+FP16_POWERS = (-24, 15)
+FP32_POWERS = (-126, 127)
+# A tensor carried past its own need (its values shrank since the factor was taken) is renormalized
+# where its held values would fall under safe / 2^HELD_SPAN (1.0 on RK3588: fp16 then keeps 14 powers of
+# two of steps under its largest value): free at a linear (its weights take the factor back), a Mul
+# before a product of two carried tensors (where factors would otherwise add up layer after layer).
+HELD_SPAN = 14
 
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 PASS_THROUGH = ("Relu", "MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Reshape", "Transpose",
@@ -506,8 +513,13 @@ def is_float(tensor: gs.Tensor) -> bool:
     return tensor.dtype is not None and np.dtype(tensor.dtype).kind == "f"
 
 
-def scaled(graph: gs.Graph, tensor: gs.Tensor, k: int, where: str) -> gs.Variable:
-    """A Mul by 2^-k of `tensor` (k < 0 multiplies back up)."""
+def scaled(graph: gs.Graph, tensor: gs.Tensor, k: int, where: str, on_host: bool = False) -> gs.Variable:
+    """A Mul by 2^-k of `tensor` (k < 0 multiplies back up): on the NPU 2^-k must be a number fp16 holds,
+    on the host (`on_host`) one fp32 holds."""
+    low, high = FP32_POWERS if on_host else FP16_POWERS
+    if not low <= -k <= high:
+        raise Unscalable(tensor.name, f"would need a Mul by 2^{-k} on the {'host' if on_host else 'NPU'}, past "
+                                      f"what {'fp32' if on_host else 'fp16'} holds (2^{low} to 2^{high})")
     out = gs.Variable(f"{tensor.name}/x2^{-k}", dtype=tensor.dtype, shape=tensor.shape)
     graph.nodes.append(gs.Node("Mul", name=f"{where}/x2^{-k}", inputs=[
         tensor, gs.Constant(f"{where}/x2^{-k}/factor", np.asarray(2.0 ** -k, np.dtype(tensor.dtype or np.float32)))],
@@ -559,8 +571,6 @@ class Rescaler:
     def run(self) -> tuple[list[dict], list[dict]]:
         for node in list(self.graph.nodes):
             self.visit(node)
-        for name, shift in self.k.items():
-            bounded(name, shift)
         self.ctx.scales.update({name: (name, v) for name, v in self.k.items() if v})
         for out in list(self.graph.outputs):
             if self.k.get(out.name):
@@ -580,8 +590,6 @@ class Rescaler:
     def visit(self, node: gs.Node) -> None:
         variables = [(i, t) for i, t in enumerate(node.inputs) if isinstance(t, gs.Variable) and t.name]
         ks = {i: self.k.get(t.name, 0) for i, t in variables}
-        for i, t in variables:
-            bounded(t.name, ks[i])
         if id(node) in self.norms:
             return self.normalization(node, self.norms[id(node)])
         outs = [t for t in node.outputs if t.name]
@@ -600,10 +608,7 @@ class Rescaler:
         elif single and (node.op in ELEMENTWISE or node.op in PASS_THROUGH):
             self.elementwise(node, single, variables, ks, want, outs)
         elif node.op in ("Mul", "MatMul", "Div") and len(variables) == 2 and floats:
-            carried = ks[0] + ks[1] if node.op != "Div" else ks[0] - ks[1]
-            if want > carried:  # the product itself leaves the range: the first operand takes more
-                self.scale_down(node, 0, node.inputs[0], want - carried, want)
-            self.k[outs[0].name] = max(carried, want)
+            self.product(node, variables, ks, want, outs[0])
         elif node.op == "BatchNormalization" and len(variables) == 1 and variables[0][0] == 0 \
                 and all(isinstance(c, gs.Constant) for c in node.inputs[1:5]) and len(outs) == 1:
             self.batch_normalization(node, ks[0], want, outs[0])
@@ -613,6 +618,44 @@ class Rescaler:
         else:
             self.restore_inputs(node, variables, ks)
 
+    def most(self, tensor: gs.Tensor) -> float:
+        """The largest factor `tensor` can be held at with its largest value at or over safe / 2^HELD_SPAN."""
+        s = self.stats.get(tensor.name)
+        if s is None or not s.absmax or not math.isfinite(s.absmax):
+            return math.inf
+        return math.floor(math.log2(s.absmax * 2.0 ** HELD_SPAN / self.safe))
+
+    def product(self, node: gs.Node, variables: list, ks: dict, want: int, out: gs.Tensor) -> None:
+        """x * y (or x @ y, x / y) of two variables carries both factors: where that sum is past what the
+        product's own values can be held at, the inputs carrying more than they need are multiplied back
+        up first (a Mul each), so factors never compound through chains of products."""
+        sign = -1 if node.op == "Div" else 1
+        carried = ks[0] + sign * ks[1]
+        if want > carried:  # the product itself leaves the range: the first operand takes more
+            self.scale_down(node, 0, node.inputs[0], want - carried, want)
+            self.k[out.name] = want
+            return
+        self.k[out.name] = carried
+        if carried <= self.most(out) or sign < 0:
+            return
+        target, before = max(want, sum(self.needed(t) for _, t in variables)), dict(ks)
+        made: dict[tuple[str, int], gs.Variable] = {}   # x * x: one Mul
+        for i, t in variables:
+            back = min(ks[i] - self.needed(t), carried - target)
+            if back > 0:
+                if (t.name, back) not in made:
+                    made[t.name, back] = scaled(self.graph, t, -back, f"{node.name}/in{i}")
+                node.inputs[i] = made[t.name, back]
+                ks[i], carried = ks[i] - back, carried - back
+        self.k[out.name] = carried
+        names = " and ".join(f"{t.name} (held divided by 2^{before[i]})" for i, t in variables)
+        self.changes.append({"node": node.name, "op": node.op, "form": "range",
+                             "reason": f"its inputs {names} would make a product held divided by "
+                                       f"2^{before[0] + before[1]}, far under fp16's steps",
+                             "action": f"renormalized before the product (its inputs multiplied back up to "
+                                       f"2^{ks[0]} and 2^{ks[1]}), its output held divided by 2^{carried}",
+                             "factor": 2.0 ** carried})
+
     def normalization(self, node: gs.Node, norm) -> None:
         kx = self.k.get(norm.input.name, 0)
         if norm.eps and norm.eps[0] is node and kx:
@@ -621,9 +664,11 @@ class Rescaler:
     def weighted(self, node: gs.Node, weight: gs.Constant, kx: int, outs: list) -> None:
         """A linear with a constant weight: the weight (and bias) carry the factor change."""
         ky = max(kx, self.needed(outs[0])) if outs else kx
+        if outs and ky > self.most(outs[0]):   # its values shrank: the weights take the excess back
+            ky = max(self.needed(outs[0]), int(self.most(outs[0])))
         if not (kx or ky):
             return
-        node.inputs[1] = times(weight, kx - ky)
+        node.inputs[1] = fp16_weights(times(weight, kx - ky), weight, node.name)
         if len(node.inputs) > 2 and isinstance(node.inputs[2], gs.Constant):
             node.inputs[2] = times(node.inputs[2], -ky)
         self.k[outs[0].name] = ky
@@ -670,10 +715,11 @@ class Rescaler:
         for i, t in variables:
             if not ks[i]:
                 continue
-            node.inputs[i] = scaled(self.graph, t, -ks[i], f"{node.name}/in{i}")
+            tail = to_output(node, self.graph) if node.op in HOST_TAILS and len(variables) == 1 \
+                and self.needed(t) else None
+            node.inputs[i] = scaled(self.graph, t, -ks[i], f"{node.name}/in{i}", on_host=tail is not None)
             if not self.needed(t):
                 continue
-            tail = to_output(node, self.graph) if node.op in HOST_TAILS and len(variables) == 1 else None
             past = (f"it takes {t.name}, which reaches {self.stats[t.name].absmax:.3g}, over the fp16 range "
                     f"({self.safe:g} with the profile's margin)")
             if tail is not None:
@@ -709,17 +755,23 @@ def times(c: gs.Constant, e: int) -> gs.Constant:
 
 
 class Unscalable(Exception):
-    """No set of factors within MAX_SHIFT keeps the model in range; the pass leaves the graph as it was."""
+    """A factor no constant can carry (past fp16 on the NPU, past fp32 on the host); the pass leaves the
+    graph as it was."""
 
-    def __init__(self, tensor: str, shift: int):
-        super().__init__(f"{tensor} would be held divided by 2^{shift}, past 2^{MAX_SHIFT}: the factors compound "
-                         f"through products of rescaled tensors")
+    def __init__(self, tensor: str, why: str):
+        super().__init__(f"{tensor} {why}")
         self.tensor = tensor
 
 
-def bounded(name: str, shift: int) -> None:
-    if abs(shift) > MAX_SHIFT:
-        raise Unscalable(name, shift)
+def fp16_weights(scaled_weight: gs.Constant, weight: gs.Constant, node: str) -> gs.Constant:
+    """A linear's weights times a power of two, where fp16 still holds their largest value (neither inf
+    nor under its smallest step) as it held the weights before."""
+    top = lambda c: float(np.max(np.abs(c.values))) if c.values.size else 0.0  # noqa: E731
+    low, high = 2.0 ** FP16_POWERS[0], float(np.finfo(np.float16).max)
+    if low <= top(weight) <= high and not low <= top(scaled_weight) <= high:
+        raise Unscalable(node, f"would need its weights times a power of two that takes their largest value to "
+                               f"{top(scaled_weight):.3g}, past what fp16 holds")
+    return scaled_weight
 
 
 def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:
@@ -738,6 +790,8 @@ def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:
 def restore_output(graph: gs.Graph, out: gs.Variable, k: int, ctx: PassContext) -> dict:
     """A graph output carried divided by 2^k: the NPU side ends at the scaled tensor, and a Mul
     marked for the host (fp32) gives back the true values under the output's own name."""
+    if not FP32_POWERS[0] <= k <= FP32_POWERS[1]:
+        raise Unscalable(out.name, f"would be held divided by 2^{k}, past what the host's fp32 multiplies back")
     held = gs.Variable(f"{out.name}/x2^{-k}", dtype=out.dtype, shape=out.shape)
     ctx.scales[held.name] = (out.name, k)
     for user in list(out.outputs):   # ops inside the graph took it scaled already
