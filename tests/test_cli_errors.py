@@ -51,8 +51,31 @@ def test_output_in_the_way_is_not_replaced(save, tmp_path):
     (tmp_path / "model.shard").mkdir()
     (tmp_path / "model.shard" / "precious.txt").write_text("keep me")
     res = shard_cli("compile", save(add_model([1, 4])), "--target", "cpu")
-    assert_one_line_error(res, "is not a shard bundle")
+    assert_one_line_error(res, "is not a bundle shard wrote")
     assert (tmp_path / "model.shard" / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("marker", ["manifest.json", "generative.json", "buckets.json"])
+def test_a_folder_that_merely_holds_a_file_named_like_a_bundles_is_not_replaced(save, tmp_path, marker):
+    # A web app or a browser extension holds a manifest.json: -o onto it deleted the user's files.
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / marker).write_text('{"name": "my web app", "schema_version": 6, "programs": [], "buckets": []}')
+    (app / "index.html").write_text("<p>mine</p>")
+    res = shard_cli("compile", save(add_model([1, 4])), "--target", "cpu", "-o", app)
+    assert_one_line_error(res, "is not a bundle shard wrote", "remove it yourself or choose another -o")
+    assert sorted(p.name for p in app.iterdir()) == sorted([marker, "index.html"])
+
+
+def test_a_bundle_shard_wrote_is_replaced_and_a_link_to_one_is_refused(save, tmp_path):
+    model = save(add_model([1, 4]))
+    assert shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "m.shard").returncode == 0
+    again = shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "m.shard", "--no-cache")
+    assert again.returncode == 0, again.stderr
+    (tmp_path / "link.shard").symlink_to(tmp_path / "m.shard")
+    assert_one_line_error(shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "link.shard"),
+                          "is a symbolic link")
+    assert (tmp_path / "m.shard" / "manifest.json").is_file()
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -415,7 +415,7 @@ def test_a_decoder_compiled_again_comes_from_the_bundle_cache_over_its_old_bundl
     assert "from_bundle_cache" not in first.reports["decode"]
     assert all("from_bundle_cache" in report for report in again.reports.values())
     (tmp_path / "other").mkdir()
-    with pytest.raises(ShardError, match="exists and is not a shard bundle"):
+    with pytest.raises(ShardError, match="exists and is not a bundle shard wrote"):
         compile_generative(folder, "cpu", tmp_path / "other", capacity=16, chunk=2)
 
 

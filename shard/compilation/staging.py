@@ -11,14 +11,14 @@ import tempfile
 from pathlib import Path
 
 from shard import scratch
-from shard.bundle import MANIFEST
+from shard.bundle import MANIFEST, read_manifest
 from shard.compilation.state import PRECISIONS
 from shard.errors import ShardError
 from shard.never_worse import BASELINES
 from shard.options import CompileOptions
 from shard.passes import fusion_barrier, tile_attention
-from shard.runtime.buckets import is_bucketed
-from shard.runtime.generate import is_generative
+from shard.runtime.buckets import is_bucketed, read_buckets
+from shard.runtime.generate import is_generative, read_generative
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
@@ -55,11 +55,46 @@ def check_output_path(output: Path, model: Path | None = None) -> None:
     its folder exists; remove what compiles of the same output that no longer run left beside it."""
     if model is not None and model.resolve().is_relative_to(output.resolve()):
         raise ShardError(f"{model} lies inside the output {output}, which the bundle replaces; choose another -o")
-    if output.exists() and not ((output / MANIFEST).is_file() or is_bucketed(output) or is_generative(output)):
-        raise ShardError(f"{output} exists and is not a shard bundle; remove it or choose another -o")
+    if output.is_symlink():
+        raise ShardError(f"{output} is a symbolic link; the bundle replaces what is at -o, so name the folder itself")
+    if output.exists():
+        why = not_a_bundle(output)
+        if why:
+            raise ShardError(f"{output} exists and is not a bundle shard wrote ({why}); the bundle would replace it "
+                             f"and everything in it: remove it yourself or choose another -o")
     if not output.parent.is_dir():
         raise ShardError(f"{output.parent}: no such directory for the bundle")
     remove_stale_staging(output)
+
+def not_a_bundle(folder: Path) -> str | None:
+    """Why `folder` is not a bundle shard wrote (None where it is): a manifest sealed by its own digest
+    with every file it names in place, or a decoder's or buckets' spec whose every program or bucket
+    folder is such a bundle. A file merely named manifest.json (a web app's) is not enough."""
+    if not folder.is_dir():
+        return "not a folder"
+    try:
+        if (folder / MANIFEST).is_file():
+            read_manifest(folder)
+            return None
+        if is_generative(folder):
+            spec = read_generative(folder)
+            parts = [p.name for p in spec.programs] + ([spec.vision["program"]] if spec.vision else [])
+        elif is_bucketed(folder):
+            parts = [b.name for b in read_buckets(folder).buckets]
+        else:
+            return f"no {MANIFEST}"
+    except ShardError as exc:
+        return str(exc)
+    except (TypeError, KeyError, AttributeError) as exc:   # a spec of other fields (another tool's file)
+        return f"unreadable spec ({exc})"
+    for part in parts:
+        if not isinstance(part, str) or "/" in part or part in ("", ".", ".."):
+            return f"names a program folder {part!r}"
+        why = not_a_bundle(folder / part)
+        if why:
+            return f"{part}: {why}"
+    return None
+
 
 STAGING = re.compile(r"^\.(?P<name>.+)\.(tmp|mixed|old)-(?P<pid>\d+)(-|$)")
 
