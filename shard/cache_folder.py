@@ -28,11 +28,29 @@ DEFAULT_SIZE = "10G"
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def mark_folder(root: Path, default: Path | None = None) -> None:
-    """Create the cache folder if need be, and tag it as shard's where it is new, empty or the default."""
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / TAG).is_file() and (root == default or not any(root.iterdir())):
-        (root / TAG).write_text(TAG_TEXT)
+def shard_home() -> Path:
+    """shard's own folder of caches, whose folders are shard's whatever they hold (~/.cache/shard)."""
+    return Path.home() / ".cache" / "shard"
+
+
+def mark_folder(root: Path, variable: str = "SHARD_BUILD_CACHE") -> None:
+    """Create the cache folder if need be, and tag it as shard's where it is new, empty or below
+    shard_home(); a folder holding anything else untagged (`$variable` at $HOME), a file, or a folder
+    shard cannot write, is refused in one line: a tag there would make backup tools skip it all."""
+    where = f"${variable} names {root}" if os.environ.get(variable) else f"the cache folder {root}"
+    if root.exists() and not root.is_dir():
+        raise ShardError(f"{where}, which is not a folder; name a folder of shard's own for the cache")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not is_owned(root):
+            if any(root.iterdir()) and not root.resolve().is_relative_to(shard_home().resolve()):
+                raise ShardError(f"{where}, which holds files that are not shard's cache; name an empty folder "
+                                 f"or one of its own (shard tags its cache folder with {TAG}, which backup tools skip)")
+            (root / TAG).write_text(TAG_TEXT)
+    except OSError as exc:
+        raise ShardError(f"{where}, which shard cannot write ({exc.strerror}); name a folder shard can write") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ShardError(f"{where}, which shard cannot write (read-only); name a folder shard can write")
 
 
 def is_owned(root: Path) -> bool:
@@ -74,13 +92,19 @@ def clear(root: Path, entries: list[Path], variable: str) -> tuple[int, int]:
     if not is_owned(root):
         raise ShardError(f"{root} is not a shard cache (no {TAG} of shard's in it): nothing removed; "
                          f"${variable} should name a folder of its own (an old shard cache: remove it by hand)")
-    seen, removed = set(), 0
+    seen, removed, gone = set(), 0, []
     for entry in entries:
-        removed += disk_bytes(entry, seen)
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
+        size = disk_bytes(entry, seen)
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink(missing_ok=True)
+        except OSError as exc:   # a read-only cache: say so rather than count what is still there
+            raise ShardError(f"{root}: cannot remove {entry.name} ({exc.strerror}); {len(gone)} entries removed "
+                             f"before it") from None
+        removed += size
+        gone.append(entry)
     for folder in sorted({parent for entry in entries for parent in entry.parents if parent.is_relative_to(root)
                           and parent != root}, key=lambda p: len(p.parts), reverse=True):
         try:
@@ -134,7 +158,7 @@ def prune(root: Path, limit: int, keep: set[str]) -> tuple[int, int]:
 
 def store_entry(root: Path, key: str, write: Callable[[Path], None]) -> None:
     """Write an entry whole or not at all: `write` fills a staging folder, renamed to `root/key`."""
-    mark_folder(root, default_cache_dir())
+    mark_folder(root)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
         write(staging)

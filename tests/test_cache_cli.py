@@ -67,8 +67,11 @@ def test_eviction_removes_only_shards_entries(tmp_path, monkeypatch):
     from shard.targets import ShardBuild, ShardJob
     from shard.targets.build_cache import BuildCache
 
+    from shard.cache_folder import TAG_TEXT
+
     monkeypatch.setenv("SHARD_BUILD_CACHE_SIZE", "1.5M")
-    (tmp_path / "cache" / "other-program").mkdir(parents=True)
+    (tmp_path / "cache" / "other-program").mkdir(parents=True)   # put in shard's cache folder by someone
+    (tmp_path / "cache" / "CACHEDIR.TAG").write_text(TAG_TEXT)
     (tmp_path / "cache" / "other-program" / "data").write_bytes(b"\0" * 2**21)
     cache = BuildCache(tmp_path / "cache", "rk3588", "toolkit")
     for k in range(2):
@@ -79,7 +82,35 @@ def test_eviction_removes_only_shards_entries(tmp_path, monkeypatch):
     cache.used = set()
     assert cache.prune()[0] == 1   # the two entries hold 2 MiB: one goes, the other program's data stays
     assert (tmp_path / "cache" / "other-program" / "data").stat().st_size == 2**21
-    assert not (tmp_path / "cache" / "CACHEDIR.TAG").exists()   # not shard's folder: never tagged as one
+
+
+@pytest.mark.parametrize("variable", ["SHARD_BUILD_CACHE", "SHARD_PROBE_CACHE"])
+def test_a_cache_variable_naming_a_folder_of_the_users_is_refused_and_never_tagged(tmp_path, monkeypatch, variable):
+    # SHARD_BUILD_CACHE=$HOME got a CACHEDIR.TAG written into it: backup tools then skip the whole folder.
+    from shard.cache_folder import TAG, mark_folder
+    from shard.errors import ShardError
+
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    monkeypatch.setenv(variable, str(home))
+    with pytest.raises(ShardError, match=f"\\${variable} names .*holds files that are not shard's cache"):
+        mark_folder(home, variable)
+    assert not (home / TAG).exists()
+    mark_folder(tmp_path / "new", variable)   # an empty or new folder is taken, and tagged
+    assert (tmp_path / "new" / TAG).is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ShardError, match="which is not a folder"):
+        mark_folder(tmp_path / "file", variable)
+
+
+def test_a_compile_with_the_cache_at_a_users_folder_stops_in_one_line_before_any_work(save, tmp_path):
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    res = shard_cli("compile", save(mlp_chain(1)), "--target", "cpu", "-o", tmp_path / "m.shard",
+                    env_extra={"SHARD_BUILD_CACHE": str(home)})
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "holds files that are not shard's cache" in res.stderr and not (home / "CACHEDIR.TAG").exists()
+    assert not (tmp_path / "m.shard").exists()
 
 
 def test_build_cache_evicts_the_least_recently_used_down_to_its_cap(tmp_path, monkeypatch):

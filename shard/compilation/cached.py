@@ -11,7 +11,7 @@ from pathlib import Path
 
 from shard import bundle_cache
 from shard.bundle import check_files, read_manifest
-from shard.cache_folder import default_cache_dir
+from shard.cache_folder import default_cache_dir, mark_folder
 from shard.compilation.staging import check_output_path, replace_dir, staging_folder
 from shard.compilation.state import CompileResult, Progress
 from shard.compilation.variants import compile_uncached
@@ -32,6 +32,8 @@ def compile_one_model(model: Path, target: str, output: Path, options: CompileOp
     tgt.check_environment()               # a missing toolkit fails before minutes of work
     t0 = time.monotonic()
     root = default_cache_dir()
+    if options.build_cache:
+        mark_folder(root)                 # one that is not shard's, or read-only: one line, before any work
     key = bundle_cache.bundle_key(model, target, tgt.toolchain(), options) if model.is_file() else None
     if key:
         staging = staging_folder(output)

@@ -42,7 +42,7 @@ class PointCache:
         if self.dir is None:
             return
         path = self.dir / limit / f"v{version}-{point.size if size is None else size}.json"
-        mark_folder(self.root, default_cache_dir())
+        mark_folder(self.root, "SHARD_PROBE_CACHE")
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
