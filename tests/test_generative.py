@@ -5,6 +5,8 @@ GenerativeSession / `shard generate`: the tokens and logits are transformers' ow
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -420,8 +422,6 @@ def test_a_decoder_compiled_again_comes_from_the_bundle_cache_over_its_old_bundl
 
 
 def test_a_changed_embeddings_file_is_refused(cpu_bundle, tmp_path):
-    import shutil
-
     copy = tmp_path / "lm.shard"
     shutil.copytree(cpu_bundle.bundle, copy)
     table = np.load(copy / "embeddings.npy")
@@ -429,6 +429,68 @@ def test_a_changed_embeddings_file_is_refused(cpu_bundle, tmp_path):
     np.save(copy / "embeddings.npy", table)
     res = shard_cli("generate", str(copy), "--ids", "5,17", "--max-new-tokens", "2")
     assert res.returncode == 1 and "embeddings.npy: not the file the compile wrote" in res.stderr, res.stderr
+
+
+def shift_ids(tokenizer: Path) -> None:
+    data = json.loads((tokenizer / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[5:7]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tokenizer / "tokenizer.json").write_text(json.dumps(data))
+
+
+def link_template_out(tokenizer: Path) -> None:
+    outside = tokenizer.parent.parent / "elsewhere.jinja"
+    outside.write_text("{{ messages }}")
+    config = tokenizer / "tokenizer_config.json"
+    template = tokenizer / "chat_template.jinja"
+    if template.exists():
+        template.unlink()
+    template.symlink_to(outside)
+    config.write_text(config.read_text())   # unchanged: only the link is new
+
+
+TAMPERINGS = {
+    "tokenizer.json with two ids swapped": (shift_ids, "tokenizer.json: not the file the compile wrote"),
+    "a chat template added": (lambda t: (t / "chat_template.jinja").write_text("{{ 'hi' }}") if not
+                              (t / "chat_template.jinja").exists() else (t / "chat_template.jinja").write_text("x"),
+                              "chat_template.jinja: not the file the compile wrote"),
+    "a chat template linked out of the bundle": (link_template_out, "chat_template.jinja: a link"),
+    "an auto_map in tokenizer_config.json": (
+        lambda t: (t / "tokenizer_config.json").write_text(json.dumps({
+            **json.loads((t / "tokenizer_config.json").read_text()), "auto_map": {"AutoTokenizer": ["evil.Tok", None]}})),
+        "tokenizer_config.json: not the file the compile wrote"),
+    "the tokenizer folder removed": (lambda t: shutil.rmtree(t), "tokenizer: missing"),
+}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPERINGS))
+def test_every_file_of_the_tokenizer_is_held_to_its_recorded_hash(checkpoint, cpu_bundle, tmp_path, tamper):
+    # Only embeddings.npy had a hash: a replaced tokenizer.json changed the text with exit 0, a chat
+    # template linked out of the bundle was read, an auto_map offered to run the bundle's own Python.
+    copy = tmp_path / "lm.shard"
+    shutil.copytree(cpu_bundle.bundle, copy)
+    change, fragment = TAMPERINGS[tamper]
+    change(copy / "tokenizer")
+    for args in (("generate", str(copy), "--prompt", "Hi", "--max-new-tokens", "2"),
+                 ("verify", str(copy), "--reference", str(checkpoint[0]))):
+        res = shard_cli(*args)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert fragment in res.stderr, res.stderr
+
+
+def test_a_tokenizer_asking_for_code_of_its_own_is_refused_even_with_its_hash(cpu_bundle, tmp_path):
+    from shard.errors import BundleError
+    from shard.runtime.generate import GENERATIVE, check_files, record_files
+
+    copy = tmp_path / "lm.shard"
+    shutil.copytree(cpu_bundle.bundle, copy)
+    config = copy / "tokenizer" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "auto_map": {"AutoTokenizer": ["evil.Tok", None]}}))
+    spec = json.loads((copy / GENERATIVE).read_text())
+    spec["files"] = record_files(copy)   # as a compile from such a checkpoint would record it
+    with pytest.raises(BundleError, match="asks for code of its own"):
+        check_files(copy, spec["files"])
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ bundle; beside them the model's tokenizer, and what a step costs per chip.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -24,7 +23,7 @@ from shard.compilation.staging import check_options, check_output_path, replace_
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
-from shard.runtime.generate import EMBEDDINGS, GENERATIVE, GenerativeSpec, Program
+from shard.runtime.generate import EMBEDDINGS, GENERATIVE, GenerativeSpec, Program, check_files, record_files
 from shard.targets.chips import CHIPS, GPU_TARGETS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
@@ -141,13 +140,13 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                 done.unlink()
         decoder.save_tokenizer(staging / "tokenizer")
         np.save(staging / EMBEDDINGS, decoder.table)
-        data = (staging / EMBEDDINGS).read_bytes()
         spec = GenerativeSpec(layers=decoder.layers, kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
                               capacity=capacities[-1], vocab=decoder.vocab, programs=programs, stop=decoder.stop,
                               source=checkpoint_record(source),
-                              files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]},
+                              files=record_files(staging),
                               vision=decoder.vision[0] if decoder.vision else None)
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging)
+        check_files(staging, spec.files)   # a checkpoint whose tokenizer asks for code of its own stops here
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
         replace_dir(staging, output)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -260,21 +261,68 @@ def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max
 
 GENERATIVE = "generative.json"
 EMBEDDINGS = "embeddings.npy"
-SCHEMA_VERSION = 2   # 2: a step of more than one token returns its last real token's logits (PICK)
+TOKENIZER = "tokenizer"
+# 2: a step of more than one token returns its last real token's logits (PICK); 3: every file of the
+# tokenizer folder recorded beside the embeddings (a replaced tokenizer.json changed the text, exit 0)
+SCHEMA_VERSION = 3
+CUSTOM_CODE = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json", "config.json")
 
 
-def load_checked(bundle: Path, files: dict, name: str) -> np.ndarray:
-    """A numpy file of the bundle, refused unless its size and sha256 are those generative.json records."""
+def record_files(bundle: Path) -> dict[str, list]:
+    """{path in the bundle: [bytes, sha256]} of the embeddings and every file of the tokenizer folder,
+    as generative.json records them."""
+    names = [EMBEDDINGS] + sorted(p.relative_to(bundle).as_posix() for p in (bundle / TOKENIZER).rglob("*")
+                                  if p.is_file())
+    return {name: [len(data), hashlib.sha256(data).hexdigest()] for name in names
+            for data in [(bundle / name).read_bytes()]}
+
+
+def check_files(bundle: Path, files: dict) -> None:
+    """Every file generative.json records, as recorded; nothing in the tokenizer folder it does not
+    record, no link, and no tokenizer asking for code of its own (transformers would offer to run it)."""
+    folder = bundle / TOKENIZER
+    if folder.is_symlink() or not folder.is_dir():
+        raise BundleError(f"{folder}: missing, or not a folder of the bundle; recompile the model")
+    found = set()
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(root) / name
+            if path.is_symlink():
+                raise BundleError(f"{path}: a link, not a file the compile wrote; recompile the model")
+            if path.is_file():
+                found.add(path.relative_to(bundle).as_posix())
+    unrecorded = sorted(found - set(files))
+    if unrecorded:
+        raise BundleError(f"{bundle / unrecorded[0]}: not a file the compile wrote (generative.json records no "
+                          f"hash of it); recompile the model")
+    for name in files:
+        read_checked(bundle, files, name)
+    for name in CUSTOM_CODE:
+        config = folder / name
+        if config.is_file() and "auto_map" in json.loads(config.read_text() or "{}"):
+            raise BundleError(f"{config}: asks for code of its own (auto_map), which shard never runs; "
+                              f"recompile from a checkpoint whose tokenizer is transformers' own")
+
+
+def read_checked(bundle: Path, files: dict, name: str) -> bytes:
+    """A file of the bundle, refused unless its size and sha256 are those generative.json records."""
     path = bundle / name
-    size, digest = files.get(name, (None, None))
     try:
+        size, digest = files[name]
         data = path.read_bytes()
+    except (KeyError, TypeError, ValueError):
+        raise BundleError(f"{path}: generative.json records no size and sha256 for it; recompile the model") from None
     except OSError as exc:
         raise BundleError(f"{path}: unreadable ({exc.strerror}); recompile the model") from None
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
         raise BundleError(f"{path}: not the file the compile wrote ({len(data)} bytes, sha256 "
                           f"{hashlib.sha256(data).hexdigest()[:12]}; recorded {size} bytes, {str(digest)[:12]})")
-    return np.load(io.BytesIO(data))
+    return data
+
+
+def load_checked(bundle: Path, files: dict, name: str) -> np.ndarray:
+    """A numpy file of the bundle, refused unless its size and sha256 are those generative.json records."""
+    return np.load(io.BytesIO(read_checked(bundle, files, name)))
 
 
 def read_image(image):
@@ -307,7 +355,7 @@ class GenerativeSpec:
     programs: list[Program]        # per capacity, smallest first: the widest prefills, width 1 decodes
     stop: list[int]                # tokens that end an answer
     source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
-    files: dict = field(default_factory=dict)    # the embeddings' file: {"embeddings.npy": [bytes, sha256]}
+    files: dict = field(default_factory=dict)    # {"embeddings.npy" and each tokenizer/ file: [bytes, sha256]}
     vision: dict | None = None     # a VLM's: its program's folder, its image token, the image's side
     schema_version: int = SCHEMA_VERSION
 
@@ -398,6 +446,7 @@ class GenerativeSession:
             raise
         self.attention_masked = [s for s in self.sessions.values() if "attention_mask" in
                                  {t.name for t in s.manifest.inputs}]   # an ONNX decoder's steps
+        check_files(self.bundle, self.spec.files)
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
         self.backend = next(iter(self.sessions.values())).backend
         self._processor = None
@@ -451,7 +500,9 @@ class GenerativeSession:
             except ImportError:
                 raise RunError("text prompts need transformers (pip install transformers); or give token ids") from None
             kind = transformers.AutoProcessor if self.spec.vision else transformers.AutoTokenizer
-            self._processor = kind.from_pretrained(self.bundle / "tokenizer")
+            # the bundle's own files, checked when it was opened: never the Hub, never code of its own
+            self._processor = kind.from_pretrained(self.bundle / TOKENIZER, local_files_only=True,
+                                                   trust_remote_code=False)
         return self._processor
 
     @property
