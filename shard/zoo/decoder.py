@@ -37,31 +37,59 @@ VLM = ("idefics3",)   # a decoder of the family after a vision tower
 
 def load_causal_lm(source: Path):
     """(model, tokenizer) of a GGUF file (dequantized to float32) or a transformers folder, eager
-    attention; of an Idefics3 folder (model, processor); ShardError for any other model."""
+    attention; of an Idefics3 folder (model, processor); ShardError for any other model, and for a
+    checkpoint missing a tensor its architecture needs (transformers fills one with random values).
+    Read from the disk alone: never the Hub, never a checkpoint's own code."""
     gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
     folder = source.parent if gguf else source
+    local = {"local_files_only": True, "trust_remote_code": False}
     try:
-        config = tf.AutoConfig.from_pretrained(folder, **gguf)
-        tokenizer = tf.AutoTokenizer.from_pretrained(folder, **gguf)
+        config = tf.AutoConfig.from_pretrained(folder, **gguf, **local)
+        tokenizer = tf.AutoTokenizer.from_pretrained(folder, **gguf, **local)
     except (OSError, ValueError) as exc:
         raise ShardError(f"{source}: not a model transformers reads ({str(exc).splitlines()[0]})") from None
-    if config.model_type in VLM and not gguf:
-        model = tf.AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
-        return model.eval(), tf.AutoProcessor.from_pretrained(folder)
-    if config.model_type not in FAMILY:
+    if config.model_type not in FAMILY and config.model_type not in VLM or config.model_type in VLM and gguf:
         raise ShardError(f"{source}: a {config.model_type} model; shard compiles decoders of the Llama family "
                          f"({', '.join(FAMILY)}) and VLMs built on them ({', '.join(VLM)})")
     if not gguf:
-        model = tf.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32)
+        kind = tf.AutoModelForImageTextToText if config.model_type in VLM else tf.AutoModelForCausalLM
+        try:
+            model, info = kind.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
+                                               output_loading_info=True, **local)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise ShardError(f"{source}: not a checkpoint transformers reads ({str(exc).splitlines()[0]})") from None
+        check_complete(source, model, info["missing_keys"], info["unexpected_keys"],
+                       [str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", ())])
+        if config.model_type in VLM:
+            return model.eval(), tf.AutoProcessor.from_pretrained(folder, **local)
         return model.eval(), tokenizer
     # from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    weights = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
+    try:
+        weights = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
+        loaded = model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
+    except RuntimeError as exc:   # a tensor of another shape than the config implies
+        raise ShardError(f"{source}: a tensor does not fit the architecture its metadata describes "
+                         f"({' '.join(str(exc).split())[:300]})") from None
+    check_complete(source, model, loaded.missing_keys, loaded.unexpected_keys, [])
     model.tie_weights()
     return model, tokenizer
+
+
+def check_complete(source: Path, model, missing, unexpected, mismatched: list[str]) -> None:
+    """One line where the checkpoint lacks a tensor the architecture needs (one it ties to another,
+    the LM head to the embeddings, excepted), holds one it has no place for, or one of another shape."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    missing = sorted(set(missing) - tied)
+    for what, names in (("lacks", missing), ("holds tensors its architecture has no place for:", sorted(unexpected)),
+                        ("holds tensors of other shapes than its config implies:", sorted(mismatched))):
+        if names:
+            detail = f"{len(names)} of the tensors its architecture needs, first {names[0]}" if what == "lacks" \
+                else f"{len(names)}, first {names[0]}"
+            raise ShardError(f"{source}: an incomplete checkpoint: it {what} {detail}; nothing is compiled "
+                             f"(transformers would fill a missing one with random values)")
 
 
 def checkpoint_record(source: Path) -> dict:
