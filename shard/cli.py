@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from shard.errors import ShardError
+from shard.output_files import check_output_file
 from shard.targets.chips import DEFAULT_TARGET, targets_help
 
 app = typer.Typer(help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
@@ -629,6 +630,8 @@ def run_command(
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
     check_save(save)
+    if save and save.resolve().is_relative_to(bundle.resolve()):
+        raise ShardError(f"--save {save}: inside the bundle {bundle}, which this reads; write the outputs elsewhere")
     if ray:
         return run_on_board_node(bundle, ray, input, repeat, save, timeout,
                                  others=backend not in (None, "board") or bool(stream or trace or cores or schedule))
@@ -780,10 +783,13 @@ def generate_command(
     timeout: Optional[float] = typer.Option(None, help="Stop with an error if one shard runs longer (seconds)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the prompt's and the answer's token ids, "
                                                                  "the text and every step's time here."),
+    force: bool = typer.Option(False, "--force", help="Replace the --json file if one is there."),
 ) -> None:
     """Generate text with a decoder's bundle: the prompt in chunks, then a token a step, streamed."""
     from shard.runtime.generate import GenerativeSession, is_generative
 
+    if json_out:
+        check_output_file(json_out, "--json", bundle, force)
     if (prompt is None) == (ids is None):
         raise ShardError("give the prompt as --prompt TEXT or as --ids 1,2,3 (one of the two)")
     if not is_generative(bundle):
@@ -830,6 +836,7 @@ def verify_command(
                                           "the model's inputs with a leading sample axis [default: one seeded "
                                           "random sample]."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report here."),
+    force: bool = typer.Option(False, "--force", help="Replace the --json file if one is there."),
     prompt: list[str] = typer.Option([], "--prompt", help="A generative bundle: a chat prompt to check (repeatable) "
                                                           "[default: two built-in prompts]."),
     new: int = typer.Option(32, help="A generative bundle: greedy tokens compared per prompt."),
@@ -845,6 +852,8 @@ def verify_command(
     from shard.runtime.buckets import is_bucketed, read_buckets
     from shard.runtime.generate import is_generative
 
+    if json_out:
+        check_output_file(json_out, "--json", bundle, force)
     if is_generative(bundle):
         return verify_decoder(bundle, reference, backend, prompt, new, forced, min_cosine, min_top1, json_out)
     if not is_bucketed(bundle):
@@ -992,12 +1001,15 @@ def pack_command(bundle: Path = typer.Argument(..., help="A bundle from `shard c
                  output: Optional[Path] = typer.Option(None, "--output", "-o", help="The pack [default: BUNDLE's "
                                                                                     "name .tar.gz]."),
                  with_onnx: bool = typer.Option(False, "--with-onnx", help="Also the shard ONNX files, so the pack "
-                                                                          "runs anywhere with --backend cpu.")) -> None:
+                                                                          "runs anywhere with --backend cpu."),
+                 force: bool = typer.Option(False, "--force", help="Replace the pack if one is there.")) -> None:
     """One .tar.gz with what a board needs: the artifacts, the manifest, the host steps, the runtime
     itself, run.py and a README. The same bundle packs to the same bytes."""
     from shard.pack import pack_bundle
 
-    path = pack_bundle(bundle, output or bundle.with_name(f"{bundle.stem}.tar.gz"), with_onnx)
+    output = output or bundle.with_name(f"{bundle.stem}.tar.gz")
+    check_output_file(output, "-o", bundle, force)
+    path = pack_bundle(bundle, output, with_onnx)
     console.print(f"pack: {path} ({path.stat().st_size / 1e6:.1f} MB); on the board: tar xzf {path.name} && "
                   f"python {path.name[:-len('.tar.gz')]}/run.py --input x.npy")
 

@@ -345,3 +345,16 @@ def test_several_models_for_several_targets_each_get_a_bundle_and_one_failing_st
     assert_one_line_error(res, "-o names one bundle")
     res = shard_cli("probe", "--target", "rk3588,rk3576", "-o", tmp_path / "p.json")
     assert_one_line_error(res, "-o names one profile")
+
+
+def test_a_pack_is_never_written_into_its_bundle_nor_over_a_file(save, tmp_path):
+    model = save(add_model([1, 4]))
+    assert shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "m.shard").returncode == 0
+    assert_one_line_error(shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "m.shard" / "p.tar.gz"),
+                          "inside the bundle")
+    assert_one_line_error(shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "no" / "p.tar.gz"), "no folder")
+    (tmp_path / "p.tar.gz").write_text("mine")
+    assert_one_line_error(shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "p.tar.gz"), "pass --force")
+    assert (tmp_path / "p.tar.gz").read_text() == "mine"
+    assert shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "p.tar.gz", "--force").returncode == 0
+    assert not (tmp_path / "m.shard" / "p.tar.gz").exists()

@@ -493,6 +493,29 @@ def test_a_tokenizer_asking_for_code_of_its_own_is_refused_even_with_its_hash(cp
         check_files(copy, spec["files"])
 
 
+def test_json_never_writes_into_the_bundle_or_over_a_file_and_is_checked_before_the_generation(
+        checkpoint, cpu_bundle, tmp_path):
+    # --json lm.shard/generative.json overwrote the bundle's own spec; --json into a missing folder
+    # failed after the whole generation, losing it.
+    copy = tmp_path / "lm.shard"
+    shutil.copytree(cpu_bundle.bundle, copy)
+    spec = (copy / "generative.json").read_bytes()
+    generate = ("generate", str(copy), "--ids", "5,17", "--max-new-tokens", "2", "--json")
+    for path, fragment in ((copy / "generative.json", "inside the bundle"), (copy / "decode" / "x.json", "inside the bundle"),
+                           (tmp_path / "nowhere" / "out.json", "no folder"), (tmp_path, "a folder is there")):
+        res = shard_cli(*generate, str(path))
+        assert res.returncode == 1 and "Traceback" not in res.stderr and fragment in res.stderr, res.stderr
+        assert "new;" not in res.stderr   # refused before the generation ran
+    assert (copy / "generative.json").read_bytes() == spec
+    (tmp_path / "out.json").write_text("mine")
+    res = shard_cli(*generate, str(tmp_path / "out.json"))
+    assert res.returncode == 1 and "pass --force" in res.stderr and (tmp_path / "out.json").read_text() == "mine"
+    res = shard_cli(*generate, str(tmp_path / "out.json"), "--force")
+    assert res.returncode == 0 and json.loads((tmp_path / "out.json").read_text())["prompt_ids"] == [5, 17]
+    res = shard_cli("verify", str(copy), "--reference", str(checkpoint[0]), "--json", str(copy / "generative.json"))
+    assert res.returncode == 1 and "inside the bundle" in res.stderr and (copy / "generative.json").read_bytes() == spec
+
+
 @pytest.fixture(scope="module")
 def vlm(checkpoint, tmp_path_factory):
     """SmolVLM's architecture (Idefics3) around the 2-layer Llama: one SigLIP layer at 128 x 128 (64
