@@ -527,7 +527,8 @@ def rewrite_softmaxes(graph: gs.Graph, evidence: str, ctx: PassContext) -> tuple
         label = node.name or node.outputs[0].name
         if not 2 <= rank <= 4 or axis % rank != rank - 1 or not is_static(shape):
             left.append({"node": label, "op": "Softmax", "reason": f"axis {axis} of rank {rank}: only the last "
-                                                                   f"axis of a static 2-D to 4-D tensor is rewritten"})
+                                                                   f"axis of a static 2-D to 4-D tensor is rewritten",
+                         "action": "left to the compiler"})
             continue
         rewrite_softmax(graph, node)
         changes.append({"node": label, "op": "Softmax", "shape": list(shape),
@@ -884,8 +885,8 @@ def rewrite_row_gathers(graph: gs.Graph) -> list[dict]:
         e.op("MatMul", "pick", [onehot, data], [product])
         e.op("Reshape", "back", [product, e.const("shape", [int(d) for d in out.shape], np.int64)], [out])
         changes.append({"node": node.name, "op": "Gather", "form": "one-hot rows",
-                        "reason": f"rows of {data.name} at indices the host computes ({indices.name}): "
-                                  f"one-hot [{picks}, {rows}] on the host, a MatMul on the NPU"})
+                        "reason": f"rows of {data.name} at indices the host computes ({indices.name})",
+                        "action": f"one-hot [{picks}, {rows}] on the host, a MatMul on the NPU"})
     return changes
 
 
