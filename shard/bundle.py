@@ -180,11 +180,13 @@ def read_versioned(path: Path, version: int, what: str, build: Callable[[dict], 
     refused in one line where it is unreadable or of another schema."""
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise BundleError(f"{path}: unreadable {what} file (not a JSON object)")
         if data.get("schema_version") != version:
             raise BundleError(f"{path}: {what} schema {data.get('schema_version')!r}, this shard reads {version}; "
                               f"recompile the model")
         return build(data)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:   # ValueError: JSON, UTF-8
         raise BundleError(f"{path}: unreadable {what} file ({exc})") from None
 
 

@@ -493,6 +493,44 @@ def test_a_tokenizer_asking_for_code_of_its_own_is_refused_even_with_its_hash(cp
         check_files(copy, spec["files"])
 
 
+def edit_spec(change):
+    def edit(bundle: Path) -> None:
+        data = json.loads((bundle / "generative.json").read_text())
+        change(data)
+        (bundle / "generative.json").write_text(json.dumps(data))
+    return edit
+
+
+def link_program_out(bundle: Path) -> None:
+    shutil.move(bundle / "decode", bundle.parent / "decode-elsewhere")
+    (bundle / "decode").symlink_to(bundle.parent / "decode-elsewhere")
+
+
+SPEC_DAMAGE = {
+    "a list": (lambda b: (b / "generative.json").write_text("[1, 2]"), "not a JSON object"),
+    "not UTF-8": (lambda b: (b / "generative.json").write_bytes(b'{"layers": "\xff\xfe"}'), "unreadable generative"),
+    "negative layers": (edit_spec(lambda d: d.update(layers=-2)), "layers -2: expected a positive whole number"),
+    "stop: null": (edit_spec(lambda d: d.update(stop=None)), "stop None: expected a list of token ids"),
+    "a program out of the bundle": (edit_spec(lambda d: d["programs"][1].update(name="../../etc")),
+                                    "program '../../etc': expected a folder name"),
+    "an absolute program": (edit_spec(lambda d: d["programs"][1].update(name="/tmp")), "program '/tmp'"),
+    "a program linked out": (link_program_out, "program 'decode' is not a folder of the bundle"),
+    "a stop token changed": (edit_spec(lambda d: d.update(stop=[3])), "its digest differs"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SPEC_DAMAGE))
+def test_a_damaged_generative_spec_stops_in_one_line(cpu_bundle, tmp_path, damage):
+    # Each was a traceback (a list, non-UTF-8, wrong types), or was loaded (a program outside the bundle).
+    copy = tmp_path / "lm.shard"
+    shutil.copytree(cpu_bundle.bundle, copy)
+    change, fragment = SPEC_DAMAGE[damage]
+    change(copy)
+    res = shard_cli("generate", str(copy), "--ids", "5,17", "--max-new-tokens", "2")
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert fragment in res.stderr, res.stderr
+
+
 def test_json_never_writes_into_the_bundle_or_over_a_file_and_is_checked_before_the_generation(
         checkpoint, cpu_bundle, tmp_path):
     # --json lm.shard/generative.json overwrote the bundle's own spec; --json into a missing folder

@@ -358,9 +358,15 @@ class GenerativeSpec:
     files: dict = field(default_factory=dict)    # {"embeddings.npy" and each tokenizer/ file: [bytes, sha256]}
     vision: dict | None = None     # a VLM's: its program's folder, its image token, the image's side
     schema_version: int = SCHEMA_VERSION
+    digest: str = ""   # the sha256 of this spec's JSON with digest empty: a changed byte shows (as a manifest's)
 
     def to_json(self) -> str:
+        """The spec as written, sealed first."""
+        self.digest = self.own_digest()
         return json.dumps(asdict(self), indent=2) + "\n"
+
+    def own_digest(self) -> str:
+        return hashlib.sha256(json.dumps({**asdict(self), "digest": ""}, indent=2).encode()).hexdigest()
 
     @property
     def chunk(self) -> int:
@@ -385,11 +391,39 @@ def read_generative(bundle: str | Path) -> GenerativeSpec:
     path = Path(bundle) / GENERATIVE
     spec = read_versioned(path, SCHEMA_VERSION, "generative",
                           lambda data: GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]}))
+    wrong = spec_error(spec) or (None if spec.digest == spec.own_digest() else
+                                 "its digest differs: it was changed after the compile wrote it")
+    if wrong:
+        raise BundleError(f"{path}: malformed generative spec ({wrong}); recompile the model")
+    for name in [p.name for p in spec.programs] + ([spec.vision["program"]] if spec.vision else []):
+        folder = Path(bundle) / name
+        if folder.is_symlink() or not folder.resolve().is_relative_to(Path(bundle).resolve()):
+            raise BundleError(f"{path}: program {name!r} is not a folder of the bundle")
     have = {(p.width, p.capacity) for p in spec.programs}
     missing = [f"{w} at {c}" for c in spec.capacities for w in {spec.decode_width, spec.chunk} if (w, c) not in have]
     if not spec.programs or missing:
         raise BundleError(f"{path}: no program of width {', '.join(missing) or 1} to run steps with")
     return spec
+
+
+def spec_error(spec: GenerativeSpec) -> str | None:
+    """What in a generative spec is not of its schema's types and ranges (None: nothing)."""
+    count = lambda v: type(v) is int and v > 0  # noqa: E731 - bool is no count
+    plain = lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v  # noqa: E731
+    for field_name in ("layers", "kv_heads", "head_dim", "capacity", "vocab"):
+        if not count(getattr(spec, field_name)):
+            return f"{field_name} {getattr(spec, field_name)!r}: expected a positive whole number"
+    if not isinstance(spec.stop, list) or not all(type(t) is int and 0 <= t < spec.vocab for t in spec.stop):
+        return f"stop {spec.stop!r}: expected a list of token ids"
+    if not isinstance(spec.files, dict) or not isinstance(spec.source, dict):
+        return "files and source: expected objects"
+    for p in spec.programs:
+        if not (plain(p.name) and count(p.width) and count(p.capacity) and p.width <= p.capacity <= spec.capacity):
+            return f"program {p.name!r}: expected a folder name, a width and a capacity within the cache's"
+    if spec.vision is not None and not (isinstance(spec.vision, dict) and plain(spec.vision.get("program"))
+                                        and type(spec.vision.get("image_token")) is int):
+        return f"vision {spec.vision!r}: expected its program's folder and its image token"
+    return None
 
 
 @dataclass
