@@ -493,6 +493,15 @@ def test_a_tokenizer_asking_for_code_of_its_own_is_refused_even_with_its_hash(cp
         check_files(copy, spec["files"])
 
 
+def test_max_context_is_bounded_by_the_model_and_by_the_machine(checkpoint, tmp_path):
+    # --max-context 10000000 took 9.7 GB in seconds
+    for context, fragment in (("10000000", "at most 131072 tokens"), ("128", "made for at most 64 positions")):
+        res = shard_cli("compile", str(checkpoint[0]), "--target", "cpu", "--max-context", context, "-o",
+                        str(tmp_path / "lm.shard"))
+        assert res.returncode == 1 and "Traceback" not in res.stderr and fragment in res.stderr, res.stderr
+        assert not (tmp_path / "lm.shard").exists()
+
+
 def edit_spec(change):
     def edit(bundle: Path) -> None:
         data = json.loads((bundle / "generative.json").read_text())

@@ -48,6 +48,9 @@ class GenerativeResult:
     predicted: list[dict]      # per cache capacity
 
 
+MAX_CONTEXT = 1 << 17   # tokens a cache may hold, whatever the model (its config may say fewer)
+
+
 @dataclass
 class Decoder:
     """What a generative compile takes from a decoder, whichever form it came in."""
@@ -62,6 +65,7 @@ class Decoder:
     stop: list[int]
     weight_bytes: int                                 # fp16 bytes a step reads (decoder_bytes)
     vision: tuple[dict, Callable[[Path], Path]] | None = None   # a VLM's: its spec entry, its export
+    positions: int | None = None                      # the most positions the model was made for (its config)
 
 
 def checkpoint_decoder(source: Path) -> Decoder:
@@ -82,7 +86,7 @@ def checkpoint_decoder(source: Path) -> Decoder:
                    lambda path, width, capacity: export_step(model, path, width, capacity),
                    lambda path, width, capacity: step_samples(model, tokenizer, width, capacity),
                    embedding_table(model), tokenizer.save_pretrained, stop_ids(model, tokenizer),
-                   decoder_bytes(model), vision)
+                   decoder_bytes(model), vision, getattr(config, "max_position_embeddings", None))
 
 
 def onnx_decoder(source: Path) -> Decoder:
@@ -113,10 +117,15 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     if not capacities or not 1 <= chunk <= capacities[0]:
         raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to the smallest --max-context "
                          f"({capacities[0] if capacities else '?'}) tokens")
+    if capacities[-1] > MAX_CONTEXT:   # a cache of 10,000,000 tokens took 9.7 GB in seconds
+        raise ShardError(f"--max-context {capacities[-1]}: at most {MAX_CONTEXT} tokens")
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
     # an ONNX file is a decoder's only where read_onnx_decoder finds its layout (it says what is missing)
     decoder = onnx_decoder(source) if source.suffix == ".onnx" else checkpoint_decoder(source)
+    if decoder.positions and capacities[-1] > decoder.positions:
+        raise ShardError(f"--max-context {capacities[-1]}: {source.name} was made for at most {decoder.positions} "
+                         f"positions (its config's max_position_embeddings)")
     kinds = (("step", chunk),) if one_step else (("prefill", chunk), ("decode", 1))
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
                 for kind, width in kinds if width > 1 or kind != "prefill"]
