@@ -4,6 +4,11 @@ The public API is flat and imported lazily, so `import shard.runtime` on a devic
 nothing beyond numpy and the executor's own library.
 """
 
+from shard.packed import check_runtime, own_pack
+
+if own_pack() is not None:   # a pack's own copy: as it was packed, or nothing of it runs
+    check_runtime(own_pack())
+
 __version__ = "0.1.0"
 
 _API = {

@@ -68,6 +68,7 @@ class Manifest:
     schema_version: int = SCHEMA_VERSION
     shard_version: str = ""
     files: dict[str, dict] = field(default_factory=dict)   # {path: {"bytes", "sha256"}} of every file a run reads
+    runtime: dict[str, str] = field(default_factory=dict)  # a pack's: {its runtime's files: sha256} (runtime.packed)
     digest: str = ""   # the sha256 of this manifest's JSON with digest empty: a changed byte shows
 
     def to_json(self) -> str:
@@ -79,13 +80,15 @@ class Manifest:
         return hashlib.sha256(json.dumps({**self.written(), "digest": ""}, indent=2).encode()).hexdigest()
 
     def written(self) -> dict:
-        """What the file holds: without input_values where none was fixed and batch where it is 1, so a
-        bundle written before those fields existed keeps its digest."""
+        """What the file holds: without input_values where none was fixed, batch where it is 1 and runtime
+        outside a pack, so a bundle written before those fields existed keeps its digest."""
         data = asdict(self)
         if not data["input_values"]:
             del data["input_values"]
         if data["batch"] == 1:
             del data["batch"]
+        if not data["runtime"]:
+            del data["runtime"]
         return data
 
     @property

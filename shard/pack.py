@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
+import inspect
 import io
 import tarfile
 from pathlib import Path
@@ -24,8 +26,9 @@ from shard.bundle import MANIFEST, check_files, read_manifest
 from shard.errors import ShardError
 from shard.runtime.buckets import is_bucketed
 from shard.runtime.host import step_files
+from shard.packed import check_runtime
 
-RUNTIME = ("__init__.py", "bundle.py", "errors.py", "scratch.py", "runtime")   # what `import shard.runtime` needs
+RUNTIME = ("__init__.py", "bundle.py", "errors.py", "packed.py", "scratch.py", "runtime")   # what `import shard.runtime` needs
 LEFT_OUT = ("rknn_sim.py",)   # the simulator executor needs the x86 toolkit environment, never on a board
 
 RUN_PY = '''"""Run this pack's model with the runtime beside it: python run.py --help"""
@@ -33,6 +36,9 @@ import sys
 from pathlib import Path
 
 here = Path(__file__).resolve().parent
+{check}
+
+check_runtime(here)   # before anything of the pack is imported
 sys.path.insert(0, str(here))
 from shard.runtime.__main__ import main  # noqa: E402
 
@@ -87,13 +93,17 @@ def pack_bundle(bundle: str | Path, output: str | Path, with_onnx: bool = False)
             files[f"bundle/{rel}"] = (bundle / rel).read_bytes()
     packed = {rel.removeprefix("bundle/"): data for rel, data in files.items()}
     recorded = {rel: record for rel, record in manifest.files.items() if rel in packed}
-    files[f"bundle/{MANIFEST}"] = dataclasses.replace(manifest, shards=shards, files=recorded).to_json().encode()
     package = Path(shard.__file__).parent
+    code = {}
     for entry in RUNTIME:
         for path in ([package / entry] if entry.endswith(".py") else sorted((package / entry).rglob("*.py"))):
             if path.name not in LEFT_OUT:
-                files[f"shard/{path.relative_to(package)}"] = path.read_bytes()
-    files["run.py"] = RUN_PY.encode()
+                code[f"shard/{path.relative_to(package).as_posix()}"] = path.read_bytes()
+    runtime = {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(code.items())}
+    files[f"bundle/{MANIFEST}"] = dataclasses.replace(manifest, shards=shards, files=recorded,
+                                                      runtime=runtime).to_json().encode()
+    files.update(code)
+    files["run.py"] = RUN_PY.format(check=inspect.getsource(check_runtime)).encode()
     files["README.txt"] = README.format(
         name=name, source=manifest.source.get("name", "?"), version=shard.__version__, target=manifest.target,
         board=manifest.target.upper(),

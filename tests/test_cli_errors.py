@@ -358,3 +358,35 @@ def test_a_pack_is_never_written_into_its_bundle_nor_over_a_file(save, tmp_path)
     assert (tmp_path / "p.tar.gz").read_text() == "mine"
     assert shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "p.tar.gz", "--force").returncode == 0
     assert not (tmp_path / "m.shard" / "p.tar.gz").exists()
+
+
+def test_a_packs_runtime_code_runs_only_as_it_was_packed(save, tmp_path):
+    # The pack's bundled runtime had no recorded hash: an edited copy ran.
+    import subprocess
+    import sys
+    import tarfile
+
+    model = save(add_model([1, 4]))
+    assert shard_cli("compile", model, "--target", "cpu", "-o", tmp_path / "m.shard").returncode == 0
+    assert shard_cli("pack", tmp_path / "m.shard", "-o", tmp_path / "m.tar.gz").returncode == 0
+    with tarfile.open(tmp_path / "m.tar.gz") as tar:
+        tar.extractall(tmp_path / "out", filter="data")
+    here = tmp_path / "out" / "m"
+
+    def run(*args, cwd=here):
+        return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+    assert run("run.py", "--backend", "cpu").returncode == 0
+    code = here / "shard" / "runtime" / "__init__.py"
+    original = code.read_bytes()
+    code.write_bytes(original + b"\nprint('edited')\n")
+    for args in (("run.py", "--backend", "cpu"), ("-m", "shard.runtime", "bundle", "--backend", "cpu")):
+        res = run(*args)
+        assert res.returncode == 1 and "edited" not in res.stdout, res.stdout + res.stderr
+        assert "__init__.py: not the runtime code this pack was made with" in res.stderr, res.stderr
+    code.write_bytes(original)
+    (here / "shard" / "runtime" / "extra.py").write_text("")
+    res = run("run.py", "--backend", "cpu")
+    assert res.returncode == 1 and "extra.py: not the runtime code" in res.stderr
+    (here / "shard" / "runtime" / "extra.py").unlink()
+    assert run("run.py", "--backend", "cpu").returncode == 0   # __pycache__ the runs wrote is Python's own
