@@ -629,6 +629,7 @@ def run_command(
 
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
+    check_seconds(timeout)
     check_save(save)
     if save and save.resolve().is_relative_to(bundle.resolve()):
         raise ShardError(f"--save {save}: inside the bundle {bundle}, which this reads; write the outputs elsewhere")
@@ -790,6 +791,7 @@ def generate_command(
 
     if json_out:
         check_output_file(json_out, "--json", bundle, force)
+    check_seconds(timeout)
     if (prompt is None) == (ids is None):
         raise ShardError("give the prompt as --prompt TEXT or as --ids 1,2,3 (one of the two)")
     if not is_generative(bundle):
@@ -811,6 +813,12 @@ def generate_command(
               f"({session.backend})")
     if json_out:
         json_out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def check_seconds(seconds: float | None, option: str = "--timeout") -> None:
+    """A time limit the user gave: a number of seconds above 0 (0, -1 and nan were taken and ignored)."""
+    if seconds is not None and not 0.0 < seconds < float("inf"):
+        raise ShardError(f"{option} {seconds}: expected a number of seconds above 0")
 
 
 def parse_ids(text: str, option: str = "--ids") -> list[int]:

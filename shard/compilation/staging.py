@@ -48,6 +48,8 @@ def check_options(options: CompileOptions) -> None:
         raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
     if not 0.0 < options.min_cosine <= 1.0:
         raise ShardError(f"--min-cosine {options.min_cosine}: expected a cosine in (0, 1]")
+    if not 0.0 < options.timeout < float("inf"):   # 0, -1 and nan were taken and ignored
+        raise ShardError(f"--timeout {options.timeout}: expected a number of seconds above 0")
 
 
 def check_output_path(output: Path, model: Path | None = None) -> None:

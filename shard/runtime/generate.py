@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +43,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from shard.bundle import read_versioned
-from shard.errors import BundleError, RunError
+from shard.errors import BundleError, RunError, ShardError
 from shard.runtime.executors import held_nhwc, to_host
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
@@ -222,8 +223,10 @@ def greedy(logits: np.ndarray) -> int:
 def sampler(temperature: float, top_p: float = 1.0, seed: int = 0) -> Callable[[np.ndarray], int]:
     """Greedy at temperature 0; else a token drawn from softmax(logits / temperature) cut to the
     smallest set of most likely tokens whose probability reaches top_p, from a generator seeded once."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise RunError(f"temperature must be at least 0 and top-p in (0, 1]; got {temperature} and {top_p}")
+    if not (0 <= temperature < math.inf and 0 < top_p <= 1):   # NaN fails both
+        raise RunError(f"temperature must be a number of at least 0 and top-p in (0, 1]; got {temperature} and {top_p}")
+    if not 0 <= seed < 2**63:
+        raise RunError(f"the seed must be a whole number from 0 to 2^63 - 1; got {seed}")
     if temperature == 0:
         return greedy
     rng = np.random.default_rng(seed)
@@ -265,6 +268,7 @@ TOKENIZER = "tokenizer"
 # 2: a step of more than one token returns its last real token's logits (PICK); 3: every file of the
 # tokenizer folder recorded beside the embeddings (a replaced tokenizer.json changed the text, exit 0)
 SCHEMA_VERSION = 3
+MAX_PIXELS = 8192 * 8192   # an image's pixels at most (the processor shrinks it to a few hundred a side)
 CUSTOM_CODE = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json", "config.json")
 
 
@@ -333,8 +337,11 @@ def read_image(image):
 
     try:
         with Image.open(image) as opened:
+            if opened.width * opened.height > MAX_PIXELS:   # a header may declare 20000 x 20000
+                raise RunError(f"{image}: {opened.width} x {opened.height} pixels, more than an image shard reads "
+                               f"({MAX_PIXELS} at most); shrink it first")
             return opened.convert("RGB")
-    except OSError as exc:
+    except (OSError, Image.DecompressionBombError, ValueError) as exc:
         raise RunError(f"{image}: not an image this can read ({exc})") from None
 
 
@@ -551,6 +558,16 @@ class GenerativeSession:
             raise RunError(f"{self.bundle} is a text-only model's bundle: it takes no image")
         if not isinstance(prompt, str):
             return [int(t) for t in prompt], None
+        try:
+            return self.tokenized(prompt, chat, images)
+        except ShardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's tokenizer and chat template (jinja2) raise their own
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise RunError(f"{self.bundle / TOKENIZER}: the model's tokenizer or chat template failed on the prompt "
+                           f"({type(exc).__name__}: {first})") from None
+
+    def tokenized(self, prompt: str, chat: bool, images: list | None) -> tuple[list[int], np.ndarray | None]:
         if not images:
             if chat:
                 return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,

@@ -46,8 +46,8 @@ def load_causal_lm(source: Path):
     try:
         config = tf.AutoConfig.from_pretrained(folder, **gguf, **local)
         tokenizer = tf.AutoTokenizer.from_pretrained(folder, **gguf, **local)
-    except (OSError, ValueError) as exc:
-        raise ShardError(f"{source}: not a model transformers reads ({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers and its readers raise many kinds for a file it cannot read
+        raise ShardError(f"{source}: not a model transformers reads ({first_line(exc)})") from None
     if config.model_type not in FAMILY and config.model_type not in VLM or config.model_type in VLM and gguf:
         raise ShardError(f"{source}: a {config.model_type} model; shard compiles decoders of the Llama family "
                          f"({', '.join(FAMILY)}) and VLMs built on them ({', '.join(VLM)})")
@@ -56,8 +56,8 @@ def load_causal_lm(source: Path):
         try:
             model, info = kind.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32,
                                                output_loading_info=True, **local)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise ShardError(f"{source}: not a checkpoint transformers reads ({str(exc).splitlines()[0]})") from None
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise ShardError(f"{source}: not a checkpoint transformers reads ({first_line(exc)})") from None
         check_complete(source, model, info["missing_keys"], info["unexpected_keys"],
                        [str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get("mismatched_keys", ())])
         if config.model_type in VLM:
@@ -66,16 +66,24 @@ def load_causal_lm(source: Path):
     # from_pretrained(gguf_file=...) asks for accelerate; the checkpoint reader alone does not.
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     try:
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
         weights = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
         loaded = model.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()}, strict=False)
     except RuntimeError as exc:   # a tensor of another shape than the config implies
         raise ShardError(f"{source}: a tensor does not fit the architecture its metadata describes "
                          f"({' '.join(str(exc).split())[:300]})") from None
+    except Exception as exc:  # noqa: BLE001 - as above (a truncated file, heads that do not divide the width)
+        raise ShardError(f"{source}: not a checkpoint transformers reads ({first_line(exc)})") from None
     check_complete(source, model, loaded.missing_keys, loaded.unexpected_keys, [])
     model.tie_weights()
     return model, tokenizer
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line: its last non-empty line (a validator's reason comes last)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
 
 
 def check_complete(source: Path, model, missing, unexpected, mismatched: list[str]) -> None:
