@@ -34,8 +34,9 @@ def gguf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """A GGUF file of a Llama with a byte-level BPE tokenizer of 32 tokens, as llama.cpp writes one."""
+def write_gguf(path: Path, tensors: dict[str, np.ndarray], heads: int = HEADS) -> Path:
+    """A GGUF file of a Llama with a byte-level BPE tokenizer of 32 tokens, as llama.cpp writes one
+    (`heads`: the attention heads its metadata says)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -43,7 +44,7 @@ def write_gguf(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
+    writer.add_head_count(heads)
     writer.add_head_count_kv(KV)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)

@@ -38,6 +38,8 @@ def cases(root: Path, bundle: Path, folder: Path) -> dict[str, tuple[tuple, dict
     whole = write_gguf(root / "whole.gguf", tensors).read_bytes()
     (root / "trunc").mkdir()
     (root / "trunc" / "lm.gguf").write_bytes(whole[: len(whole) // 2])
+    (root / "heads").mkdir()
+    write_gguf(root / "heads" / "lm.gguf", tensors, heads=3)   # 64 wide: 3 heads do not divide it
     (root / "noweights").mkdir()
     shutil.copy(folder / "config.json", root / "noweights" / "config.json")
     (root / "a-file").write_text("x")
@@ -57,6 +59,8 @@ def cases(root: Path, bundle: Path, folder: Path) -> dict[str, tuple[tuple, dict
         "a chat template that raises": (("generate", str(raising), "--prompt", "hi", "--chat"), {}),
         "a truncated GGUF": (("compile", str(root / "trunc" / "lm.gguf"), "--target", "cpu", "-o",
                               str(root / "t.shard")), {}),
+        "heads that do not divide the width": (("compile", str(root / "heads" / "lm.gguf"), "--target", "cpu",
+                                                "-o", str(root / "h.shard")), {}),
         "a folder without weights": (("compile", str(root / "noweights"), "--target", "cpu", "-o",
                                       str(root / "n.shard")), {}),
         "SHARD_BUILD_CACHE at a file": (("compile", str(model), "--target", "cpu", "-o", str(root / "c.shard")),

@@ -1,5 +1,5 @@
-"""Damaged bundles and packs never give a silently different answer: a run either equals the clean run
-bit for bit or stops with one line (a ShardError). Before, a byte flipped in a pack ran with exit 0
+"""Damaged bundles, generative bundles and packs never give a silently different answer: a run either
+equals the clean run bit for bit or stops with one line (a ShardError). Before, a byte flipped in a pack ran with exit 0
 and another output: gzip's CRC went unseen and nothing recorded the files' hashes."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import mlp_chain
+from test_generative import checkpoint  # noqa: F401 - a fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ import shard
 from shard.options import CompileOptions
 from shard.errors import ShardError
 from shard.pack import pack_bundle
+from shard.packed import check_runtime
 from shard.runtime.__main__ import unpack
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -90,7 +92,50 @@ def test_a_damaged_pack_runs_as_it_was_or_stops_in_one_line(clean, tmp_path, dat
         bundle = unpack(copy, work / "out")
     except ShardError as exc:
         return one_line(exc)
+    try:   # the pack's own runtime code, as run.py checks it before importing any of it
+        check_runtime(bundle.parent)
+    except SystemExit as exc:
+        return assert_one_error_line(str(exc.code))
     run_or_refuse(bundle, x, want)
+
+
+def assert_one_error_line(text: str) -> None:
+    assert text.startswith("error: ") and "\n" not in text.strip(), text
+
+
+@pytest.fixture(scope="module")
+def generative(checkpoint, tmp_path_factory):
+    """A cpu generative bundle of the 2-layer Llama (test_generative), and its clean answer to a chat
+    prompt in text: the prompt's ids, the new tokens, the text."""
+    from shard.compilation.generative import compile_generative
+    from shard.runtime.generate import GenerativeSession
+
+    bundle = compile_generative(checkpoint[0], "cpu", tmp_path_factory.mktemp("lm") / "lm.shard", capacity=16,
+                                chunk=4).bundle
+    with GenerativeSession(bundle, backend="cpu") as session:
+        out = session.generate("w5 w17 w3", max_new_tokens=4, chat=True)
+    return bundle, (out.prompt, out.tokens, out.text)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_damaged_generative_bundle_answers_as_it_did_or_stops_in_one_line(generative, tmp_path, data):
+    # Its tokenizer had no hash: a swapped tokenizer.json changed the text with exit 0.
+    from shard.runtime.generate import GenerativeSession
+
+    bundle, want = generative
+    copy = tmp_path / "copy.shard"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(bundle, copy)
+    files = sorted(p for p in copy.rglob("*") if p.is_file())
+    damage(data.draw(st.sampled_from(files), label="file"), data)
+    try:
+        with GenerativeSession(copy, backend="cpu") as session:
+            out = session.generate("w5 w17 w3", max_new_tokens=4, chat=True)
+    except ShardError as exc:
+        return one_line(exc)
+    assert (out.prompt, out.tokens, out.text) == want
 
 
 def test_a_pack_that_unpacks_past_its_limit_or_holds_two_bundles_is_refused(clean, tmp_path):
