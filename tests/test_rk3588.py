@@ -107,6 +107,14 @@ def test_vendor_crash_names_the_build_and_log_and_shard_builds_without_the_rule(
     assert result.report["totals"]["cpu_ops"] == 0 and result.report["versus_vendor"]["verdict"] == "better"
 
 
+def test_vendor_only_says_what_it_built_and_no_verdict(save, tmp_path):
+    # It printed "shard / vendor alone: ... CPU ops 0 / 1, est. Mcycles 0.0 / 2.7: better": zeros of no build.
+    result = shard.compile(save(add_model([1, 64])), "rk3588", tmp_path / "v.shard", CompileOptions(vendor_only=True))
+    line = result.report["versus_vendor"]["line"]
+    assert line.startswith("vendor alone (--vendor-only, no comparison made): builds yes")
+    assert "better" not in line and "shard /" not in line
+
+
 def test_vendor_timeout_names_shard_and_log(save, tmp_path):
     # The worker's first build imports the toolkit (about 1.7 s): a 0.2 s budget cannot be met.
     with pytest.raises(CompileError, match=r"shard_000: the vendor build timed out \(no answer within 0.2 s; killed\); log: "):

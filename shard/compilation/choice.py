@@ -177,6 +177,9 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
     theirs = Figures.of([vendor]).with_handoffs(handoffs([whole]))
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
     versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
+    if vendor_only:   # nothing of shard's was built: no side to stand beside it, no verdict to print
+        versus["line"] = "vendor alone (--vendor-only, no comparison made): " + ", ".join(
+            f"{LABELS[a]} {theirs.show(a)}" for a in AXES)
     return ([(VENDOR_ALONE, whole)] if fall_back else chosen), versus
 
 
