@@ -103,6 +103,11 @@ FIDELITY_HELP = ("Run the bundle and the vendor alone's on the simulator (the fi
                  "is compared].")
 
 
+MIN_COSINE_HELP = ("fp16: the floor under the bundle's simulator cosine wherever fidelity is checked (a bundle under "
+                   "it, or with a NaN or an Inf in any precision, is not written); --precision mixed: the cosine on "
+                   "the calibration samples to reach.")
+
+
 @app.command("compile")
 def compile_command(
     models: list[Path] = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers "
@@ -148,12 +153,9 @@ def compile_command(
                                                "calibration samples each shard sees); or mixed (linears in int8, "
                                                "the rest in fp16, the most sensitive linears moved to fp16 until "
                                                "--min-cosine holds on the simulator)."),
-    min_cosine: float = typer.Option(0.999, help="fp16: the floor under the bundle's simulator cosine wherever "
-                                                 "fidelity is checked (a bundle under it, or with a NaN or an Inf "
-                                                 "in any precision, is not written); --precision mixed: the "
-                                                 "cosine on the calibration samples to reach."),
+    min_cosine: float = typer.Option(0.999, help=MIN_COSINE_HELP),
     allow_low_fidelity: bool = typer.Option(False, "--allow-low-fidelity", help="Write a bundle under the fidelity "
-                                                                                "floor anyway, with a warning."),
+                                                                                "floor, with a warning."),
     calib: Optional[Path] = typer.Option(None, help="Calibration samples: an .npz of arrays named after the model's "
                                                     "inputs, each with a leading sample axis ([N, 1, 128] for "
                                                     "input_ids) [default: 8 seeded random samples, with a warning]."),
@@ -627,12 +629,8 @@ def run_command(
     from shard.runtime.__main__ import check_save, read_inputs, save_outputs
     from shard.runtime.buckets import is_bucketed
 
-    if repeat < 1 or stream < 0:
-        raise ShardError("--repeat must be at least 1 and --stream at least 0")
-    check_seconds(timeout)
-    check_save(save)
-    if save and save.resolve().is_relative_to(bundle.resolve()):
-        raise ShardError(f"--save {save}: inside the bundle {bundle}, which this reads; write the outputs elsewhere")
+    check_run_options(repeat, stream, timeout)
+    check_save(save, bundle)
     if ray:
         return run_on_board_node(bundle, ray, input, repeat, save, timeout,
                                  others=backend not in (None, "board") or bool(stream or trace or cores or schedule))
@@ -813,6 +811,12 @@ def generate_command(
               f"({session.backend})")
     if json_out:
         json_out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def check_run_options(repeat: int, stream: int, timeout: float | None) -> None:
+    if repeat < 1 or stream < 0:
+        raise ShardError("--repeat must be at least 1 and --stream at least 0")
+    check_seconds(timeout)
 
 
 def check_seconds(seconds: float | None, option: str = "--timeout") -> None:

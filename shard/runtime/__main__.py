@@ -46,10 +46,13 @@ def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_save(folder: Path | None) -> None:
-    """Refuse a --save path that is not a folder, before the run rather than after it."""
+def check_save(folder: Path | None, bundle: Path | None = None) -> None:
+    """Refuse a --save path that is not a folder, or lies inside the bundle run, before the run rather
+    than after it."""
     if folder is not None and folder.exists() and not folder.is_dir():
         raise RunError(f"--save {folder}: a file is there; --save names a folder to write NAME.npy files in")
+    if folder is not None and bundle is not None and folder.resolve().is_relative_to(Path(bundle).resolve()):
+        raise RunError(f"--save {folder}: inside the bundle {bundle}, which this reads; write the outputs elsewhere")
 
 
 def save_outputs(outputs: dict[str, np.ndarray], folder: Path) -> list[Path]:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, help="stop with an error if one shard runs longer (seconds)")
     args = ap.parse_args(argv)
     try:
-        check_save(args.save)
+        check_save(args.save, Path(args.bundle))
         with scratch.temporary("pack") as tmp:
             path = Path(args.bundle)
             bundle = unpack(path, Path(tmp)) if path.is_file() else path
