@@ -57,6 +57,7 @@ def cases(root: Path, bundle: Path, folder: Path) -> dict[str, tuple[tuple, dict
         "--json at a folder": ((*ids, "--json", str(root)), {}),
         "--json in a missing folder": ((*ids, "--json", str(root / "nowhere" / "x.json")), {}),
         "a chat template that raises": (("generate", str(raising), "--prompt", "hi", "--chat"), {}),
+        "verify --reference nosuch (never the Hub)": (("verify", str(bundle), "--reference", str(root / "nosuch")), {}),
         "a truncated GGUF": (("compile", str(root / "trunc" / "lm.gguf"), "--target", "cpu", "-o",
                               str(root / "t.shard")), {}),
         "heads that do not divide the width": (("compile", str(root / "heads" / "lm.gguf"), "--target", "cpu",

@@ -664,8 +664,10 @@ class Rescaler:
     def weighted(self, node: gs.Node, weight: gs.Constant, kx: int, outs: list) -> None:
         """A linear with a constant weight: the weight (and bias) carry the factor change."""
         ky = max(kx, self.needed(outs[0])) if outs else kx
-        if outs and ky > self.most(outs[0]):   # its values shrank: the weights take the excess back
-            ky = max(self.needed(outs[0]), int(self.most(outs[0])))
+        if outs and ky > self.most(outs[0]):   # its values shrank: the weights take the excess back,
+            top = float(np.max(np.abs(weight.values))) if weight.values.size else 0.0   # as far as fp16 holds them
+            room = math.floor(math.log2(float(np.finfo(np.float16).max) / top)) if top else ky
+            ky = min(ky, max(self.needed(outs[0]), int(self.most(outs[0])), kx - room))
         if not (kx or ky):
             return
         node.inputs[1] = fp16_weights(times(weight, kx - ky), weight, node.name)
