@@ -68,6 +68,7 @@ def check_output_path(output: Path, model: Path | None = None) -> None:
         raise ShardError(f"{output.parent}: no such directory for the bundle")
     remove_stale_staging(output)
 
+
 def not_a_bundle(folder: Path) -> str | None:
     """Why `folder` is not a bundle shard wrote (None where it is): a manifest sealed by its own digest
     with every file it names in place, or a decoder's or buckets' spec whose every program or bucket
