@@ -533,6 +533,10 @@ def print_changes(report: dict) -> None:
             ops = sorted({c["op"] for c in left[SHOWN_LEFT:]})
             console.print(f"[yellow]warning[/]: {name}: {len(left) - SHOWN_LEFT} more ops left as is ({', '.join(ops)}); "
                           f"report.json lists each under passes.{name}.not_fixed")
+        tried = passed.get("tried", [])
+        if tried:   # what failed built alone and was left whole: the model's build (the figures above) decides
+            console.print(f"{name}: {len(tried)} {tried[0]['op']} regions fail built alone and were left whole "
+                          f"({tried[0]['reason'][:120]}); report.json lists each under passes.{name}.tried")
 
 
 def alike(changes: list[dict], dropped: dict) -> list[list[dict]]:
