@@ -108,72 +108,77 @@ MIN_COSINE_HELP = ("fp16: the floor under the bundle's simulator cosine wherever
                    "the calibration samples to reach.")
 
 
+COMPILE_HELP = {   # the longer option helps of `shard compile`
+    "models": 'The ONNX model; or a decoder (a GGUF file or a transformers folder) for a generative bundle (`shard '
+        'generate`). Several: each compiled in turn, to MODEL[-TARGET].shard.',
+    "input_shape": "Fix an input's shape: NAME=1,3,512,512; or buckets: input_ids=1,64|1,128|1,256 (a variant each; "
+        'inputs run on the smallest that fits).',
+    "shards": 'Number of shards [default: one, as each cut is a hand-off on the board; for a model of over about '
+        '320 MB of weights, as many as keep its vendor builds, one at a time, within half of the memory of '
+        "the whole model's; thor and cuda: pipeline stages, 2].",
+    "disable": 'Skip an optional pass (repeatable): slow_paths, tile_attention, legalize, host_edges.',
+    "tile_attention": 'auto (tile attention only where a limit requires it), off, or force.',
+    "fusion_barrier": 'check (confirm tiles stay apart in the vendor log), rules (also pass --disable-rule names to the '
+        'toolkit) or pill.',
+    "disable_rule": 'A toolkit fusion rule to switch off (with --fusion-barrier rules; repeatable).',
+    "dump_after": 'PASS DIR: write the graph after PASS as DIR/after-PASS.onnx.',
+    "vendor_baseline": 'Also build the model as it came with the vendor toolkit alone, print both side by side, and never be'
+        ' worse than it.',
+    "vendor_alone": 'How the vendor alone is built for the comparison: whole (the model as it came, one build), shards '
+        "(each shard built without its rewrites: no build beyond shard's own, for machines the whole build "
+        'does not fit), or auto (whole where its predicted memory is at most half of what is available, and, '
+        'for a large model in fp16, a core is free for it beside the --jobs builds).',
+    "vendor_only": "Make the vendor alone's bundle instead (the model as it came, one build, no rewrites): a baseline to"
+        " run and verify beside shard's.",
+    "precision": 'fp16; int8 (every shard quantized by the vendor from the calibration samples each shard sees); or '
+        'mixed (linears in int8, the rest in fp16, the most sensitive linears moved to fp16 until --min-'
+        'cosine holds on the simulator).',
+    "allow_low_fidelity": 'Write a bundle under the fidelity floor, with a warning.',
+    "calib": "Calibration samples: an .npz of arrays named after the model's inputs, each with a leading sample "
+        'axis ([N, 1, 128] for input_ids) [default: 8 seeded random samples, with a warning].',
+    "max_context": "A decoder: the KV cache's tokens, prompt and answer together; or buckets, 256,2048 (a program each; "
+        'the cache moves up).',
+    "one_step": 'A decoder: one program per --max-context, of --chunk tokens, for the answer too: one copy of the '
+        'weights where there are two, each answer token a step of --chunk.',
+    "batch_size": "Frames a run takes at once (the inputs' leading axis, dynamic in the model); auto: the GPU cost "
+        "model's choice.",
+    "no_cache": 'Compile and build everything again instead of reusing the bundle of an unchanged compile and the '
+        'builds of identical shards (~/.cache/shard/builds or $SHARD_BUILD_CACHE).',
+}
+
+
 @app.command("compile")
 def compile_command(
-    models: list[Path] = typer.Argument(..., help="The ONNX model; or a decoder (a GGUF file or a transformers "
-                                                 "folder) for a generative bundle (`shard generate`). Several: "
-                                                 "each compiled in turn, to MODEL[-TARGET].shard."),
+    models: list[Path] = typer.Argument(..., help=COMPILE_HELP["models"]),
     target: str = typer.Option(DEFAULT_TARGET, "--target", "-t", help=targets_help() + " Several: T1,T2,..."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Bundle directory [default: MODEL.shard]."),
-    input_shape: list[str] = typer.Option([], "--input-shape", help="Fix an input's shape: NAME=1,3,512,512; or "
-                                                                    "buckets: input_ids=1,64|1,128|1,256 (a variant "
-                                                                    "each; inputs run on the smallest that fits)."),
+    input_shape: list[str] = typer.Option([], "--input-shape", help=COMPILE_HELP["input_shape"]),
     input_value: list[str] = typer.Option([], "--input-value", help="Fix an input (NAME=16000): an If it chooses inlined."),
-    shards: Optional[int] = typer.Option(None, help="Number of shards [default: one, as each cut is a hand-off on "
-                                                    "the board; for a model of over about 320 MB of weights, as "
-                                                    "many as keep its vendor builds, one at a time, within half of "
-                                                    "the memory of the whole model's; thor and cuda: pipeline "
-                                                    "stages, 2]."),
+    shards: Optional[int] = typer.Option(None, help=COMPILE_HELP["shards"]),
     max_ops: Optional[int] = typer.Option(None, help="At most this many ops per shard (adds shards)."),
     jobs: int = typer.Option(2, "--jobs", "-j", help="Vendor builds in parallel."),
     ray: Optional[str] = typer.Option(None, "--ray", help=RAY_HELP),
     timeout: float = typer.Option(1800.0, help="Seconds one vendor build may take."),
     profile: Optional[Path] = typer.Option(None, help="Target profile JSON instead of the shipped one."),
-    disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable): "
-                                                           "slow_paths, tile_attention, legalize, host_edges."),
-    tile_attention: str = typer.Option("auto", help="auto (tile attention only where a limit requires it), "
-                                                    "off, or force."),
-    fusion_barrier: str = typer.Option("check", help="check (confirm tiles stay apart in the vendor log), rules "
-                                                     "(also pass --disable-rule names to the toolkit) or pill."),
-    disable_rule: list[str] = typer.Option([], "--disable-rule", help="A toolkit fusion rule to switch off "
-                                                                      "(with --fusion-barrier rules; repeatable)."),
-    dump_after: Optional[tuple[str, Path]] = typer.Option(None, "--dump-after", help="PASS DIR: write the graph "
-                                                                                     "after PASS as DIR/after-PASS.onnx."),
-    vendor_baseline: bool = typer.Option(True, help="Also build the model as it came with the vendor toolkit alone, "
-                                                    "print both side by side, and never be worse than it."),
-    vendor_alone: str = typer.Option("auto", help="How the vendor alone is built for the comparison: whole (the "
-                                                  "model as it came, one build), shards (each shard built without "
-                                                  "its rewrites: no build beyond shard's own, for machines the "
-                                                  "whole build does not fit), or auto (whole where its predicted "
-                                                  "memory is at most half of what is available, and, for a large "
-                                                  "model in fp16, a core is free for it beside the --jobs builds)."),
-    vendor_only: bool = typer.Option(False, help="Make the vendor alone's bundle instead (the model as it came, one "
-                                                 "build, no rewrites): a baseline to run and verify beside shard's."),
-    precision: str = typer.Option("fp16", help="fp16; int8 (every shard quantized by the vendor from the "
-                                               "calibration samples each shard sees); or mixed (linears in int8, "
-                                               "the rest in fp16, the most sensitive linears moved to fp16 until "
-                                               "--min-cosine holds on the simulator)."),
+    disable: list[str] = typer.Option([], "--disable", help=COMPILE_HELP["disable"]),
+    tile_attention: str = typer.Option("auto", help=COMPILE_HELP["tile_attention"]),
+    fusion_barrier: str = typer.Option("check", help=COMPILE_HELP["fusion_barrier"]),
+    disable_rule: list[str] = typer.Option([], "--disable-rule", help=COMPILE_HELP["disable_rule"]),
+    dump_after: Optional[tuple[str, Path]] = typer.Option(None, "--dump-after", help=COMPILE_HELP["dump_after"]),
+    vendor_baseline: bool = typer.Option(True, help=COMPILE_HELP["vendor_baseline"]),
+    vendor_alone: str = typer.Option("auto", help=COMPILE_HELP["vendor_alone"]),
+    vendor_only: bool = typer.Option(False, help=COMPILE_HELP["vendor_only"]),
+    precision: str = typer.Option("fp16", help=COMPILE_HELP["precision"]),
     min_cosine: float = typer.Option(0.999, help=MIN_COSINE_HELP),
-    allow_low_fidelity: bool = typer.Option(False, "--allow-low-fidelity", help="Write a bundle under the fidelity "
-                                                                                "floor, with a warning."),
-    calib: Optional[Path] = typer.Option(None, help="Calibration samples: an .npz of arrays named after the model's "
-                                                    "inputs, each with a leading sample axis ([N, 1, 128] for "
-                                                    "input_ids) [default: 8 seeded random samples, with a warning]."),
+    allow_low_fidelity: bool = typer.Option(False, "--allow-low-fidelity", help=COMPILE_HELP["allow_low_fidelity"]),
+    calib: Optional[Path] = typer.Option(None, help=COMPILE_HELP["calib"]),
     check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity", help=FIDELITY_HELP),
-    max_context: str = typer.Option("512", help="A decoder: the KV cache's tokens, prompt and answer together; "
-                                                "or buckets, 256,2048 (a program each; the cache moves up)."),
+    max_context: str = typer.Option("512", help=COMPILE_HELP["max_context"]),
     chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
-    one_step: bool = typer.Option(False, "--one-step", help="A decoder: one program per --max-context, of --chunk "
-                                                            "tokens, for the answer too: one copy of the weights "
-                                                            "where there are two, each answer token a step of "
-                                                            "--chunk."),
-    batch_size: str = typer.Option("1", "--batch", help="Frames a run takes at once (the inputs' leading axis, "
-                                                        "dynamic in the model); auto: the GPU cost model's choice."),
+    one_step: bool = typer.Option(False, "--one-step", help=COMPILE_HELP["one_step"]),
+    batch_size: str = typer.Option("1", "--batch", help=COMPILE_HELP["batch_size"]),
     latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Compile and build everything again instead of reusing "
-                                                            "the bundle of an unchanged compile and the builds of "
-                                                            "identical shards (~/.cache/shard/builds or "
-                                                            "$SHARD_BUILD_CACHE)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help=COMPILE_HELP["no_cache"]),
 ) -> None:
     """Compile MODEL into a bundle of shards for TARGET (each of several MODELs for each of several TARGETs)."""
     from shard.options import CompileOptions
@@ -607,26 +612,31 @@ def print_kept_whole(kept_whole: list[str] | None) -> None:
                       f"{len(kept_whole)}): {', '.join(kept_whole[:3])}{' ...' if len(kept_whole) > 3 else ''}")
 
 
+RUN_HELP = {   # the longer option helps of `shard run`
+    "input": 'NAME=FILE.npy (FILE.npy for a model with one input); seeded random inputs if absent.',
+    "backend": 'cpu, sim (rknn simulator), board (a Rockchip board), cuda (any NVIDIA GPU with torch) or tensorrt '
+        '(engines from build-engines) [default: sim for Rockchip chips, cuda for thor and cuda].',
+    "schedule": "balanced (any free core takes the most urgent ready shard) or round-robin (the manifest's placement;"
+        ' less memory) [default: balanced; round-robin, a stream per stage, on GPUs].',
+    "ray": "--backend board on a node of this Ray cluster that owns a board of the bundle's chip, one run per "
+        'board at a time.',
+}
+
+
 @app.command("run")
 def run_command(
     bundle: Path = typer.Argument(..., help="A bundle from `shard compile`."),
-    input: list[str] = typer.Option([], "--input", "-i", help="NAME=FILE.npy (FILE.npy for a model with one input); "
-                                                              "seeded random inputs if absent."),
-    backend: Optional[str] = typer.Option(None, help="cpu, sim (rknn simulator), board (a Rockchip board), cuda (any NVIDIA GPU "
-                                                     "with torch) or tensorrt (engines from build-engines) "
-                                                     "[default: sim for Rockchip chips, cuda for thor and cuda]."),
+    input: list[str] = typer.Option([], "--input", "-i", help=RUN_HELP["input"]),
+    backend: Optional[str] = typer.Option(None, help=RUN_HELP["backend"]),
     repeat: int = typer.Option(1, help="Run this many frames one after another (timings are per run)."),
     stream: int = typer.Option(0, help="Pipeline this many frames over the cores instead (throughput)."),
     cores: Optional[str] = typer.Option(None, help="NPU cores to use, e.g. 0,1,2 [default: the manifest's]."),
-    schedule: Optional[str] = typer.Option(None, help="balanced (any free core takes the most urgent ready shard) or "
-                                                      "round-robin (the manifest's placement; less memory) "
-                                                      "[default: balanced; round-robin, a stream per stage, on GPUs]."),
+    schedule: Optional[str] = typer.Option(None, help=RUN_HELP["schedule"]),
     timeout: Optional[float] = typer.Option(None, help="Stop with an error if one shard runs longer (seconds)."),
     trace: Optional[Path] = typer.Option(None, help="Write every shard execution as a Chrome trace (Perfetto)."),
     seed: int = typer.Option(0, help="Seed of the random inputs (frame t of a stream uses seed + t)."),
     save: Optional[Path] = typer.Option(None, help="Directory to write the last frame's outputs as NAME.npy."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="--backend board on a node of this Ray cluster that owns "
-                                                          "a board of the bundle's chip, one run per board at a time."),
+    ray: Optional[str] = typer.Option(None, "--ray", help=RUN_HELP["ray"]),
 ) -> None:
     """Run a bundle; print the time of each shard, each core's utilisation and the outputs' shapes."""
     from shard.runtime import Session, random_inputs
@@ -651,19 +661,36 @@ def run_command(
         try:
             given = read_inputs(input, [t.name for t in session.manifest.inputs]) if input else None
             specs = session.batching.frame_inputs if stream else session.manifest.inputs   # --batch B: stacked
-            inputs = (given or random_inputs(specs, seed + t) for t in range(frames))
-            started = time.perf_counter()
-            if stream:
-                for k, outputs in enumerate(session.run_stream(inputs)):
-                    progress(f"stream over cores {','.join(map(str, session.cores))}", k + 1, frames)
-            else:
-                for k, frame in enumerate(inputs):
-                    progress("run", k, frames)
-                    outputs = session.run(frame)
-                progress("run", frames, frames)
-            wall = time.perf_counter() - started
+            outputs, wall = run_frames(session, (given or random_inputs(specs, seed + t) for t in range(frames)),
+                                       frames, bool(stream), progress)
         finally:
             session.close()
+    print_run(session, frames, outputs, trace)
+    if save:
+        save_outputs(outputs, save)
+    if stream:
+        console.print(f"{frames} frames in {wall:.2f} s: {frames / wall:.2f} frames/s")
+    else:
+        console.print(f"{1000 * wall / frames:.1f} ms per run")
+
+
+def run_frames(session, inputs, frames: int, stream: bool, progress) -> tuple[dict, float]:
+    """The last frame's outputs and the wall seconds of `frames` run one after another, or pipelined
+    over the cores (`stream`)."""
+    started = time.perf_counter()
+    if stream:
+        for k, outputs in enumerate(session.run_stream(inputs)):
+            progress(f"stream over cores {','.join(map(str, session.cores))}", k + 1, frames)
+    else:
+        for k, frame in enumerate(inputs):
+            progress("run", k, frames)
+            outputs = session.run(frame)
+        progress("run", frames, frames)
+    return outputs, time.perf_counter() - started
+
+
+def print_run(session, frames: int, outputs: dict, trace: Path | None) -> None:
+    """Each shard's mean time, the host steps', each core's use, the trace and the outputs' shapes."""
     table = Table(title=f"per-shard time ({session.backend}, {session.schedule}, mean of {frames})")
     for col in ("shard", "cores", "ms"):
         table.add_column(col, justify="left" if col == "shard" else "right")
@@ -681,12 +708,6 @@ def run_command(
         console.print(f"trace: {session.write_trace(trace)} (open in ui.perfetto.dev)")
     for name, array in outputs.items():
         console.print(f"output {name}: shape {list(array.shape)} {array.dtype}")
-    if save:
-        save_outputs(outputs, save)
-    if stream:
-        console.print(f"{frames} frames in {wall:.2f} s: {frames / wall:.2f} frames/s")
-    else:
-        console.print(f"{1000 * wall / frames:.1f} ms per run")
 
 
 def run_on_board_node(bundle: Path, address: str, input: list[str], repeat: int, save: Path | None,

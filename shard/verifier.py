@@ -122,23 +122,30 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
         report = VerifyReport(backend=session.backend, min_cosine=min_cosine, outputs=worst,
                               reference_is_source=sha256_file(reference) == manifest.source["sha256"],
                               samples=per_sample, files=dict(session.files))
-        expected, actual = references[0], runs[0]
-        for k, shard in enumerate(manifest.shards if shards else []):
-            progress("shards, fed the reference's tensors", k, len(manifest.shards))
-            missing = [t.name for t in (*shard.inputs, *shard.outputs) if t.name not in expected]
-            if missing:
-                report.skipped_shards[shard.name] = f"reference has no tensor {missing[0]}"
-                continue
-            # in the shard's own types: a GPU bundle's stages pass fp16 between them
-            got = session.run_shard(shard, {t.name: expected[t.name].astype(t.dtype, copy=False) for t in shard.inputs})
-            report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
-            # The same outputs in the end-to-end run, where each shard took the bundle's own upstream
-            # values: where this falls below the line above, error arrives from the shards before.
-            report.chained[shard.name] = [compare(t.name, expected[t.name], actual[t.name]) for t in shard.outputs]
+        if shards:
+            check_shards(report, session, manifest, references[0], runs[0], progress)
     finally:
         if own_session:
             session.close()
     return report
+
+
+def check_shards(report: VerifyReport, session: Session, manifest, expected: dict, actual: dict,
+                 progress: Callable[[str, int, int], None]) -> None:
+    """Each shard fed the reference's tensors (`expected`, of the first sample) beside the same outputs
+    in the end-to-end run (`actual`), into report.shards and report.chained."""
+    for k, shard in enumerate(manifest.shards):
+        progress("shards, fed the reference's tensors", k, len(manifest.shards))
+        missing = [t.name for t in (*shard.inputs, *shard.outputs) if t.name not in expected]
+        if missing:
+            report.skipped_shards[shard.name] = f"reference has no tensor {missing[0]}"
+            continue
+        # in the shard's own types: a GPU bundle's stages pass fp16 between them
+        got = session.run_shard(shard, {t.name: expected[t.name].astype(t.dtype, copy=False) for t in shard.inputs})
+        report.shards[shard.name] = [compare(t.name, expected[t.name], got[t.name]) for t in shard.outputs]
+        # The same outputs in the end-to-end run, where each shard took the bundle's own upstream
+        # values: where this falls below the line above, error arrives from the shards before.
+        report.chained[shard.name] = [compare(t.name, expected[t.name], actual[t.name]) for t in shard.outputs]
 
 
 # What `shard verify` of a generative bundle asks when given no --prompt.

@@ -23,7 +23,8 @@ from shard.compilation.staging import check_options, check_output_path, replace_
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
-from shard.runtime.generate import EMBEDDINGS, GENERATIVE, GenerativeSpec, Program, check_files, record_files
+from shard.runtime.generate import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
+                                    refuse_custom_code)
 from shard.targets.chips import CHIPS, GPU_TARGETS
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
@@ -114,11 +115,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     options = options or CompileOptions()
     check_options(options)
     capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
-    if not capacities or not 1 <= chunk <= capacities[0]:
-        raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to the smallest --max-context "
-                         f"({capacities[0] if capacities else '?'}) tokens")
-    if capacities[-1] > MAX_CONTEXT:   # a cache of 10,000,000 tokens took 9.7 GB in seconds
-        raise ShardError(f"--max-context {capacities[-1]}: at most {MAX_CONTEXT} tokens")
+    check_context(capacities, chunk)
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
     # an ONNX file is a decoder's only where read_onnx_decoder finds its layout (it says what is missing)
@@ -130,32 +127,16 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
                 for kind, width in kinds if width > 1 or kind != "prefill"]
     staging, exports = staging_folder(output), scratch.folder("export")
-    steps = {p.name: p for p in programs}
-    if decoder.vision:   # the image's program first: the one a VLM runs first
-        steps = {"vision": None, **steps}
-    reports = {}
     try:
-        for name, program in steps.items():
-            progress(f"{name}: export", 0, 1)
-            path = exports / f"{name}.onnx"
-            if program is None:
-                decoder.vision[1](path)
-            else:
-                decoder.export(path, program.width, program.capacity)
-            reports[name] = compile_one_model(path, target, staging / name, program_options(
-                options, target, program and (lambda: decoder.samples(path, program.width, program.capacity)),
-                exports / f"{name}.npz"), lambda what, *a, name=name: progress(f"{name}: {what}", *a)).report
-            for done in exports.glob(f"{name}.*"):
-                done.unlink()
-        decoder.save_tokenizer(staging / "tokenizer")
+        reports = compile_programs(decoder, programs, target, options, staging, exports, progress)
+        decoder.save_tokenizer(staging / TOKENIZER)
+        refuse_custom_code(staging / TOKENIZER)   # a checkpoint whose tokenizer asks for code of its own
         np.save(staging / EMBEDDINGS, decoder.table)
         spec = GenerativeSpec(layers=decoder.layers, kv_heads=decoder.kv_heads, head_dim=decoder.head_dim,
                               capacity=capacities[-1], vocab=decoder.vocab, programs=programs, stop=decoder.stop,
-                              source=checkpoint_record(source),
-                              files=record_files(staging),
+                              source=checkpoint_record(source), files=record_files(staging),
                               vision=decoder.vision[0] if decoder.vision else None)
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging)
-        check_files(staging, spec.files)   # a checkpoint whose tokenizer asks for code of its own stops here
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
         replace_dir(staging, output)
@@ -163,6 +144,39 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         shutil.rmtree(staging, ignore_errors=True)
         scratch.remove(exports)
     return GenerativeResult(output, spec, reports, predicted)
+
+
+def check_context(capacities: list[int], chunk: int) -> None:
+    """--max-context and --chunk, before anything is read: a prompt step within the smallest cache, and
+    no cache past MAX_CONTEXT."""
+    if not capacities or not 1 <= chunk <= capacities[0]:
+        raise ShardError(f"--chunk {chunk}: the prompt's step takes 1 to the smallest --max-context "
+                         f"({capacities[0] if capacities else '?'}) tokens")
+    if capacities[-1] > MAX_CONTEXT:   # a cache of 10,000,000 tokens took 9.7 GB in seconds
+        raise ShardError(f"--max-context {capacities[-1]}: at most {MAX_CONTEXT} tokens")
+
+
+def compile_programs(decoder: Decoder, programs: list[Program], target: str, options: CompileOptions, staging: Path,
+                     exports: Path, progress: Progress) -> dict[str, dict]:
+    """Each program exported and compiled into staging/NAME (a VLM's image program first: the one it
+    runs first); {name: its compile report}."""
+    steps = {p.name: p for p in programs}
+    if decoder.vision:
+        steps = {"vision": None, **steps}
+    reports = {}
+    for name, program in steps.items():
+        progress(f"{name}: export", 0, 1)
+        path = exports / f"{name}.onnx"
+        if program is None:
+            decoder.vision[1](path)
+        else:
+            decoder.export(path, program.width, program.capacity)
+        reports[name] = compile_one_model(path, target, staging / name, program_options(
+            options, target, program and (lambda: decoder.samples(path, program.width, program.capacity)),
+            exports / f"{name}.npz"), lambda what, *a, name=name: progress(f"{name}: {what}", *a)).report
+        for done in exports.glob(f"{name}.*"):
+            done.unlink()
+    return reports
 
 
 def program_options(options: CompileOptions, target: str, samples: Callable[[], dict] | None,

@@ -134,21 +134,25 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             promoted = [c["node"] for c in linears[:count]]
         plain = not best[0]["int8_mac_share"] and bool(rounds[0]["int8_mac_share"])
         report = mixed_report(model, target, work, options, samples, folds, best, plain, progress)
-        cosine = best[0]["cosine"]
         report["mixed"].update({"ranking": ranking, "rounds": [{**r, "promoted": list(r["promoted"])} for r in rounds]})
-        if warning:
-            report["warnings"].append(warning)
-        if plain:
-            report["warnings"].append(f"mixed precision: no round with linears in int8 reached cosine "
-                                      f"{options.min_cosine} on the held-out samples; the bundle is fp16")
-        elif cosine < options.min_cosine:
-            report["warnings"].append(f"mixed precision: no round reached cosine {options.min_cosine} on the "
-                                      f"held-out samples; kept the most faithful ({cosine:.5f})")
+        report["warnings"] += mixed_warnings(warning, plain, best[0]["cosine"], options.min_cosine)
         (work / "kept.shard" / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(work / "kept.shard", output)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return CompileResult(bundle=output, manifest=read_manifest(output), report=report)
+
+
+def mixed_warnings(samples_warning: str | None, plain: bool, cosine: float, target: float) -> list[str]:
+    """What the kept round's report warns of: the samples, and a target no round with int8 reached."""
+    said = [samples_warning] if samples_warning else []
+    if plain:
+        said.append(f"mixed precision: no round with linears in int8 reached cosine {target} on the held-out "
+                    f"samples; the bundle is fp16")
+    elif cosine < target:
+        said.append(f"mixed precision: no round reached cosine {target} on the held-out samples; kept the most "
+                    f"faithful ({cosine:.5f})")
+    return said
 
 
 def measure_round(model: Path, target: str, work: Path, folds: list, fitted: list[CompileOptions],

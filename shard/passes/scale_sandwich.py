@@ -290,9 +290,8 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
     for node in list(graph.nodes):
         if not is_split_candidate(node):
             continue
-        x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
-        w = weight.values
-        n_in, n_out = w.shape
+        x, y = node.inputs[0], node.outputs[0]
+        n_in, n_out = node.inputs[1].values.shape
         sx, sy = channel_stats(stats, x, n_in), channel_stats(stats, y, n_out)
         if sx is None or sy is None:
             continue
@@ -300,44 +299,63 @@ def split_outliers(graph: gs.Graph, stats: dict) -> list[dict]:
         outs = [] if (node.name, "out") in handled else outliers(sy.channel_absmax)
         if not ins and not outs:
             continue
-        var = lambda name, shape=None: gs.Variable(name, dtype=y.dtype, shape=shape)  # noqa: E731
         if ins and x.name not in picked:
-            pick = np.zeros((n_in, len(ins)), w.dtype)
-            pick[ins, np.arange(len(ins))] = 1
-            xi, back, xm = var(f"{x.name}{SIDE}in"), var(f"{x.name}{SIDE}in_back", x.shape), var(f"{x.name}{SIDE}rest",
-                                                                                                x.shape)
-            graph.nodes += [matmul(f"{x.name}{SIDE}gather", x, pick, xi),
-                            matmul(f"{x.name}{SIDE}scatter", xi, pick.T, back),
-                            gs.Node("Sub", name=f"{x.name}{SIDE}sub", inputs=[x, back], outputs=[xm])]
-            picked[x.name] = xi, xm
-        rest = w.copy()
-        rest[ins, :] = 0
-        rest[:, outs] = 0
-        node.inputs = [picked[x.name][1] if ins else x, gs.Constant(f"{weight.name}{SIDE}rest", rest)]
-        total = node.outputs[0] = var(f"{y.name}{SIDE}main", y.shape)
-        parts = []
-        if ins:
-            rows = w[ins, :].copy()
-            rows[:, outs] = 0
-            parts.append((f"{node.name}{SIDE}in", [(picked[x.name][0], rows)]))
-        if outs:
-            place = np.zeros((len(outs), n_out), w.dtype)
-            place[np.arange(len(outs)), outs] = 1
-            parts.append((f"{node.name}{SIDE}out", [(x, w[:, outs]), (None, place)]))
-        add_side_linears(graph, parts, total, y, var)
-        rest_in = float(np.delete(sx.channel_absmax, ins).max()) if ins else None
-        named = [f"{side} channels {channels} (up to {s.channel_absmax.max():.3g})"
-                 for side, channels, s in (("input", ins, sx), ("output", outs, sy)) if channels]
-        changes.append({"node": node.name, "op": node.op, "form": "outlier split", "input_channels": ins,
-                        "output_channels": outs,
-                        "reason": f"{' and '.join(named)} pass {OUTLIER_RATIO:g} times their tensor's median channel: "
-                                  f"they would set the per-tensor int8 ranges",
-                        "action": "they run in fp16 side linears" + (
-                            f"; the int8 linear's input reaches {rest_in:.3g}" if ins else ""),
-                        "range_before": [sx.absmax, sy.absmax], "input_range_after": rest_in})
+            picked[x.name] = pick_channels(graph, x, ins, node.inputs[1].values, y.dtype)
+        split_linear(graph, node, ins, outs, picked.get(x.name))
+        changes.append(split_record(node, ins, outs, sx, sy))
     for side in hidden:   # after the per-linear splits: their side linears read the hidden sides' inputs
         side()
     return changes
+
+
+def pick_channels(graph: gs.Graph, x: gs.Tensor, ins: list[int], w: np.ndarray,
+                  out_dtype) -> tuple[gs.Variable, gs.Variable]:
+    """(xi, xm) of split_outliers for the input x of a linear of weights w: its channels `ins` (a one-hot
+    MatMul) and x with them at zero (a Sub of their scatter back)."""
+    pick = np.zeros((w.shape[0], len(ins)), w.dtype)
+    pick[ins, np.arange(len(ins))] = 1
+    xi = gs.Variable(f"{x.name}{SIDE}in", dtype=out_dtype)
+    back = gs.Variable(f"{x.name}{SIDE}in_back", dtype=out_dtype, shape=x.shape)
+    xm = gs.Variable(f"{x.name}{SIDE}rest", dtype=out_dtype, shape=x.shape)
+    graph.nodes += [matmul(f"{x.name}{SIDE}gather", x, pick, xi), matmul(f"{x.name}{SIDE}scatter", xi, pick.T, back),
+                    gs.Node("Sub", name=f"{x.name}{SIDE}sub", inputs=[x, back], outputs=[xm])]
+    return xi, xm
+
+
+def split_linear(graph: gs.Graph, node: gs.Node, ins: list[int], outs: list[int],
+                 picked: tuple[gs.Variable, gs.Variable] | None) -> None:
+    """x @ W as the int8 linear of xm (or x) by W without rows `ins` and columns `outs`, plus the fp16
+    side linears of those rows and columns (split_outliers' formula)."""
+    x, weight, y = node.inputs[0], node.inputs[1], node.outputs[0]
+    w = weight.values
+    var = lambda name, shape=None: gs.Variable(name, dtype=y.dtype, shape=shape)  # noqa: E731
+    rest = w.copy()
+    rest[ins, :] = 0
+    rest[:, outs] = 0
+    node.inputs = [picked[1] if ins else x, gs.Constant(f"{weight.name}{SIDE}rest", rest)]
+    total = node.outputs[0] = var(f"{y.name}{SIDE}main", y.shape)
+    parts = []
+    if ins:
+        rows = w[ins, :].copy()
+        rows[:, outs] = 0
+        parts.append((f"{node.name}{SIDE}in", [(picked[0], rows)]))
+    if outs:
+        place = np.zeros((len(outs), w.shape[1]), w.dtype)
+        place[np.arange(len(outs)), outs] = 1
+        parts.append((f"{node.name}{SIDE}out", [(x, w[:, outs]), (None, place)]))
+    add_side_linears(graph, parts, total, y, var)
+
+
+def split_record(node: gs.Node, ins: list[int], outs: list[int], sx, sy) -> dict:
+    """The report's record of one outlier split."""
+    rest_in = float(np.delete(sx.channel_absmax, ins).max()) if ins else None
+    named = [f"{side} channels {channels} (up to {s.channel_absmax.max():.3g})"
+             for side, channels, s in (("input", ins, sx), ("output", outs, sy)) if channels]
+    return {"node": node.name, "op": node.op, "form": "outlier split", "input_channels": ins, "output_channels": outs,
+            "reason": f"{' and '.join(named)} pass {OUTLIER_RATIO:g} times their tensor's median channel: "
+                      f"they would set the per-tensor int8 ranges",
+            "action": "they run in fp16 side linears" + (f"; the int8 linear's input reaches {rest_in:.3g}" if ins else ""),
+            "range_before": [sx.absmax, sy.absmax], "input_range_after": rest_in}
 
 
 def channel_stats(stats: dict, tensor: gs.Tensor, width: int):

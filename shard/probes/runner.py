@@ -39,6 +39,42 @@ class Search:
         return limit_name(self.family, self.setting)
 
 
+def board_runners(target: str, on_board: bool, ray: str | None, timeout: float) -> tuple:
+    """(run once, time) of a clean point on a board of the chip: on a node of the Ray cluster that owns
+    one, or here (rknn-toolkit-lite2, checked before the first build); (None, None) off the board."""
+    if on_board and ray:
+        from shard.targets.rknn.remote import board_inference, board_timing
+
+        return board_inference(ray, target, timeout), board_timing(ray, target, timeout)
+    if on_board:
+        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
+
+        import_rknnlite()
+        return infer_once, time_inference
+    return None, None
+
+
+def run_search(ops, search: Search, max_size: int | None, note: Callable[[str], None]) -> None:
+    """One search's boundary, each point from the cache or built; `note` says which bracket it is at."""
+    top = min(search.family.max_size, max_size or search.family.max_size)
+    start = min(search.family.start, top)
+
+    def test(size: int) -> Point:
+        point = ops.cache.get(search.name, search.family.version, size)
+        if point is None:
+            point = probe_point(ops.prober, search.family, search.setting, size)
+            ops.cache.put(search.name, search.family.version, point)
+        return point
+
+    def bracket(lo, hi) -> None:
+        note(f"{search.name} [{lo or '-'}, {hi or '-'})")
+
+    if search.family.sweep:    # not monotone: every size in the range
+        search.boundary = sweep(test, range(start, top + 1), on_point=lambda size: bracket(size, None))
+    else:
+        search.boundary = find_boundary(test, start, top, on_bracket=bracket)
+
+
 def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_size: int | None = None,
           cache_dir: Path | None = None, read_cache: bool = True, base: Profile | None = None, slow_factor: float = DEFAULT_SLOW_FACTOR,
           timeout: float = BUILD_TIMEOUT_S, on_board: bool = False, ray: str | None = None,
@@ -51,16 +87,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
         raise TargetError(f"`shard probe` probes the Rockchip chips ({', '.join(CHIPS)}) and cuda; not {target!r}")
     tgt = RknnTarget(target)
     chosen = select(families)
-    board = timer = None
-    if on_board and ray:   # each clean point to a node of the cluster that owns a board of the chip
-        from shard.targets.rknn.remote import board_inference, board_timing
-
-        board, timer = board_inference(ray, target, timeout), board_timing(ray, target, timeout)
-    elif on_board:
-        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
-
-        import_rknnlite()   # here, before the first build: a machine without it says so in one line
-        board, timer = infer_once, time_inference
+    board, timer = board_runners(target, on_board, ray, timeout)
     base = base or starting_profile(target)
     from shard.targets.rknn.ops import ToolkitOps
 
@@ -70,23 +97,7 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     lock = threading.Lock()
 
     def run(search: Search) -> None:
-        top = min(search.family.max_size, max_size or search.family.max_size)
-        start = min(search.family.start, top)
-
-        def test(size: int) -> Point:
-            point = ops.cache.get(search.name, search.family.version, size)
-            if point is None:
-                point = probe_point(ops.prober, search.family, search.setting, size)
-                ops.cache.put(search.name, search.family.version, point)
-            return point
-
-        def bracket(lo, hi) -> None:
-            progress("probe", len(finished), len(searches), note=f"{search.name} [{lo or '-'}, {hi or '-'})")
-
-        if search.family.sweep:    # not monotone: every size in the range
-            search.boundary = sweep(test, range(start, top + 1), on_point=lambda size: bracket(size, None))
-        else:
-            search.boundary = find_boundary(test, start, top, on_bracket=bracket)
+        run_search(ops, search, max_size, lambda note: progress("probe", len(finished), len(searches), note=note))
         with lock:
             finished.append(search.name)
             progress("probe", len(finished), len(searches), note=f"{search.name} done")

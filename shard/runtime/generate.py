@@ -282,8 +282,8 @@ def record_files(bundle: Path) -> dict[str, list]:
 
 
 def check_files(bundle: Path, files: dict) -> None:
-    """Every file generative.json records, as recorded; nothing in the tokenizer folder it does not
-    record, no link, and no tokenizer asking for code of its own (transformers would offer to run it)."""
+    """Every file generative.json records, as recorded (the embeddings: by load_checked, which reads
+    them); nothing in the tokenizer folder it does not record, no link, no code of its own."""
     folder = bundle / TOKENIZER
     if folder.is_symlink() or not folder.is_dir():
         raise BundleError(f"{folder}: missing, or not a folder of the bundle; recompile the model")
@@ -300,9 +300,16 @@ def check_files(bundle: Path, files: dict) -> None:
         raise BundleError(f"{bundle / unrecorded[0]}: not a file the compile wrote (generative.json records no "
                           f"hash of it); recompile the model")
     for name in files:
-        read_checked(bundle, files, name)
+        if name != EMBEDDINGS:   # read once, by load_checked
+            read_checked(bundle, files, name)
+    refuse_custom_code(folder)
+
+
+def refuse_custom_code(tokenizer: Path) -> None:
+    """A tokenizer folder whose configs ask for code of their own (auto_map) is refused: transformers
+    would offer to run Python shipped with it."""
     for name in CUSTOM_CODE:
-        config = folder / name
+        config = tokenizer / name
         if config.is_file() and "auto_map" in json.loads(config.read_text() or "{}"):
             raise BundleError(f"{config}: asks for code of its own (auto_map), which shard never runs; "
                               f"recompile from a checkpoint whose tokenizer is transformers' own")
