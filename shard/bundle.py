@@ -77,7 +77,7 @@ class Manifest:
         return json.dumps(self.written(), indent=2) + "\n"
 
     def own_digest(self) -> str:
-        return hashlib.sha256(json.dumps({**self.written(), "digest": ""}, indent=2).encode()).hexdigest()
+        return sealed_digest(self.written())
 
     def written(self) -> dict:
         """What the file holds: without input_values where none was fixed, batch where it is 1 and runtime
@@ -103,6 +103,12 @@ class Manifest:
                   for s in data["shards"]]
         return cls(**{**data, "inputs": tensors(data["inputs"]), "outputs": tensors(data["outputs"]),
                       "shards": shards})
+
+
+def sealed_digest(data: dict) -> str:
+    """The sha256 a JSON file of a bundle is sealed with (a manifest, generative.json): of its indented
+    JSON with `digest` empty, so a changed byte shows."""
+    return hashlib.sha256(json.dumps({**data, "digest": ""}, indent=2).encode()).hexdigest()
 
 
 def run_files(root: Path, manifest: Manifest) -> list[str]:

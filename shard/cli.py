@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from shard.errors import ShardError
+from shard.options import check_seconds
 from shard.output_files import check_output_file
 from shard.targets.chips import DEFAULT_TARGET, targets_help
 
@@ -842,12 +843,6 @@ def check_run_options(repeat: int, stream: int, timeout: float | None) -> None:
     if repeat < 1 or stream < 0:
         raise ShardError("--repeat must be at least 1 and --stream at least 0")
     check_seconds(timeout)
-
-
-def check_seconds(seconds: float | None, option: str = "--timeout") -> None:
-    """A time limit the user gave: a number of seconds above 0 (0, -1 and nan were taken and ignored)."""
-    if seconds is not None and not 0.0 < seconds < float("inf"):
-        raise ShardError(f"{option} {seconds}: expected a number of seconds above 0")
 
 
 def parse_ids(text: str, option: str = "--ids") -> list[int]:

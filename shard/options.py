@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from shard.errors import ShardError
 
 
 @dataclass
@@ -42,3 +45,9 @@ class CompileOptions:
     batch: int | None = 1           # frames a run takes at once (the inputs' leading axis); None: the GPU
                                     # cost model picks it (shard.compilation.batching)
     latency_budget: float | None = None   # --batch auto: seconds one batch may take through the stages
+
+
+def check_seconds(seconds: float | None, option: str = "--timeout") -> None:
+    """A time limit the user gave: a number of seconds above 0 (0, -1 and nan were taken and ignored)."""
+    if seconds is not None and not 0.0 < seconds < math.inf:
+        raise ShardError(f"{option} {seconds}: expected a number of seconds above 0")

@@ -4,7 +4,6 @@ value, a damaged checkpoint, a cache or output path that cannot be written)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import struct
@@ -22,12 +21,13 @@ from shard.errors import RunError
 def reseal(bundle: Path, template: str) -> None:
     """The bundle as a compile from a checkpoint with this chat template would write it: the template,
     its hash and the spec's digest."""
+    from shard.bundle import sealed_digest
     from shard.runtime.generate import GENERATIVE, record_files
 
     (bundle / "tokenizer" / "chat_template.jinja").write_text(template)
     data = json.loads((bundle / GENERATIVE).read_text())
     data["files"] = record_files(bundle)
-    data["digest"] = hashlib.sha256(json.dumps({**data, "digest": ""}, indent=2).encode()).hexdigest()
+    data["digest"] = sealed_digest(data)
     (bundle / GENERATIVE).write_text(json.dumps(data, indent=2) + "\n")
 
 

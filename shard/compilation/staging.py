@@ -15,7 +15,7 @@ from shard.bundle import MANIFEST, read_manifest
 from shard.compilation.state import PRECISIONS
 from shard.errors import ShardError
 from shard.never_worse import BASELINES
-from shard.options import CompileOptions
+from shard.options import CompileOptions, check_seconds
 from shard.passes import fusion_barrier, tile_attention
 from shard.runtime.buckets import is_bucketed, read_buckets
 from shard.runtime.generate import is_generative, read_generative
@@ -48,8 +48,7 @@ def check_options(options: CompileOptions) -> None:
         raise ShardError(f"--precision {options.precision!r}: expected one of {', '.join(PRECISIONS)}")
     if not 0.0 < options.min_cosine <= 1.0:
         raise ShardError(f"--min-cosine {options.min_cosine}: expected a cosine in (0, 1]")
-    if not 0.0 < options.timeout < float("inf"):   # 0, -1 and nan were taken and ignored
-        raise ShardError(f"--timeout {options.timeout}: expected a number of seconds above 0")
+    check_seconds(options.timeout)
 
 
 def check_output_path(output: Path, model: Path | None = None) -> None:

@@ -683,7 +683,7 @@ class Rescaler:
         """A linear with a constant weight: the weight (and bias) carry the factor change."""
         ky = max(kx, self.needed(outs[0])) if outs else kx
         if outs and ky > self.most(outs[0]):   # its values shrank: the weights take the excess back,
-            top = float(np.max(np.abs(weight.values))) if weight.values.size else 0.0   # as far as fp16 holds them
+            top = largest(weight)   # as far as fp16 holds them
             room = math.floor(math.log2(float(np.finfo(np.float16).max) / top)) if top else ky
             ky = min(ky, max(self.needed(outs[0]), int(self.most(outs[0])), kx - room))
         if not (kx or ky):
@@ -786,12 +786,16 @@ class Unscalable(Exception):
 def fp16_weights(scaled_weight: gs.Constant, weight: gs.Constant, node: str) -> gs.Constant:
     """A linear's weights times a power of two, where fp16 still holds their largest value (neither inf
     nor under its smallest step) as it held the weights before."""
-    top = lambda c: float(np.max(np.abs(c.values))) if c.values.size else 0.0  # noqa: E731
     low, high = 2.0 ** FP16_POWERS[0], float(np.finfo(np.float16).max)
-    if low <= top(weight) <= high and not low <= top(scaled_weight) <= high:
+    if low <= largest(weight) <= high and not low <= largest(scaled_weight) <= high:
         raise Unscalable(node, f"would need its weights times a power of two that takes their largest value to "
-                               f"{top(scaled_weight):.3g}, past what fp16 holds")
+                               f"{largest(scaled_weight):.3g}, past what fp16 holds")
     return scaled_weight
+
+
+def largest(c: gs.Constant) -> float:
+    """A constant's largest magnitude (0 for an empty one)."""
+    return float(np.max(np.abs(c.values))) if c.values.size else 0.0
 
 
 def to_output(node: gs.Node, graph: gs.Graph) -> list[str] | None:

@@ -42,7 +42,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shard.bundle import read_versioned
+from shard.bundle import read_versioned, sealed_digest
 from shard.errors import BundleError, RunError, ShardError
 from shard.runtime.executors import held_nhwc, to_host
 
@@ -380,7 +380,7 @@ class GenerativeSpec:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     def own_digest(self) -> str:
-        return hashlib.sha256(json.dumps({**asdict(self), "digest": ""}, indent=2).encode()).hexdigest()
+        return sealed_digest(asdict(self))
 
     @property
     def chunk(self) -> int:
