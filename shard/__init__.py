@@ -6,8 +6,8 @@ nothing beyond numpy and the executor's own library.
 
 from shard.packed import check_runtime, own_pack
 
-if own_pack() is not None:   # a pack's own copy: as it was packed, or nothing of it runs
-    check_runtime(own_pack())
+if (_pack := own_pack()) is not None:   # a pack's own copy: as it was packed, or nothing of it runs
+    check_runtime(_pack)
 
 __version__ = "0.1.0"
 

@@ -17,8 +17,9 @@ def check_runtime(here: Path) -> None:
 
     try:
         recorded = json.loads((here / "bundle" / "manifest.json").read_text())["runtime"]
-        assert isinstance(recorded, dict) and recorded
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if not isinstance(recorded, dict) or not recorded:
         sys.exit(f"error: {here}: the pack records no hashes of its runtime code; pack the bundle again")
     found = {p.relative_to(here).as_posix() for p in (here / "shard").rglob("*")
              if (p.is_file() or p.is_symlink()) and "__pycache__" not in p.parts}
