@@ -58,7 +58,7 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
       "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "euler_loop",
-      "eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa"]
+      "eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa", "sequence_row"]
 
 
 @dataclass
@@ -318,12 +318,47 @@ def yolo_head(path: Path, anchors: int = 3, classes: int = 85, side: int = 20, w
     return save(path, nodes, [("x", [1, width, side, side])], [("y", [1, side * side * anchors, classes])], inits)
 
 
+def sequence_row(path: Path) -> Path:
+    """Row 0 of a [20, 1, 4096] sequence input (Gather 0, axis 0): the vendor logs 15 REGTASK lines."""
+    from shard.probes.families import rows
+
+    onnx.save(rows("Gather")(20, {"axis": 0, "w": 4096}), path)
+    return path
+
+
+def two_lstms(path: Path, steps: int = 20, width: int = 4096, hidden: int = 256) -> Path:
+    """Two LSTM layers unrolled over 20 steps of a [20, 1, 4096] sequence as torch exports them (the
+    input projection of all steps at once, then per step its row, the recurrent product, the gates),
+    seeded weights: the vendor logs REGTASK lines on the sequence input."""
+    import torch
+
+    class Unrolled(torch.nn.Module):
+        def __init__(self, inp: int):
+            super().__init__()
+            self.ih, self.hh = torch.nn.Linear(inp, 4 * hidden), torch.nn.Linear(hidden, 4 * hidden, bias=False)
+
+        def forward(self, x):
+            gates, h, c, out = self.ih(x), x.new_zeros(1, hidden), x.new_zeros(1, hidden), []
+            for t in range(steps):
+                i, f, g, o = (gates[t] + self.hh(h)).chunk(4, dim=-1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                out.append(h)
+            return torch.stack(out)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Unrolled(width), Unrolled(hidden)).eval()
+    torch.onnx.export(model, (torch.randn(steps, 1, width),), str(path), opset_version=17, input_names=["x"],
+                      output_names=["y"], dynamo=False)
+    return path
+
+
 # Inputs a model is compiled with fixed (--input-value): what its control flow chooses by.
 INPUT_VALUES = {"rate_switch": {"sr": [16000]}}
 
 REPRODUCERS = {"head40": head40, "bool_mask": bool_mask, "embed_linear": embed_linear, "fused_qkv": fused_qkv,
                "two_heads": two_heads, "rate_switch": rate_switch, "euler_loop": euler_loop, "eos_pool": eos_pool, "float_mask": float_mask,
-               "value_pad": value_pad, "yolo_head": yolo_head}
+               "value_pad": value_pad, "yolo_head": yolo_head, "sequence_row": sequence_row, "two_lstms": two_lstms}
 
 
 def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:

@@ -541,8 +541,10 @@ def print_changes(report: dict) -> None:
                           f"report.json lists each under passes.{name}.not_fixed")
         tried = passed.get("tried", [])
         if tried:   # what failed built alone and was left whole: the model's build (the figures above) decides
-            console.print(f"{name}: {len(tried)} {tried[0]['op']} regions fail built alone and were left whole "
-                          f"({tried[0]['reason'][:120]}); report.json lists each under passes.{name}.tried")
+            ops = ", ".join(sorted({c["op"] for c in tried}))
+            console.print(f"{name}: {len(tried)} {ops} {'regions' if name == 'tile_attention' else 'ops'} fail built "
+                          f"alone and were left whole ({tried[0]['reason'][:120]}); the model's build decides; "
+                          f"report.json lists each under passes.{name}.tried")
 
 
 def alike(changes: list[dict], dropped: dict) -> list[list[dict]]:

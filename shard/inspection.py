@@ -55,7 +55,7 @@ def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None)
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycle_note(c), "rewrite"))
-        for c in report.get("not_fixed", []):
+        for c in report.get("not_fixed", []) + report.get("tried", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"], "not fixed"))
         for c in report.get("reported", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], "left to the vendor compiler (runs on the CPU)",

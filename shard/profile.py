@@ -25,10 +25,19 @@ class Limit:
     failing: int | None = None     # the smallest size that failed
     passing: list[int] | None = None   # a family probed as a set (not monotone): every size that passed;
                                        # then a size is legal if it is in here, not if it is <= value
+    swept_to: int | None = None    # such a family's largest size probed
 
     def allows(self, size: int) -> bool:
         """Whether `size` passed: in the passing set of a swept limit, else at most the largest passing."""
         return size in self.passing if self.passing is not None else size <= self.value
+
+    def speaks_for(self, size: int) -> bool:
+        """Whether the probe's verdict reaches `size`: a swept limit up to the largest size it tried
+        (past it nothing was seen); a bisected one everywhere, unless no size failed and `size` is
+        past the largest it built."""
+        if self.passing is not None:
+            return size <= (self.swept_to or max([*self.passing, self.failing or 0]))
+        return self.failure != "none" or size <= self.value
 
 
 @dataclass
@@ -52,11 +61,11 @@ class Profile:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        """As JSON; a limit not probed as a set is written without `passing`."""
+        """As JSON; a limit not probed as a set is written without `passing` and `swept_to`."""
         data = self.to_dict()
         for lim in data["limits"].values():
-            if lim["passing"] is None:
-                del lim["passing"]
+            for unset in [key for key in ("passing", "swept_to") if lim[key] is None]:
+                del lim[unset]
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -405,3 +405,26 @@ def test_builds_told_one_at_a_time_never_overlap(tmp_path, save):
     assert all(b.error is None for b in done)
     spans = sorted((ends[b.name] - b.seconds, ends[b.name]) for b in done)
     assert all(later[0] >= earlier[1] - 0.05 for earlier, later in zip(spans, spans[1:])), spans
+
+
+def one_row_model(op: str, axis: int):
+    """Row 0 of a sequence input [20,1,4096] (axis 0) or [1,20,4096] (axis 1): the shape whose input
+    the vendor's build overflows on RK3588 (gather-rows, slice-rows in the profile)."""
+    from shard.probes.families import rows
+
+    return rows(op)(20, {"axis": axis, "w": 4096})
+
+
+@pytest.mark.parametrize("op,axis", [("Gather", 0), ("Gather", 1), ("Slice", 0)])
+def test_one_row_of_a_sequence_the_vendor_overflows_on_builds_split(save, tmp_path, op, axis):
+    """The vendor alone logs 15 REGTASK lines for one row of a [20,1,4096] input; shard splits the op
+    along the row's width (the profile's limit names it), builds with none and matches onnxruntime."""
+    model = save(one_row_model(op, axis))
+    res = shard_cli("inspect", model, "--target", "rk3588")
+    assert res.returncode == 0, res.stderr
+    assert f"{op.lower()}-rows@axis{axis}-w4096: N=20 not in the passing set (regtask)" in res.stdout
+    result = shard.compile(model, "rk3588", tmp_path / "row.shard", CompileOptions())
+    versus = result.report["versus_vendor"]
+    assert result.report["totals"]["regtask_lines"] == 0 and versus["vendor"]["builds"] is False
+    assert versus["verdict"] == "better" and versus["fidelity"]["shard"] >= 0.9999
+    assert [s["op"] for s in result.manifest.host_pre] == ["slice", "slice"]

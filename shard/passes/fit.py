@@ -4,7 +4,7 @@ one-op build of exactly that op in the toolkit worker (cached on disk).
 Only failures that make a build unusable count here (regtask, error, build-error, crash): an op
 that would land on the CPU still runs, and in isolation that verdict is often wrong (the compiler
 fuses Softmax into its attention kernel), so it is reported, not rewritten; so are `E` lines
-alone that name neither a register overflow nor a CPU fallback (lone_error_lines).
+alone that name neither a register overflow nor a CPU fallback (lone_error).
 """
 
 from __future__ import annotations
@@ -112,23 +112,53 @@ class Legality:
         return self.seen[key]
 
     def _from_profile(self, spec: OpSpec) -> Verdict | None:
-        family = FAMILY_OF.get(spec.op)
-        shape = spec.outputs[0]
-        if spec.op == "Concat":  # concat-width probes two equal inputs: N is each input's width
-            if len(spec.inputs) != 2 or spec.inputs[0][0] != spec.inputs[1][0] or spec.attrs.get("axis") not in (-1, 3):
-                return None
-            shape = spec.inputs[0][0]
-        if family is None or len(shape) != 4 or shape[:2] != [1, 1]:
+        found = rows_setting(spec) if spec.op in ("Gather", "Slice") else width_setting(spec)
+        if found is None:
             return None
-        name = f"{family[0]}@{family[1]}{shape[2]}"
+        name, size = found
         limit = self.profile.limits.get(name)
-        if limit is None or limit.failure == "none" and shape[3] > limit.value:
+        if limit is None or not limit.speaks_for(size):
             return None  # not measured at this setting, or only up to a smaller size
-        if limit.allows(shape[3]):
-            return Verdict(True, None, f"{name}: N={shape[3]} <= {limit.value}")
-        if limit.failure not in HARD_FAILURES:
-            return Verdict(True, limit.failure, f"{name}: N={shape[3]} > {limit.value} ({limit.failure}, not rewritten)")
-        return Verdict(False, limit.failure, f"{name}: N={shape[3]} > {limit.value} ({limit.failure})")
+        within = "in the passing set" if limit.passing is not None else f"<= {limit.value}"
+        if limit.allows(size):
+            return Verdict(True, None, f"{name}: N={size} {within}")
+        past = "not in the passing set" if limit.passing is not None else f"> {limit.value}"
+        if limit.failure not in HARD_FAILURES or lone_error(limit.failure, limit.evidence):
+            return Verdict(True, limit.failure, f"{name}: N={size} {past} ({limit.failure}, not rewritten)")
+        return Verdict(False, limit.failure, f"{name}: N={size} {past} ({limit.failure})")
+
+
+def width_setting(spec: OpSpec) -> tuple[str, int] | None:
+    """(family@setting, N) of an op on [1,1,H,N] whose family has a width limit (FAMILY_OF)."""
+    family = FAMILY_OF.get(spec.op)
+    shape = spec.outputs[0]
+    if spec.op == "Concat":  # concat-width probes two equal inputs: N is each input's width
+        if len(spec.inputs) != 2 or spec.inputs[0][0] != spec.inputs[1][0] or spec.attrs.get("axis") not in (-1, 3):
+            return None
+        shape = spec.inputs[0][0]
+    if family is None or len(shape) != 4 or shape[:2] != [1, 1]:
+        return None
+    return f"{family[0]}@{family[1]}{shape[2]}", shape[3]
+
+
+def rows_setting(spec: OpSpec) -> tuple[str, int] | None:
+    """(family@setting, N) of a Gather of one row, or a Slice along one axis, of a [N,1,W] (axis 0) or
+    [1,N,W] (axis 1) sequence: gather-rows, slice-rows (shard.probes.families.rows)."""
+    data, params = spec.inputs[0][0], [value for _, value in spec.inputs[1:]]
+    if data is None or len(data) != 3 or any(value is None for value in params):
+        return None
+    if spec.op == "Gather":
+        axis = spec.attrs.get("axis", 0) % 3
+        if params[0].size != 1:
+            return None
+    else:
+        axes = params[2].ravel() if len(params) > 2 else np.arange(params[0].size)
+        if axes.size != 1 or len(params) > 3 and int(params[3].ravel()[0]) != 1:
+            return None
+        axis = int(axes[0]) % 3
+    if axis > 1 or data[1 - axis] != 1:
+        return None
+    return f"{spec.op.lower()}-rows@axis{axis}-w{data[2]}", data[axis]
 
 
 class WidthLimit:
@@ -173,7 +203,7 @@ class OneOpBuilds:
             # A CPU placement or a slow estimate in isolation often differs inside the real graph
             # (the compiler fuses Softmax into its attention kernel): the shard build reports those.
             return Verdict(True, point.failure, f"{where}: {point.failure or 'clean'}")
-        if lone_error_lines(point):
+        if lone_error(point.failure, point.evidence):
             return Verdict(True, point.failure, f"{where}: {point.failure}, E lines alone (not rewritten): "
                                                 f"{point.evidence[:200]}")
         return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")
@@ -185,7 +215,7 @@ class OneOpBuilds:
         return sum(layer[1] == "CPU" for layer in point.figures.get("layers", []))
 
 
-def lone_error_lines(point) -> bool:
+def lone_error(failure: str | None, evidence: str) -> bool:
     """A build that returned 0 and logged `E` lines naming neither a register overflow nor a CPU
     fallback ("channel is too large, may produce thousands of regtask, fallback to cpu" and
     "emitUnpackRegtasks: equiv_channels(8196) > limitations(8192)" do: those stay failures). Alone,
@@ -195,5 +225,5 @@ def lone_error_lines(point) -> bool:
     0.9999992; RK3568 logs `Unkown op target: 0` for 3-D elementwise ops alone. These lines rank
     last among the measured axes (shard.never_worse), after the cycles a split costs, so the shard's
     own build reports them instead."""
-    said = point.evidence.lower()
-    return point.failure == "error" and "regtask" not in said and "fallback" not in said
+    said = evidence.lower()
+    return failure == "error" and "regtask" not in said and "fallback" not in said

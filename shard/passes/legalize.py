@@ -8,6 +8,7 @@ Which axes are safe, per op:
   Transpose                   any output axis (the matching input axis is sliced)
   Concat                      any axis but the concatenated one
   Slice                       any axis it does not slice
+  Gather                      any output axis of its data's (the indices are passed whole)
   Reshape                     the leading axes it keeps as they are (the target shape is rewritten)
 Where no such split fits, the reduced axis: MatMul's K as partial products summed, Softmax's own
 axis in two passes (max and sum over the pieces, then exp(x - max) / sum per piece).
@@ -34,9 +35,16 @@ from shard.passes.rewrite import Rewriter
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Where", "Equal", "Less", "Greater", "And", "Or",
                "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sqrt", "Reciprocal", "Neg", "Abs", "Clip",
                "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "Softplus", "Cast", "Sin", "Cos"}
-CHECKED = ELEMENTWISE | {"Softmax", "LayerNormalization", "MatMul", "Transpose", "Concat", "Slice", "Reshape"}
+CHECKED = ELEMENTWISE | {"Softmax", "LayerNormalization", "MatMul", "Transpose", "Concat", "Slice", "Reshape", "Gather"}
 MAX_PIECES = 64
 NESTED_DEPTH = 2   # splits of splits: three axes at most
+
+
+def checked(node: gs.Node) -> bool:
+    """Whether legalize checks the node: a Gather only where it selects rows of an activation by
+    constant indices (a lookup in a constant table is the host's, host_edges)."""
+    return node.op in CHECKED and (node.op != "Gather" or isinstance(node.inputs[0], gs.Variable)
+                                   and isinstance(node.inputs[1], gs.Constant))
 
 
 def split_axes(node: gs.Node) -> list[int]:
@@ -56,6 +64,8 @@ def split_axes(node: gs.Node) -> list[int]:
         axes = [a for a in range(rank) if a != node.attrs["axis"] % rank]
     elif node.op == "Slice" and all(isinstance(t, gs.Constant) for t in node.inputs[1:]):
         axes = [a for a in range(rank) if a not in sliced_axes(node)]
+    elif node.op == "Gather" and isinstance(node.inputs[1], gs.Constant):   # rows of an activation
+        axes = [a for a in range(rank) if gathered_axis(node, a) is not None]
     elif node.op == "Reshape" and isinstance(node.inputs[1], gs.Constant):
         src = list(node.inputs[0].shape)
         axes = [a for a in range(min(rank, len(src))) if src[:a + 1] == list(node.outputs[0].shape[:a + 1])]
@@ -71,12 +81,23 @@ def sliced_axes(node: gs.Node) -> set[int]:
     return {int(a) % rank for a in axes}
 
 
+def gathered_axis(node: gs.Node, out_axis: int) -> int | None:
+    """The data axis of a Gather's output axis; None for the axes its indices make."""
+    axis = node.attrs.get("axis", 0) % len(node.inputs[0].shape)
+    made = len(node.inputs[1].shape)
+    if out_axis < axis:
+        return out_axis
+    return None if out_axis < axis + made else out_axis - made + 1
+
+
 def input_axis(node: gs.Node, k: int, out_axis: int) -> int | None:
     """The axis of input k to slice for a split along `out_axis`; None: the input is passed whole."""
     out_rank = len(node.outputs[0].shape)
     shape = list(node.inputs[k].shape)
     if node.op == "Transpose":
         return node.attrs["perm"][out_axis]
+    if node.op == "Gather":
+        return gathered_axis(node, out_axis) if k == 0 else None
     if node.op in ("Slice", "Reshape"):  # the parameters are passed whole (Reshape's shape is rewritten)
         return out_axis if k == 0 else None
     if node.op == "MatMul":
@@ -311,7 +332,7 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     pending = list(graph.nodes)
     while pending:
         node = pending.pop(0)
-        if node.op not in CHECKED or not node.outputs or node.name in ctx.host_candidates \
+        if not checked(node) or not node.outputs or node.name in ctx.host_candidates \
                 or any(t.shape is None for t in (*node.inputs, *node.outputs)):
             continue
         verdict = legality.check(OpSpec.of(node))
@@ -346,4 +367,6 @@ def legalize(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             continue
         changes.append({"node": label, "op": node.op, "shape": shape, "reason": verdict.reason, "action": action})
     folded = fold_slices_of_concats(graph, ctx.host_candidates)
-    return graph, {"changes": changes, "not_fixed": stuck, "reported": noted, "slices_folded": folded}
+    # What fails alone and no split fixes is left to the model's build, which reports what it hits
+    # (a Mul of a constant zero crashes the toolkit alone; in the model it folds away).
+    return graph, {"changes": changes, "tried": stuck, "reported": noted, "slices_folded": folded}

@@ -115,6 +115,25 @@ def reshape(n: int, s: dict) -> onnx.ModelProto:
                  [("shape", np.array(out, np.int64))])
 
 
+def rows(op: str):
+    """Row 0 of a sequence input: [N,1,W] along axis 0, [1,N,W] along axis 1; Gather drops the row's
+    axis, Slice 0:1 keeps it. (On RK3588 a [20,1,4096] input fails whatever reads it, a Sigmoid
+    too, while [16,1,4096] and [24,1,4096] build: the verdict is not monotone in N.)"""
+    def build(n: int, s: dict) -> onnx.ModelProto:
+        axis = s["axis"]
+        shape = [n, 1, s["w"]] if axis == 0 else [1, n, s["w"]]
+        if op == "Gather":
+            out = shape[:axis] + shape[axis + 1:]
+            node = helper.make_node("Gather", ["x", "index"], ["y"], axis=axis)
+            return small_model([node], [("x", shape)], [("y", out)], [("index", np.array(0, np.int64))])
+        out = shape[:axis] + [1] + shape[axis + 1:]
+        params = [(name, np.array([v], np.int64)) for name, v in (("starts", 0), ("ends", 1), ("axes", axis))]
+        node = helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["y"])
+        return small_model([node], [("x", shape)], [("y", out)], params)
+    return build
+
+
+ROWS = {"axis0-w4096": {"axis": 0, "w": 4096}, "axis1-w4096": {"axis": 1, "w": 4096}}
 HEADS = {"shape": [1, "N", 12, 64], "perm": [0, 2, 1, 3]}          # [B,T,H,D] -> [B,H,T,D]
 KEYS_T = {"shape": [1, 12, "N", 64], "perm": [0, 1, 3, 2]}         # K -> K^T
 TOKENS_T = {"shape": [1, "N", 768], "perm": [0, 2, 1]}             # [B,T,C] -> [B,C,T]
@@ -151,6 +170,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            1024, 1 << 20),
     Family("reshape-size", "Reshape [1,N,768] -> [1,N,12,64]", reshape, {"c768-h12": {"c": 768, "heads": 12}},
            256, 1 << 15),
+    Family("gather-rows", "Gather(index 0) of a sequence input [N,1,W] (axis 0) or [1,N,W] (axis 1)", rows("Gather"),
+           ROWS, 2, 32, sweep=True),
+    Family("slice-rows", "Slice 0:1 of a sequence input [N,1,W] (axis 0) or [1,N,W] (axis 1)", rows("Slice"),
+           ROWS, 2, 32, sweep=True),
     Family("conv-stride", f"Conv kernel = stride = N (patches), C->64 channels, on [1,C,{STRIDE_IMAGE},{STRIDE_IMAGE}]",
            lambda n, s: conv(s["cin"], 64, STRIDE_IMAGE, STRIDE_IMAGE, n, n, 0),
            {"cin16": {"cin": 16}, "cin64": {"cin": 64}}, 1, 32,

@@ -205,7 +205,7 @@ def to_limit(search: Search, toolkit: str, date: str, slow_factor: float) -> Lim
         evidence = (f"{what}: of N={b.points[0].size}..{b.points[-1].size}, passes at {compact(b.passing) or 'none'}; "
                     f"fails at {compact(failing)}; N={fail.size} ({fail.failure}): {fail.evidence}")
         return Limit(value=b.largest_ok or 0, failure=fail.failure, evidence=evidence, source=source, toolkit=toolkit,
-                     date=date, failing=fail.size, passing=b.passing)
+                     date=date, failing=fail.size, passing=b.passing, swept_to=b.points[-1].size)
     if b.smallest_failing is None:
         return Limit(value=b.largest_ok, failure="none", evidence=f"{what}: every size up to N={b.largest_ok} passes",
                      source=source, toolkit=toolkit, date=date)
