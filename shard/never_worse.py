@@ -254,14 +254,14 @@ def original_plans(canonical: gs.Graph, plans: list[ShardPlan], host_post: list[
 def prune_host_steps(pre: list[dict], post: list[dict], consumed: set[str], produced: set[str],
                      outputs: set[str]) -> tuple[list[dict], list[dict]]:
     """The host steps the chosen shards still need: a step before the shards is kept if a shard (or
-    a kept step) reads its output; a step after them if every input is made by a shard or a kept step
+    a kept step) reads its output, or it makes a model output no shard makes; a step after them if every input is made by a shard or a kept step
     and no shard already makes its output."""
-    kept_pre, need = [], set(consumed)
+    kept_pre, need = [], set(consumed) | (outputs - produced)   # a model output the host makes from its inputs
     for step in reversed(pre):
         if need & set(step_outputs(step)):
             kept_pre.insert(0, step)
             need.update(step_inputs(step))
-    kept_post, have = [], set(produced)
+    kept_post, have = [], set(produced) | {name for step in kept_pre for name in step_outputs(step)}
     for step in post:
         if all(n in have for n in step_inputs(step)) and not produced & set(step_outputs(step)):
             kept_post.append(step)

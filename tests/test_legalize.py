@@ -473,3 +473,28 @@ def test_a_limit_whose_evidence_is_an_e_line_alone_nominates_no_split():
                                              [[1, 4096]]))
     assert verdict.ok and verdict.failure == "error" and "not rewritten" in verdict.reason
 
+
+def test_a_model_output_made_from_integer_inputs_alone_is_made_on_the_host():
+    """A sentence encoder that gives back its input_ids and attention_mask (reshaped) kept those two
+    Reshapes on the vendor's CPU; the host makes them, and the NPU graph keeps the embedding's linear."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], axis=0), helper.make_node("MatMul", ["e", "w"], ["y"]),
+             helper.make_node("Reshape", ["ids", "flat"], ["ids_out"]),
+             helper.make_node("Reshape", ["mask", "flat"], ["mask_out"])]
+    model = small_model(nodes, [("ids", [1, 16], "int64"), ("mask", [1, 16], "int64")],
+                        [("y", [1, 16, 32]), ("ids_out", [16], "int64"), ("mask_out", [16], "int64")],
+                        [("table", rng.standard_normal((100, 64)).astype(np.float32)),
+                         ("w", rng.standard_normal((64, 32)).astype(np.float32)), ("flat", np.array([16], np.int64))])
+    graph, ctx = legalized(model, 1 << 20)
+    assert [n.op for n in graph.nodes] == ["MatMul"] and [t.name for t in graph.outputs] == ["y"]
+    assert [(s["type"], s["outputs"]) for s in ctx.host_pre] == [("Gather", ["e"]), ("Reshape", ["ids_out"]),
+                                                                 ("Reshape", ["mask_out"])]
+    feeds = {"ids": rng.integers(0, 100, (1, 16)), "mask": np.ones((1, 16), np.int64)}
+    got, want = run_legalized(graph, ctx, feeds), dict(zip(["y", "ids_out", "mask_out"], run_ort(model, feeds)))
+    assert all(np.array_equal(got[name], want[name]) for name in ("ids_out", "mask_out"))
+    assert np.allclose(got["y"], want["y"], rtol=1e-6, atol=1e-6)
+    from shard.never_worse import prune_host_steps
+
+    kept, _ = prune_host_steps(ctx.host_pre, ctx.host_post, consumed={"e"}, produced={"y"},
+                               outputs={"y", "ids_out", "mask_out"})
+    assert kept == ctx.host_pre   # kept for the outputs they make, which no shard makes

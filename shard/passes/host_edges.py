@@ -3,7 +3,8 @@ so does what the model computes from its integer inputs alone (embedding lookups
 made into an additive bias, RoBERTa's position ids: Gather, Cast, Not, Where, CumSum...) or from a
 comparison of its float inputs (a mask given as floats, Greater then Cast to float), which the
 vendor runs on the CPU inside its graph (seen: the onnx conformance model test_Embedding; RoBERTa
-from transformers, 10 of its 17 CPU ops).
+from transformers, 10 of its 17 CPU ops), and a model output made so (a sentence encoder that gives
+back its input_ids and attention_mask, reshaped: 2 CPU ops).
 
 A marked Slice, Reshape or Transpose whose data input is a graph input (or made on the host
 already) runs in numpy before the first shard; a marked Concat, Reshape or Transpose whose output
@@ -69,10 +70,13 @@ def host_computed(node: gs.Node, derived: set[str], inputs: set[str]) -> bool:
         t.name in derived or node.op in COMPARISONS and t.name in inputs for t in variables)
 
 
-def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray], inputs: set[str]) -> dict | None:
-    """The host step for a node host_computed; None otherwise. Its large constants (an embedding
-    table) go into `files`, which compile writes into the bundle."""
-    if not host_computed(node, derived, inputs) or len(node.outputs) != 1 or not node.outputs[0].outputs:
+def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray], inputs: set[str],
+                 outputs: set[str]) -> dict | None:
+    """The host step for a node host_computed whose output is read (by a node, or as one of the
+    model's `outputs`); None otherwise. Its large constants (an embedding table) go into `files`,
+    which compile writes into the bundle."""
+    if not host_computed(node, derived, inputs) or len(node.outputs) != 1 \
+            or not node.outputs[0].outputs and node.outputs[0].name not in outputs:
         return None
     return onnx_step(node, files)
 
@@ -127,8 +131,8 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
-            if node.outputs and node.outputs[0] not in graph.outputs \
-                    and (step := integer_step(node, derived, ctx.host_tables, inputs)):
+            if node.outputs and (node.outputs[0] not in graph.outputs or len(graph.outputs) > 1) \
+                    and (step := integer_step(node, derived, ctx.host_tables, inputs, {t.name for t in graph.outputs})):
                 derived.add(node.outputs[0].name)
             elif not (node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs
                       and node.inputs[0].name in on_host and (step := host_step(node))):
@@ -138,7 +142,10 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
             on_host.add(out.name)
             node.outputs.clear()
             node.inputs.clear()
-            graph.inputs.append(out)
+            if out in graph.outputs and len(graph.outputs) > 1:   # a model output the host makes (ids given back)
+                graph.outputs.remove(out)
+            if out.outputs or out in graph.outputs:
+                graph.inputs.append(out)
             moved = True
     graph_outputs = {t.name for t in graph.outputs}
     moved = True
