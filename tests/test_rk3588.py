@@ -22,10 +22,14 @@ def test_regtask_overflow_fails_compile_and_leaves_nothing(save, tmp_path):
     res = shard_cli("compile", save(add_model([1, 1, 1, 131072])), "--target", "rk3588", "--disable", "legalize")
     assert res.returncode == 1 and "Traceback" not in res.stderr
     line = next(line for line in res.stderr.splitlines() if line.startswith("error:"))
-    assert "shard_000" in line and "REGTASK lines" not in line
+    # The vendor alone fails the same way: the compile says both fail, naming each build and its log,
+    # before it builds anything more.
+    assert line.startswith("error: both fail: shard's build of shard_000 is unusable") and "REGTASK lines" not in line
     assert "REGTASK errors" in line and "E RKNN:" in line and "limit: 0x1fff" in line
-    log = line.rsplit("log: ", 1)[1].strip()
-    assert log.endswith("shard_000.log") and "REGTASK" in open(log).read()
+    assert "the vendor alone's build of the whole model is unusable too: vendor_alone:" in line
+    logs = [part.split(")")[0].split(";")[0].strip() for part in line.split("log: ")[1:]]
+    assert [log.rsplit("/", 1)[1] for log in logs] == ["shard_000.log", "vendor_alone.log"]
+    assert all("REGTASK" in open(log).read() for log in logs)
     assert not (tmp_path / "model.shard").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".model.shard")]
 

@@ -197,6 +197,7 @@ def choose(c: Compilation) -> None:
     or in the vendor's layout, whichever is better on the measured axes. Forced tiles and mixed
     precision's fp16 ops cost cycles by choice (cores, fidelity), so cycles are not judged there."""
     c.axes = HARD_AXES if c.options.tile_attention == "force" or c.options.precision == "mixed" else AXES
+    stop_where_both_fail(c)
     c.in_range = {ch["node"] for ch in c.ctx.reports.get("scale_sandwich", {}).get("changes", [])
                   if ch["form"] == "range"}
     versions = [(plan.name, plan) for plan in c.plans] + [
@@ -212,6 +213,28 @@ def choose(c: Compilation) -> None:
     c.own, c.choices = choose_versions(c.plans, c.originals, c.builds, c.axes, c.in_range, best, scaled)
     kept = {name for name, _ in c.own}
     c.choices += [ch for ch in edge_choices if ch["build"] in kept or ch["relaid"] in kept]
+
+
+def stop_where_both_fail(c: Compilation) -> None:
+    """A shard whose build and unrewritten twin are unusable where the vendor alone's is too (its whole
+    build, or that twin shard by shard): nothing shard can keep builds, so the compile stops now, in
+    one line naming both, rather than building the shards' edges in the vendor's layout first (a
+    902-node model took 9 minutes to say it failed, in a message naming only an internal variant)."""
+    vendor = c.builds.get(VENDOR_ALONE)
+    if c.whole and (vendor is None or not vendor.error):
+        return
+    for plan, original in zip(c.plans, c.originals):
+        ours, twin = c.builds[plan.name], c.builds.get(f"{plan.name}{UNREWRITTEN}")
+        if not ours.error or twin is not None and not twin.error:
+            continue
+        if c.whole:
+            theirs = f"the vendor alone's build of the whole model is unusable too: {vendor.error}"
+        elif twin is not None:
+            theirs = f"the vendor alone's build of it (the shard as it came) is unusable too: {twin.error}"
+        else:
+            theirs = "the passes did not change it: the vendor alone's build of it is this one"
+        raise CompileError(f"both fail: shard's build of {plan.name} is unusable ({ours.error}); {theirs}; "
+                           f"nothing written")
 
 
 def stand_beside_vendor(c: Compilation) -> None:
