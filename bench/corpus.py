@@ -27,7 +27,8 @@ For each model:
 Clean: it builds, 0 REGTASK lines, 0 ops on the CPU inside the rknn graphs, simulator cosine
 >= 0.9999. Worse: shard's build figures are worse than the vendor's (shard.never_worse.AXES, in
 order), or its cosine is more than 1e-4 under the vendor's; better the other way round. A model shard
-cannot take must end in one ShardError line; a Python traceback is counted apart (`tracebacks`).
+cannot take must end in one ShardError line; a Python traceback is counted apart (`tracebacks`), the
+summary `shard compile` prints included (each compile's is printed, and thrown away).
 
 Ends with: RESULT target=T models=N shard_clean=A vendor_clean=B better=C worse=D cpu_ops_shard=E cpu_ops_vendor=F
 """
@@ -371,6 +372,7 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
     result, started = Side(), time.monotonic()
     try:
         compiled = shard.compile(model, target, work / "bundle.shard", options)
+        summary(compiled)
         totals = compiled.report["totals"]
         result.builds, result.regtask = True, totals["regtask_lines"]
         result.cpu_ops, result.single_core = totals["cpu_ops"], totals["single_core_fallbacks"]
@@ -389,6 +391,15 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
         result.traceback = traceback.format_exc()
     result.seconds = round(time.monotonic() - started, 1)
     return result
+
+
+def summary(compiled) -> None:
+    """The summary `shard compile` prints, printed where nothing shows it: a printer that fails on a
+    report (a CLIP text encoder's ended in KeyError: 'action') counts as a traceback."""
+    from shard import cli
+
+    with cli.console.capture():
+        cli.print_compile_result(compiled)
 
 
 def vendor_side(ours: Side) -> Side:
