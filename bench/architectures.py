@@ -52,6 +52,7 @@ def configs():
         "bert-base": text(tf.BertModel, lambda t: eager(tf.BertConfig(num_hidden_layers=2))),
         "bert-tiny": text(tf.BertModel, lambda t: eager(tf.BertConfig(hidden_size=128, num_hidden_layers=2,
                                                                       num_attention_heads=2, intermediate_size=512))),
+        "clip-text": text(tf.CLIPTextModel, lambda t: eager(tf.CLIPTextConfig(num_hidden_layers=2)), seq=77),
         "distilbert-base": text(tf.DistilBertModel, lambda t: eager(tf.DistilBertConfig(n_layers=2))),
         "roberta-base": text(tf.RobertaModel, lambda t: eager(tf.RobertaConfig(num_hidden_layers=2))),
         "t5-small-encoder": text(tf.T5EncoderModel, lambda t: eager(tf.T5Config(num_layers=2))),

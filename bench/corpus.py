@@ -59,7 +59,7 @@ ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
 CI = ["test_Conv2d", "test_Conv1d", "test_MaxPool2d", "test_Embedding", "test_operator_chunk", "test_operator_permute2",
       "test_operator_reduced_mean", "test_PixelShuffle", "test_Linear", "test_SELU", "test_operator_repeat", "head40",
       "bool_mask", "embed_linear", "bert-tiny", "fused_qkv", "two_heads", "rate_switch", "euler_loop",
-      "eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa", "sequence_row"]
+      "eos_pool", "float_mask", "value_pad", "yolo_head", "qwen2-mqa", "sequence_row", "clip-text"]
 
 
 @dataclass
