@@ -19,6 +19,7 @@ from rich.table import Table
 from shard.errors import ShardError
 from shard.options import check_seconds
 from shard.output_files import check_output_file
+from shard.summary import Summary, describe_step, one_run, shards_table, summary_lines
 from shard.targets.chips import DEFAULT_TARGET, targets_help
 
 app = typer.Typer(help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
@@ -346,12 +347,6 @@ def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
     return fixed, buckets
 
 
-def describe_step(step: dict) -> str:
-    from shard.runtime.host import step_inputs, step_outputs
-
-    return f"{step.get('type', step['op'])} {', '.join(step_inputs(step))} -> {', '.join(step_outputs(step))}"
-
-
 def stage_table(stages: list[dict], title: str) -> Table:
     """The roofline of each pipeline stage (GPU targets): its floor, the predicted time, the bound."""
     table = Table(title=title)
@@ -390,229 +385,14 @@ def print_stage_report(report: dict) -> None:
             + f"; chose {auto['batch']}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
 
 
-def handoff_line(predicted: dict, versus: dict | None) -> str:
-    """What the shards' hand-offs add on the board, against the vendor's one graph."""
-    moves = predicted["handoff_seconds"]
-    vendor = f"{1e3 * predicted['vendor_handoff_s']:.1f} ms of hand-offs"
-    cycles = ((versus or {}).get("vendor") or {}).get("estimated_cycles")
-    if cycles and predicted.get("npu_clock_hz"):
-        vendor = (f"{1e3 * (cycles / predicted['npu_clock_hz'] + predicted['vendor_handoff_s']):.1f} ms, "
-                  f"{1e3 * predicted['vendor_handoff_s']:.1f} ms of it hand-offs")
-    return (f"  of it: the NPU {1e3 * sum(predicted['npu_seconds']):.1f} ms, hand-offs {1e3 * sum(moves):.1f} ms "
-            f"(each of {len(moves)} shard(s) has its inputs set and outputs got on the host; the vendor's one graph "
-            f"{vendor}; rates: report.json's predicted.handoff_source)")
-
-
-def one_run(batch: int) -> str:
-    """What one run of a bundle takes: a frame, or a batch of them (--batch)."""
-    return f"one batch of {batch} frames" if batch > 1 else "one frame"
-
-
-def compile_time(report: dict) -> str:
-    hit = report.get("from_bundle_cache")
-    if hit:
-        return (f"the bundle came from the cache in {hit['seconds']:.1f} s (the same model, options, profile, "
-                f"toolchain and shard; compiled in {hit['compiled_in']:.1f} s)")
-    return (f"compiled in {report['seconds']['total']:.1f} s ({report['builds']['from_cache']} of "
-            f"{report['builds']['total']} vendor builds from the cache)")
-
-
-SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one line
-SHOWN_CHANGES = 4   # runs of a pass's changes printed one by one; the rest in one line
-
-
 def print_compile_report(report: dict) -> None:
+    """The shards' table and the summary under it, from the report's typed records (shard.summary)."""
     if "stages" in report["passes"]:
         return print_stage_report(report)
-    print_shards(report)
-    print_totals(report)
-    print_changes(report)
-    print_host_steps(report)
-    print_versus_vendor(report)
-    print_fallbacks(report)
-
-
-def print_shards(report: dict) -> None:
-    table = Table(title="shards")
-    for col in ("shard", "core", "nodes", "GMACs", "build s", "build GB", "REGTASK", "CPU ops", "1-core fallbacks",
-                "est. Mcycles"):
-        table.add_column(col, justify="right" if col != "shard" else "left")
-    for s in report["shards"]:
-        d = s["diagnostics"]
-        table.add_row(s["name"], str(s["core"]), str(s["nodes"]), f"{s['macs'] / 1e9:.2f}",
-                      "cached" if s.get("cached") else f"{s['build_seconds']:.1f}",
-                      f"{s['build_peak_bytes'] / 1e9:.2f}" if s.get("build_peak_bytes") else "-",
-                      str(d.get("regtask_lines", 0)),
-                      str(len(d.get("cpu_ops", []))), str(len(d.get("single_core_fallbacks", []))),
-                      f"{d.get('estimated_cycles', 0) / 1e6:.1f}")
-    console.print(table)
-
-
-def print_totals(report: dict) -> None:
-    """The warnings, the profile, the totals, mixed precision's rounds, how partition cut, the prediction."""
-    for warning in report.get("warnings", []):
-        console.print(f"[yellow]warning[/]: {escape(warning)}")
-    t = report["totals"]
-    if "profile" in report:
-        p = report["profile"]
-        console.print(f"target {p['target']} ({p['cores']} NPU core{'s' * (p['cores'] > 1)}), profile {p['file']}: "
-                      f"{p['toolkit'] or 'no toolkit'}" + (f", probed {p['probed']}" if p["probed"] else ""))
-    console.print(f"{t['shards']} {report.get('precision', 'fp16')} shards, {t['regtask_lines']} REGTASK lines, "
-                  f"{t['cpu_ops']} ops on the CPU, "
-                  f"{t['single_core_fallbacks']} single-core fallbacks, "
-                  f"{t['estimated_cycles'] / 1e6:.1f} M estimated cycles; {compile_time(report)}")
-    if t.get("int8_mac_share") is not None and report.get("precision", "fp16") != "fp16":
-        console.print(f"int8 share of the MACs (Conv and MatMul layers, from the vendor's layer tables): "
-                      f"{100 * t['int8_mac_share']:.1f} %")
-    mixed = report.get("mixed", {})
-    if mixed.get("rounds"):
-        n = mixed["samples"]
-        if n.get("folds", 1) > 1:
-            refit = f" (cosine {mixed['bundle_cosine']:.5f})" if "bundle_cosine" in mixed else ""
-            console.print(f"mixed precision: {n['folds']} folds, each round's cosine the worst of the {n['held_out']} "
-                          f"samples, each held out of the int8 ranges once; the bundle's ranges from all "
-                          f"{n['calibration']}{refit}")
-        else:
-            console.print(f"mixed precision: int8 ranges from {n['calibration']} calibration samples, each round "
-                          f"accepted on {n['held_out']} held out (the simulator against onnxruntime, worst output "
-                          f"cosine)")
-    for r in mixed.get("rounds", []):   # one line each, under 160 columns
-        replica = "" if r["predicted"] is None else f" (replica {r['predicted']:.5f})"
-        kept = " (kept)" if r["round"] == mixed.get("kept") and len(mixed["rounds"]) > 1 else ""
-        console.print(f"mixed precision, round {r['round']}{kept}: {len(r['promoted'])} linears in fp16, cosine "
-                      f"{r['cosine']:.5f} held out, {r['cosine_calibration']:.5f} calibration{replica}, int8 "
-                      f"{100 * r['int8_mac_share']:.1f} % of the MACs, {r['estimated_cycles'] / 1e6:.1f} M cycles")
-    cut = report["passes"].get("partition", {})
-    if cut.get("by_memory"):
-        console.print(f"{cut['shards']} shards for the builds' memory: {cut['weight_bytes'] / 1e6:.0f} MB of weights, "
-                      f"cut so that its builds, {cut.get('builds_at_once', 1)} at a time, stay within half of the "
-                      f"vendor's build of the whole model; no finer, as each shard is one more hand-off a frame on "
-                      f"the board (--shards sets the count)")
-    elif cut.get("for_memory", 0) > cut.get("shards", 0) and "builds_at_once" in cut:   # (older reports lack it)
-        console.print(f"{cut['shards']} shards where the builds' memory asked for {cut['for_memory']} (each one more "
-                      f"hand-off a frame: a step of few MACs, or --shards, keeps them few): built "
-                      f"{cut['builds_at_once']} at a time instead, nearer half of the vendor's build of the whole model")
-    print_kept_whole(report["passes"].get("partition", {}).get("kept_whole"))
-    predicted = report.get("predicted")
-    if predicted:
-        batch = report.get("batch", 1)
-        where = "on the board" if "handoff_seconds" in predicted else "on the NPU"
-        console.print(f"predicted {where} (estimated cycles at the NPU clock, host steps aside): "
-                      f"{one_run(batch)} "
-                      f"{1e3 * predicted['latency_s']:.1f} ms; run_stream "
-                      + ", ".join(f"{batch * fps:.1f}" for fps in predicted["stream_fps"].values())
-                      + f" frames/s on {'/'.join(map(str, predicted['stream_fps']))} cores")
-        if "handoff_seconds" in predicted:
-            console.print(handoff_line(predicted, report.get("versus_vendor")))
-    before = t.get("estimated_cycles_before_passes", t["estimated_cycles"])
-    console.print(f"estimated cycles, whole model: {before / 1e6:.1f} M before the passes, "
-                  f"{t['estimated_cycles'] / 1e6:.1f} M after")
-
-
-def print_changes(report: dict) -> None:
-    """Each shard's choice, and each pass's changes (those a choice undid marked) and the ops it left."""
-    from shard.compilation.writer import cycle_note
-
-    dropped = {}
-    for choice in report.get("choices", []):
-        console.print(f"{choice['shard']}: {choice['what']}; {choice['line']}")
-        dropped.update(dict.fromkeys(choice["dropped_nodes"], choice["shard"]))
-    for name, passed in report["passes"].items():
-        groups = alike(passed.get("changes", []), dropped)
-        for group in groups[:SHOWN_CHANGES]:
-            c = group[0]
-            undone = f" [yellow](undone: {dropped[c['node']]} built better without it)[/]" if c["node"] in dropped else ""
-            nodes = c["node"] if len(group) == 1 else f"{len(group)} ops: {c['node']} ... {group[-1]['node']}"
-            console.print(f"{name}: {nodes} ({c['op']}): {c['reason']}; {c['action']}{cycle_note(c)}{undone}")
-            if "tiles_survived" in c:
-                verdict = "not fused back" if c["tiles_survived"] else "[red]fused back[/] (see --fusion-barrier)"
-                console.print(f"  vendor layer table: {c['tiles_in_layer_table']} of {c['query_tiles']} tiles are "
-                              f"layers of their own: {verdict}")
-        if len(groups) > SHOWN_CHANGES:   # mixed precision's per-linear splits: one line, each in the report
-            ops = sorted({c["op"] for group in groups[SHOWN_CHANGES:] for c in group})
-            console.print(f"{name}: {sum(map(len, groups[SHOWN_CHANGES:]))} more changes ({', '.join(ops)}); "
-                          f"report.json lists each under passes.{name}.changes")
-        left = passed.get("not_fixed", [])
-        for c in left[:SHOWN_LEFT]:
-            console.print(f"[yellow]warning[/]: {name}: {c['node']} ({c['op']}): {c['reason']}; {c['action']}")
-        if len(left) > SHOWN_LEFT:
-            ops = sorted({c["op"] for c in left[SHOWN_LEFT:]})
-            console.print(f"[yellow]warning[/]: {name}: {len(left) - SHOWN_LEFT} more ops left as is ({', '.join(ops)}); "
-                          f"report.json lists each under passes.{name}.not_fixed")
-        tried = passed.get("tried", [])
-        if tried:   # what failed built alone and was left whole: the model's build (the figures above) decides
-            ops = ", ".join(sorted({c["op"] for c in tried}))
-            console.print(f"{name}: {len(tried)} {ops} {'regions' if name == 'tile_attention' else 'ops'} fail built "
-                          f"alone and were left whole ({tried[0]['reason'][:120]}); the model's build decides; "
-                          f"report.json lists each under passes.{name}.tried")
-
-
-def alike(changes: list[dict], dropped: dict) -> list[list[dict]]:
-    """Runs of changes that differ only in their node (a decoder's 61 norms): one line each run;
-    report.json keeps every one."""
-    groups: list[list[dict]] = []
-    same = lambda c: ({k: v for k, v in c.items() if k != "node"}, c["node"] in dropped)  # noqa: E731
-    for c in changes:
-        if groups and "tiles_survived" not in c and same(c) == same(groups[-1][0]):
-            groups[-1].append(c)
-        else:
-            groups.append([c])
-    return groups
-
-
-def print_host_steps(report: dict) -> None:
-    for when, key in (("before", "host_pre"), ("after", "host_post")):
-        steps = report.get(key, [])
-        if len(steps) > 3:   # a decoder's rotary table: one line; report.json lists each
-            console.print(f"host steps {when} the shards (numpy, not NPU or CPU ops): {len(steps)} steps, "
-                          f"{', '.join(step.get('type', step['op']) for step in steps)}; first {describe_step(steps[0])}")
-            continue
-        for step in steps:
-            console.print(f"host step {when} the shards (numpy, not an NPU or CPU op): {describe_step(step)}")
-    for when, key in (("before", "host_ms"), ("after", "host_post_ms")):
-        if report.get(key) is not None:
-            console.print(f"host steps {when} the shards: {report[key]:.3f} ms per frame on this machine")
-
-
-def print_versus_vendor(report: dict) -> None:
-    versus = report.get("versus_vendor")
-    if versus:
-        console.print(versus["line"])
-        if versus.get("vendor_alone") != "vendor alone":
-            console.print(f"{versus['vendor_alone']}: its whole build is not made ({versus['why']})")
-        if (report.get("vendor_alone") or {}).get("figures_only"):
-            console.print("vendor alone: the figures of its earlier build of this graph with other weights (build "
-                          "cache); built again only where its artifact is needed")
-        if "fidelity" in versus:
-            f = versus["fidelity"]
-            shown = ["not run" if f[side] is None else f"{f[side]:.7f}" for side in ("shard", "vendor")]
-            console.print(f"simulator cosine, shard / vendor alone: {shown[0]} / {shown[1]}")
-        if versus["bundle"] != "shard" and not report.get("vendor_only"):
-            held = ("its build of the model as it came" if versus["bundle"] == "vendor alone"
-                    else "each shard's build without its rewrites")
-            console.print(f"[yellow]warning[/]: the vendor toolkit alone built this model better; the bundle holds "
-                          f"{held} (shard / vendor alone: equal)")
-    elif report.get("vendor_alone") is None:
-        console.print("shard / vendor alone: not compared (--no-vendor-baseline, or a target without a vendor compiler)")
-
-
-def print_fallbacks(report: dict) -> None:
-    for s in report["shards"]:
-        if s["diagnostics"].get("disabled_rules"):
-            crash = s["diagnostics"]["crashes"][0].split(": ", 1)[-1]
-            console.print(f"{s['name']}: {crash}; built again with the toolkit's "
-                          f"disable_rules={s['diagnostics']['disabled_rules']} (where the vendor alone stops)")
-        for op in s["diagnostics"].get("cpu_ops", []):
-            console.print(f"[yellow]warning[/]: {s['name']}: {op} runs on the CPU")
-        for layer in s["diagnostics"].get("single_core_fallbacks", []):
-            console.print(f"[yellow]warning[/]: {s['name']}: {layer} falls back to one NPU core")
-
-
-def print_kept_whole(kept_whole: list[str] | None) -> None:
-    """The fused patterns (norms, attention) partition's cheapest cut would have run through."""
-    if kept_whole:
-        console.print(f"partition: no cut through what the vendor fuses (the cheapest cut ran through "
-                      f"{len(kept_whole)}): {', '.join(kept_whole[:3])}{' ...' if len(kept_whole) > 3 else ''}")
+    summary = Summary.of(report)
+    console.print(shards_table(summary))
+    for line in summary_lines(summary):
+        console.print(line)
 
 
 RUN_HELP = {   # the longer option helps of `shard run`

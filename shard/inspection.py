@@ -15,6 +15,7 @@ import onnx_graphsurgeon as gs
 from shard.graph import load_model, quiet_graphsurgeon
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
+from shard.summary import Change, record
 from shard.targets.chips import DEFAULT_TARGET
 from shard.targets.registry import get_target
 
@@ -40,7 +41,6 @@ class Inspection:
 
 def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None) -> Inspection:
     from shard.compilation.stages import run_passes
-    from shard.compilation.writer import cycle_note
     from shard.options import CompileOptions
 
     options = options or CompileOptions()
@@ -54,7 +54,9 @@ def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None)
     for name in ("slow_paths", "scale_sandwich", "legalize"):
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):
-            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"] + cycle_note(c), "rewrite"))
+            change = record(Change, c, f"passes.{name}.changes")
+            result.findings.append(Finding(change.node, change.op, change.reason, change.action + change.cycles(),
+                                           "rewrite"))
         for c in report.get("not_fixed", []) + report.get("tried", []):
             result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"], "not fixed"))
         for c in report.get("reported", []):

@@ -110,10 +110,10 @@ def test_mixed_holds_few_samples_out_in_turn_and_keeps_ranges_from_all(tmp_path,
     (spec,) = read_manifest(tmp_path / "m.shard").shards
     assert spec.precision == "mixed"
     assert [np.load(tmp_path / "m.shard" / s[0]).tolist() for s in spec.dataset] == np.load(calib)["x"].tolist()
-    from shard.cli import console, print_totals
+    from shard.cli import console, print_compile_report
 
     with console.capture() as seen:
-        print_totals(report)
+        print_compile_report(report)
     assert ("4 folds, each round's cosine the worst of the 6 samples, each held out of the int8 ranges once; the "
             f"bundle's ranges from all 6 (cosine {mixed['bundle_cosine']:.5f})") in seen.get()
     assert "mixed precision, round 1: 0 linears in fp16, cosine" in seen.get()

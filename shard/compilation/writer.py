@@ -261,17 +261,6 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
     return predicted
 
 
-def cycle_note(change: dict) -> str:
-    """A rewrite's cycles as the vendor estimates them, and with the ops it leaves at 0 costed."""
-    if change.get("before_cycles") is None:
-        return ""
-    note = f" ({change['before_cycles'] / 1e6:.2f} M -> {change['after_cycles'] / 1e6:.2f} M estimated cycles"
-    if change.get("ddr_cycles_per_kb"):
-        note += (f"; {change['before_cost'] / 1e6:.2f} M -> {change['after_cost'] / 1e6:.2f} M with the ops the "
-                 f"estimate leaves at 0 costed by bytes at {change['ddr_cycles_per_kb']} cycles/KB")
-    return note + ")"
-
-
 def rewrite_delta(passes: dict) -> int:
     """Cycles the rewrites saved, each measured by building its region before and after alone.
     The whole model before the passes is then the built shards' sum plus this."""
