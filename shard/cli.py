@@ -19,7 +19,8 @@ from rich.table import Table
 from shard.errors import ShardError
 from shard.options import check_seconds
 from shard.output_files import check_output_file
-from shard.summary import Summary, describe_step, one_run, shards_table, summary_lines
+from shard.summary import (SpeedRow, StageSummary, Summary, describe_step, image_room_lines, shards_table, speed_lines,
+                           speed_table, stage_lines, stage_table, summary_lines)
 from shard.targets.chips import DEFAULT_TARGET, targets_help
 
 app = typer.Typer(help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
@@ -264,60 +265,17 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
                      f"cache of {program.capacity}")
         print_compile_report(result.reports[program.name])
-    if result.predicted[0]["decode_tokens_per_s"]:
-        print_generative_prediction(result.predicted)
+    rows = [SpeedRow.of(row, f"predicted[{k}]") for k, row in enumerate(result.predicted)]
+    if rows and rows[0].decode_tokens_per_s:
+        console.print(speed_table(rows))
+        for line in speed_lines(rows):
+            console.print(line)
     if vision:
-        print_image_room(vision, result.spec.capacity, result.predicted[0])
+        most = vision["most"]
+        for line in image_room_lines(most["squares"], most["tokens"], vision["image_size"], result.spec.capacity,
+                                     rows[0]):
+            console.print(line)
     console.print(f"bundle: {result.bundle}")
-
-
-def print_image_room(vision: dict, capacity: int, predicted: dict) -> None:
-    """How much of the context an image takes at most (its processor may split it into squares), and
-    the vision program's predicted time for that many squares."""
-    most, size = vision["most"], vision["image_size"]
-    split = f"up to {most['squares']} squares of {size} x {size} (its processor splits it), " \
-        if most["squares"] > 1 else ""
-    console.print(f"an image: {split}{most['tokens']} image tokens of the context's {capacity}")
-    if predicted.get("image_ms"):
-        console.print(f"predicted: {predicted['image_squares']} squares in {predicted['image_ms']} ms, pipelined "
-                      f"over {predicted['cores']} cores ({predicted['image_squares']} x {predicted['vision_ms']} ms "
-                      f"one by one)")
-    if most["tokens"] >= capacity:
-        console.print(f"[yellow]warning[/]: the largest images leave no room in --max-context {capacity} for the "
-                      f"prompt's text and the answer: give it more than {most['tokens']}")
-
-
-def print_generative_prediction(rows: list[dict]) -> None:
-    """Predicted prefill and decode speed per cache capacity, beside the DRAM bound and the chip's
-    published figures."""
-    table = Table(title="predicted speed (fp16)")
-    vision, moves = "vision_ms" in rows[0], "decode_handoff_ms" in rows[0]
-    for col in ("", "cache", *(["image ms"] if vision else []), "prefill 128 tokens ms", "decode tokens/s",
-                *(["of a token: hand-offs ms", "the NPU alone tokens/s"] if moves else []), "DRAM-bound tokens/s"):
-        table.add_column(col, justify="left" if not col else "right")
-    for p in rows:
-        bound = (f"{p['bandwidth_tokens_per_s']} ({(p['weight_bytes'] + p['cache_bytes']) / 1e6:.0f} MB a token at "
-                 f"{p['dram_gbs']} GB/s)" if "bandwidth_tokens_per_s" in p else "")
-        table.add_row("shard, from the vendor's cycle estimates" + (" and the board's hand-offs" if moves else ""),
-                      str(p["capacity"]), *([f"{p['vision_ms']}"] if vision else []), f"{p['prefill_128_ms']:.1f}",
-                      f"{p['decode_tokens_per_s']}",
-                      *([f"{p['decode_handoff_ms']}", f"{p['decode_npu_tokens_per_s']}"] if moves else []), bound)
-    if "published" in rows[0]:
-        published = rows[0]["published"]
-        table.add_row(published["label"], "", *([f"{published['vision_ms']:.0f}"] if vision else []),
-                      f"{published['prefill_128_ms']:.0f}", f"{published['decode_tokens_per_s']:.0f}",
-                      *(["", ""] if moves else []), "")
-    console.print(table)
-    if moves:
-        console.print("hand-offs: each step's inputs, the whole cache among them, set on the host through the "
-                      "board's runtime every token (rates in each program's report.json: predicted.handoff_source)")
-    one = [p for p in rows if p.get("one_step_tokens_per_s", 0) > (p["decode_tokens_per_s"] or 0)]
-    if one:
-        console.print(f"--one-step: the answer's tokens through the prompt's step would decode at "
-                      f"{', '.join(str(p['one_step_tokens_per_s']) for p in one)} tokens/s by the same estimates (cache "
-                      f"{', '.join(str(p['capacity']) for p in one)}), with one copy of the weights where this bundle "
-                      f"holds two; each token a step of --chunk, whose larger inputs and keys and values the "
-                      f"estimates do not count")
 
 
 def bucket_title(bucket) -> str:
@@ -347,48 +305,14 @@ def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
     return fixed, buckets
 
 
-def stage_table(stages: list[dict], title: str) -> Table:
-    """The roofline of each pipeline stage (GPU targets): its floor, the predicted time, the bound."""
-    table = Table(title=title)
-    for col in ("stage", "nodes", "GFLOP", "weights MB", "DRAM MB", "floor ms", "predicted ms", "bound"):
-        table.add_column(col, justify="left" if col in ("stage", "bound") else "right")
-    for s in stages:
-        table.add_row(s["stage"], str(s["nodes"]), f"{s['flops'] / 1e9:.1f}", f"{s['weight_bytes'] / 1e6:.1f}",
-                      f"{s['bytes'] / 1e6:.1f}", f"{1e3 * s['floor_s']:.3f}", f"{1e3 * s['predicted_s']:.3f}", s["bound"])
-    return table
-
-
-def print_stage_report(report: dict) -> None:
-    stages = report["passes"]["stages"]["stages"]
-    console.print(stage_table(stages, f"{len(stages)} pipeline stages, {report.get('precision', 'fp16')}"))
-    for warning in report.get("warnings", []):
-        console.print(f"[yellow]warning[/]: {escape(warning)}")
-    fp8 = report["passes"].get("fp8_linears", {})
-    frames = f" of {fp8['frames']} frames, each frame on its own" if fp8.get("frames", 1) > 1 else ""
-    for r in fp8.get("rounds", []):
-        console.print(f"fp8 round {r['round']}: {r['fp8_linear_macs']:.1%} of the linears' MACs in FP8, cosine "
-                      f"{r['cosine']:.5f} on {fp8['checked_on']} calibration samples{frames} (predicted {r['predicted']:.5f})"
-                      + (f", {r['confirmed']:.5f} with the real Q/DQ in onnxruntime" if "confirmed" in r else "")
-                      + (" [green](kept)[/]" if r["round"] == fp8.get("kept") else ""))
-    if fp8.get("changes"):
-        console.print(f"fp8_linears: {len(fp8['changes'])} linears in FP8 E4M3 with explicit Q/DQ "
-                      f"({fp8['samples']} calibration samples); the rest fp16")
-    slowest, batch = max(s["predicted_s"] for s in stages), report.get("batch", 1)
-    console.print(f"predicted: {one_run(batch)} "
-                  f"{1e3 * sum(s['predicted_s'] for s in stages):.3f} ms, pipelined {batch / slowest:.1f} frames/s "
-                  f"(the slowest stage); engines: `shard build-engines BUNDLE` on the device")
-    auto = report.get("batch_auto")
-    if auto:
-        budget = auto["latency_budget_s"]
-        console.print("--batch auto, predicted per batch size: " + ", ".join(
-            f"{c['batch']}: {c['fps']:.0f} frames/s, {1e3 * c['latency_s']:.2f} ms" for c in auto["candidates"])
-            + f"; chose {auto['batch']}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
-
-
 def print_compile_report(report: dict) -> None:
     """The shards' table and the summary under it, from the report's typed records (shard.summary)."""
-    if "stages" in report["passes"]:
-        return print_stage_report(report)
+    if "stages" in report["passes"]:   # a GPU target's pipeline stages
+        staged = StageSummary.of(report)
+        console.print(stage_table(staged.stages, f"{len(staged.stages)} pipeline stages, {staged.precision}"))
+        for line in stage_lines(staged):
+            console.print(line)
+        return
     summary = Summary.of(report)
     console.print(shards_table(summary))
     for line in summary_lines(summary):

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from shard.graph import load_model, quiet_graphsurgeon
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
-from shard.summary import Change, record
+from shard.summary import Change, Left, Stage, record
 from shard.targets.chips import DEFAULT_TARGET
 from shard.targets.registry import get_target
 
@@ -36,7 +36,7 @@ class Inspection:
     findings: list[Finding] = field(default_factory=list)
     host_pre: list[dict] = field(default_factory=list)
     host_post: list[dict] = field(default_factory=list)
-    stages: list[dict] = field(default_factory=list)   # GPU targets: each pipeline stage's roofline
+    stages: list[Stage] = field(default_factory=list)   # GPU targets: each pipeline stage's roofline
 
 
 def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None) -> Inspection:
@@ -50,16 +50,18 @@ def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None)
     proto, _ = prepare_model(load_model(model), tgt.min_opset)
     _, ctx = run_passes(gs.import_onnx(proto), tgt, profile, options, until=None if tgt.stage_streams else "partition")
     result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post,
-                        stages=ctx.reports.get("stages", {}).get("stages", []))
+                        stages=[record(Stage, s, f"passes.stages.stages[{k}]")
+                                for k, s in enumerate(ctx.reports.get("stages", {}).get("stages", []))])
     for name in ("slow_paths", "scale_sandwich", "legalize"):
         report = ctx.reports.get(name, {})
         for c in report.get("changes", []):
             change = record(Change, c, f"passes.{name}.changes")
             result.findings.append(Finding(change.node, change.op, change.reason, change.action + change.cycles(),
                                            "rewrite"))
-        for c in report.get("not_fixed", []) + report.get("tried", []):
-            result.findings.append(Finding(c["node"], c["op"], c["reason"], c["action"], "not fixed"))
-        for c in report.get("reported", []):
-            result.findings.append(Finding(c["node"], c["op"], c["reason"], "left to the vendor compiler (runs on the CPU)",
+        for key in ("not_fixed", "tried"):
+            for left in (record(Left, c, f"passes.{name}.{key}") for c in report.get(key, [])):
+                result.findings.append(Finding(left.node, left.op, left.reason, left.action, "not fixed"))
+        for cpu in (record(Left, c, f"passes.{name}.reported") for c in report.get("reported", [])):
+            result.findings.append(Finding(cpu.node, cpu.op, cpu.reason, "left to the vendor compiler (runs on the CPU)",
                                            "cpu"))
     return result

@@ -253,9 +253,9 @@ def original_plans(canonical: gs.Graph, plans: list[ShardPlan], host_post: list[
 
 def prune_host_steps(pre: list[dict], post: list[dict], consumed: set[str], produced: set[str],
                      outputs: set[str]) -> tuple[list[dict], list[dict]]:
-    """The host steps the chosen shards still need: a step before the shards is kept if a shard (or
-    a kept step) reads its output, or it makes a model output no shard makes; a step after them if every input is made by a shard or a kept step
-    and no shard already makes its output."""
+    """The host steps the chosen shards still need: a step before the shards is kept if a shard (or a
+    kept step) reads its output, or it makes a model output no shard makes; a step after them if
+    every input is made by a shard or a kept step and no shard already makes its output."""
     kept_pre, need = [], set(consumed) | (outputs - produced)   # a model output the host makes from its inputs
     for step in reversed(pre):
         if need & set(step_outputs(step)):

@@ -515,3 +515,217 @@ def fallback_lines(s: Summary) -> list[str]:
         lines += [warning(f"{shard.name}: {op} runs on the CPU") for op in shard.cpu_ops]
         lines += [warning(f"{shard.name}: {layer} falls back to one NPU core") for layer in shard.single_core_fallbacks]
     return lines
+
+
+@dataclass(frozen=True)
+class Published:
+    """A chip's published figures for the same decoder (shard.targets.chips: decoder_figures)."""
+
+    label: str
+    prefill_128_ms: float
+    decode_tokens_per_s: float
+    vision_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class SpeedRow:
+    """A generative bundle's predicted speed at one cache capacity (compilation.generative.predict)."""
+
+    capacity: int
+    prefill_128_ms: float | None = None
+    decode_tokens_per_s: float | None = None
+    weight_bytes: int = 0
+    cache_bytes: int = 0
+    one_step_tokens_per_s: float | None = None
+    bandwidth_tokens_per_s: float | None = None
+    dram_gbs: float | None = None
+    decode_handoff_ms: float | None = None
+    decode_npu_tokens_per_s: float | None = None
+    vision_ms: float | None = None
+    image_ms: float | None = None
+    image_squares: int | None = None
+    cores: int | None = None
+    published: Published | None = None
+
+    @classmethod
+    def of(cls, row: dict, where: str) -> SpeedRow:
+        published = row.get("published")
+        return dataclasses.replace(record(cls, {k: v for k, v in row.items() if k != "published"}, where),
+                                   published=record(Published, published, f"{where}.published") if published else None)
+
+
+def figure(value: float | None, digits: int | None = None) -> str:
+    """A predicted figure, or '-' where none was predicted."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if digits is not None else f"{value}"
+
+
+def speed_table(rows: list[SpeedRow]) -> Table:
+    """Predicted prefill and decode speed per cache capacity, beside the DRAM bound and the chip's
+    published figures."""
+    table = Table(title="predicted speed (fp16)")
+    vision = any(r.vision_ms is not None for r in rows)
+    moves = any(r.decode_handoff_ms is not None for r in rows)
+    for col in ("", "cache", *(["image ms"] if vision else []), "prefill 128 tokens ms", "decode tokens/s",
+                *(["of a token: hand-offs ms", "the NPU alone tokens/s"] if moves else []), "DRAM-bound tokens/s"):
+        table.add_column(col, justify="left" if not col else "right")
+    for r in rows:
+        bound = (f"{r.bandwidth_tokens_per_s} ({(r.weight_bytes + r.cache_bytes) / 1e6:.0f} MB a token at "
+                 f"{r.dram_gbs} GB/s)" if r.bandwidth_tokens_per_s is not None else "")
+        table.add_row("shard, from the vendor's cycle estimates" + (" and the board's hand-offs" if moves else ""),
+                      str(r.capacity), *([figure(r.vision_ms)] if vision else []), figure(r.prefill_128_ms, 1),
+                      figure(r.decode_tokens_per_s),
+                      *([figure(r.decode_handoff_ms), figure(r.decode_npu_tokens_per_s)] if moves else []),
+                      escape(bound))
+    published = rows[0].published if rows else None
+    if published is not None:
+        table.add_row(escape(published.label), "", *([figure(published.vision_ms, 0)] if vision else []),
+                      figure(published.prefill_128_ms, 0), figure(published.decode_tokens_per_s, 0),
+                      *(["", ""] if moves else []), "")
+    return table
+
+
+def speed_lines(rows: list[SpeedRow]) -> list[str]:
+    """What the speed table's figures hold, and what --one-step would give."""
+    lines = []
+    if any(r.decode_handoff_ms is not None for r in rows):
+        lines.append("hand-offs: each step's inputs, the whole cache among them, set on the host through the board's "
+                     "runtime every token (rates in each program's report.json: predicted.handoff_source)")
+    one = [r for r in rows if (r.one_step_tokens_per_s or 0) > (r.decode_tokens_per_s or 0)]
+    if one:
+        lines.append(f"--one-step: the answer's tokens through the prompt's step would decode at "
+                     f"{', '.join(str(r.one_step_tokens_per_s) for r in one)} tokens/s by the same estimates (cache "
+                     f"{', '.join(str(r.capacity) for r in one)}), with one copy of the weights where this bundle "
+                     f"holds two; each token a step of --chunk, whose larger inputs and keys and values the "
+                     f"estimates do not count")
+    return lines
+
+
+def image_room_lines(squares: int, tokens: int, size: int, capacity: int, row: SpeedRow) -> list[str]:
+    """How much of the context an image takes at most (its processor may split it into `squares`),
+    and the vision program's predicted time for that many squares."""
+    split = f"up to {squares} squares of {size} x {size} (its processor splits it), " if squares > 1 else ""
+    lines = [f"an image: {split}{tokens} image tokens of the context's {capacity}"]
+    if row.image_ms:
+        lines.append(f"predicted: {row.image_squares} squares in {row.image_ms} ms, pipelined over {row.cores} cores "
+                     f"({row.image_squares} x {row.vision_ms} ms one by one)")
+    if tokens >= capacity:
+        lines.append(warning(f"the largest images leave no room in --max-context {capacity} for the prompt's text and "
+                             f"the answer: give it more than {tokens}"))
+    return lines
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage of a GPU target: its roofline floor, the predicted time, what bounds it."""
+
+    stage: str
+    nodes: int
+    flops: float
+    weight_bytes: int
+    bytes: int
+    floor_s: float
+    predicted_s: float
+    bound: str
+
+
+@dataclass(frozen=True)
+class Fp8Round:
+    round: int
+    fp8_linear_macs: float
+    cosine: float
+    predicted: float
+    confirmed: float | None = None
+
+
+@dataclass(frozen=True)
+class Fp8:
+    """fp8_linears: the search's rounds, and how many linears went to FP8."""
+
+    rounds: list[Fp8Round] = field(default_factory=list)
+    kept: int | None = None
+    frames: int = 1
+    checked_on: int = 0
+    linears: int = 0
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    batch: int
+    fps: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class BatchAuto:
+    batch: int
+    candidates: list[BatchChoice] = field(default_factory=list)
+    latency_budget_s: float | None = None
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    """What a GPU target's compile prints: its stages, the FP8 search, the prediction, --batch auto."""
+
+    stages: list[Stage]
+    precision: str = "fp16"
+    warnings: list[str] = field(default_factory=list)
+    fp8: Fp8 = field(default_factory=Fp8)
+    batch: int = 1
+    batch_auto: BatchAuto | None = None
+
+    @classmethod
+    def of(cls, report: dict) -> StageSummary:
+        stages = take(take(report, "passes", "the report").get("stages", {}), "stages", "passes.stages")
+        fp8 = report["passes"].get("fp8_linears") or {}
+        auto = report.get("batch_auto")
+        return cls(stages=[record(Stage, s, f"passes.stages.stages[{k}]") for k, s in enumerate(stages)],
+                   precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
+                   fp8=Fp8(rounds=[record(Fp8Round, r, f"passes.fp8_linears.rounds[{k}]")
+                                   for k, r in enumerate(fp8.get("rounds", []))],
+                           kept=fp8.get("kept"), frames=fp8.get("frames", 1), checked_on=fp8.get("checked_on", 0),
+                           linears=len(fp8.get("changes", [])), samples=fp8.get("samples", 0)),
+                   batch=report.get("batch", 1),
+                   batch_auto=dataclasses.replace(
+                       record(BatchAuto, {k: v for k, v in auto.items() if k != "candidates"}, "batch_auto"),
+                       candidates=[record(BatchChoice, c, f"batch_auto.candidates[{k}]")
+                                   for k, c in enumerate(auto.get("candidates", []))]) if auto else None)
+
+
+def stage_table(stages: list[Stage], title: str) -> Table:
+    """The roofline of each pipeline stage (GPU targets): its floor, the predicted time, the bound."""
+    table = Table(title=escape(title))
+    for col in ("stage", "nodes", "GFLOP", "weights MB", "DRAM MB", "floor ms", "predicted ms", "bound"):
+        table.add_column(col, justify="left" if col in ("stage", "bound") else "right")
+    for s in stages:
+        table.add_row(escape(s.stage), str(s.nodes), f"{s.flops / 1e9:.1f}", f"{s.weight_bytes / 1e6:.1f}",
+                      f"{s.bytes / 1e6:.1f}", f"{1e3 * s.floor_s:.3f}", f"{1e3 * s.predicted_s:.3f}", escape(s.bound))
+    return table
+
+
+def stage_lines(s: StageSummary) -> list[str]:
+    """The warnings, the FP8 rounds, the prediction (the slowest stage paces a pipeline), --batch auto."""
+    lines = [warning(w) for w in s.warnings]
+    frames = f" of {s.fp8.frames} frames, each frame on its own" if s.fp8.frames > 1 else ""
+    for r in s.fp8.rounds:
+        lines.append(f"fp8 round {r.round}: {r.fp8_linear_macs:.1%} of the linears' MACs in FP8, cosine "
+                     f"{r.cosine:.5f} on {s.fp8.checked_on} calibration samples{frames} (predicted {r.predicted:.5f})"
+                     + (f", {r.confirmed:.5f} with the real Q/DQ in onnxruntime" if r.confirmed is not None else "")
+                     + (" [green](kept)[/]" if r.round == s.fp8.kept else ""))
+    if s.fp8.linears:
+        lines.append(f"fp8_linears: {s.fp8.linears} linears in FP8 E4M3 with explicit Q/DQ "
+                     f"({s.fp8.samples} calibration samples); the rest fp16")
+    if s.stages:
+        slowest = max(stage.predicted_s for stage in s.stages)
+        pipelined = f"{s.batch / slowest:.1f} frames/s" if slowest > 0 else "- frames/s"
+        lines.append(f"predicted: {one_run(s.batch)} {1e3 * sum(stage.predicted_s for stage in s.stages):.3f} ms, "
+                     f"pipelined {pipelined} (the slowest stage); engines: `shard build-engines BUNDLE` on the device")
+    auto = s.batch_auto
+    if auto is not None:
+        budget = auto.latency_budget_s
+        lines.append("--batch auto, predicted per batch size: " + ", ".join(
+            f"{c.batch}: {c.fps:.0f} frames/s, {1e3 * c.latency_s:.2f} ms" for c in auto.candidates)
+            + f"; chose {auto.batch}" + (f" (latency budget {1e3 * budget:g} ms)" if budget else ""))
+    return lines

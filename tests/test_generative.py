@@ -173,16 +173,20 @@ def test_an_npu_runtime_is_handed_the_cache_as_held_with_no_copy():
 
 
 def test_the_compile_says_where_one_step_would_decode_faster():
-    from shard.cli import console, print_generative_prediction
+    from rich.console import Console
+
+    from shard.summary import SpeedRow, speed_lines, speed_table
 
     row = {"capacity": 512, "prefill_128_ms": 112.5, "decode_tokens_per_s": 64.9, "one_step_tokens_per_s": 71.1,
            "weight_bytes": 269_000_000, "cache_bytes": 12_000_000}
+    lines = speed_lines([SpeedRow.of(row, "predicted[0]")])
+    assert any("--one-step: the answer's tokens through the prompt's step would decode at 71.1 tokens/s" in line
+               for line in lines)
+    rows = [SpeedRow.of({**row, "one_step_tokens_per_s": 60.2}, "predicted[0]")]
+    console = Console(width=160)
     with console.capture() as seen:
-        print_generative_prediction([row])
-    assert "--one-step: the answer's tokens through the prompt's step would decode at 71.1 tokens/s" in seen.get()
-    with console.capture() as seen:
-        print_generative_prediction([{**row, "one_step_tokens_per_s": 60.2}])
-    assert "--one-step" not in seen.get() and "64.9" in seen.get()
+        console.print(speed_table(rows))
+    assert not any("--one-step" in line for line in speed_lines(rows)) and "64.9" in seen.get()
 
 
 def test_a_cache_of_torch_tensors_takes_the_steps_own_entries_through_its_buckets(checkpoint, tmp_path):

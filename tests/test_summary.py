@@ -16,7 +16,8 @@ import shard
 from shard import summary
 from shard.errors import ShardError
 from shard.options import CompileOptions
-from shard.summary import Summary, shards_table, summary_lines
+from shard.summary import (SpeedRow, StageSummary, Summary, image_room_lines, shards_table, speed_lines, speed_table,
+                           stage_lines, stage_table, summary_lines)
 
 RECORDS = [cls for cls in vars(summary).values() if dataclasses.is_dataclass(cls) and cls.__module__ == summary.__name__]
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), max_size=30)   # brackets too: markup
@@ -63,6 +64,19 @@ def test_every_summary_a_compile_can_make_prints(s):
         for line in lines:
             console.print(line)
     assert len(lines) >= 2 + len(s.warnings) + len(s.choices)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(every_field(StageSummary), st.lists(every_field(SpeedRow), min_size=1, max_size=3),
+       st.integers(1, 16), st.integers(1, 4096), st.integers(1, 1024))
+def test_every_gpu_stage_summary_and_generative_prediction_prints(staged, rows, squares, tokens, capacity):
+    """A GPU target's stages, FP8 rounds and --batch auto, and a generative bundle's predicted speed and
+    an image's room in the context: any records print (a prediction of None prints as '-')."""
+    console = Console(width=160, record=True)
+    with console.capture():
+        for item in (stage_table(staged.stages, "stages"), *stage_lines(staged), speed_table(rows), *speed_lines(rows),
+                     *image_room_lines(squares, tokens, 224, capacity, rows[0])):
+            console.print(item)
 
 
 def test_a_change_without_its_action_is_refused_in_one_line_naming_it():

@@ -223,7 +223,7 @@ def stop_where_both_fail(c: Compilation) -> None:
     vendor = c.builds.get(VENDOR_ALONE)
     if c.whole and (vendor is None or not vendor.error):
         return
-    for plan, original in zip(c.plans, c.originals):
+    for plan in c.plans:
         ours, twin = c.builds[plan.name], c.builds.get(f"{plan.name}{UNREWRITTEN}")
         if not ours.error or twin is not None and not twin.error:
             continue
