@@ -536,6 +536,10 @@ def generate_command(
         console.print(" ".join(map(str, out.tokens)))
     else:
         print()
+    if out.full:
+        err.print(f"[yellow]warning[/]: stopped after {len(out.tokens)} new tokens of --max-new-tokens {max_new_tokens}: "
+                  f"the prompt's {len(out.prompt)} and they fill the cache's capacity of {out.full} (compile with a "
+                  f"larger --max-context)")
     summary = out.to_json()
     seen = f"image {sum(summary['vision_ms']):.1f} ms, " if summary["vision_ms"] else ""
     err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; {seen}prefill {sum(summary['prefill_ms']):.1f} ms "

@@ -92,8 +92,11 @@ def test_the_cache_moves_up_through_its_buckets_as_the_context_grows(checkpoint,
         assert session.generate(PROMPT, max_new_tokens=16, stop=set()).tokens == transformers_greedy(model, PROMPT, 16)
         runs = {key: s.frames_run for key, s in session.sessions.items()}
         assert runs == {(4, 8): 2, (1, 8): 1, (4, 32): 0, (1, 32): 14}, runs
-        with pytest.raises(RunError, match="reaches 33 tokens, past the cache's capacity of 32"):
-            session.generate(list(range(5, 30)), max_new_tokens=12, stop=set())
+        # 25 prompt tokens and 12 asked for: 8 fill the cache of 32 (the last is not fed back), then it
+        # stops, saying so, where it streamed text and then raised
+        full = session.generate(list(range(5, 30)), max_new_tokens=12, stop=set())
+        assert full.tokens == transformers_greedy(model, list(range(5, 30)), 8) and full.full == 32
+        assert session.generate(list(range(5, 30)), max_new_tokens=8, stop=set()).full is None
 
 
 def test_one_step_program_per_capacity_takes_the_answer_too(checkpoint, tmp_path):
@@ -337,10 +340,21 @@ def test_where_greedy_answers_part_says_whether_fp16_could_tell_the_two_tokens_a
     assert clear.token == 2 and not clear.fp16_tie and abs(clear.margin - 0.1) < 1e-5
 
 
+def test_generate_past_the_cache_stops_where_it_is_full_and_says_so(cpu_bundle):
+    """30 prompt tokens and --max-new-tokens 8 in a cache of 32: 3 new tokens, exit 0, one warning line
+    (it streamed the answer, then raised)."""
+    res = shard_cli("generate", str(cpu_bundle.bundle), "--ids", ",".join(map(str, range(5, 35))),
+                    "--max-new-tokens", "8")
+    assert res.returncode == 0, res.stderr
+    assert len(res.stdout.split()) == 3
+    assert ("stopped after 3 new tokens of --max-new-tokens 8: the prompt's 30 and they fill the cache's capacity "
+            "of 32") in " ".join(res.stderr.split())
+
+
 def test_what_generate_refuses_is_one_line(checkpoint, cpu_bundle, tmp_path):
     with load(cpu_bundle.bundle) as session:
-        with pytest.raises(RunError, match="past the cache's capacity of 32"):
-            session.generate(list(range(5, 35)), max_new_tokens=8, stop=set())
+        with pytest.raises(RunError, match="the prompt is 33 tokens, past the cache's capacity of 32"):
+            session.generate(list(range(5, 38)), max_new_tokens=8, stop=set())
         with pytest.raises(RunError, match="below the vocabulary's 97"):
             session.generate([5, 400])
     for args, says in ((["--ids", "1,x"], "expected numbers"), ([], "one of the two"),

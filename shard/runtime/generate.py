@@ -453,6 +453,7 @@ class Generation:
     text: str                         # the new tokens as text ("" without a tokenizer)
     steps: list[tuple[int, float]]    # (width, seconds) of every program run, in order; width 0: an image's
     prefill_steps: int = 0            # how many of the text steps were the prompt's
+    full: int | None = None           # the cache's capacity, where it filled before max_new_tokens or a stop
 
     def to_json(self) -> dict:
         text = [s for w, s in self.steps if w > 0]
@@ -652,10 +653,13 @@ class GenerativeSession:
                     shown[0] = text
 
         stops = set(self.spec.stop) if stop is None else stop
-        out = generate(self.run, self.table, rows, self.cache(), max_new_tokens, self.spec.chunk, stops, choose,
-                       on_token, self.spec.decode_width)
+        capacity = max(self.spec.capacities)
+        room = capacity - len(ids) + 1   # the last new token is not fed back: it takes no entry
+        out = generate(self.run, self.table, rows, self.cache(), min(max_new_tokens, room), self.spec.chunk, stops,
+                       choose, on_token, self.spec.decode_width)
         text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
-        return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk))
+        full = capacity if len(out) == room < max_new_tokens and out[-1] not in stops else None
+        return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk), full)
 
     def generate_each(self, requests: list[dict], **common) -> Iterator[Generation]:
         """generate() of each request (a dict of its arguments, over `common`) in turn; every image
