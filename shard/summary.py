@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from shard.errors import ShardError
@@ -303,12 +304,6 @@ def summary_lines(s: Summary) -> list[str]:
 
 def warning(text: str) -> str:
     return f"[yellow]warning[/]: {escape(text)}"
-
-
-def escape(text: str) -> str:
-    from rich.markup import escape as rich_escape
-
-    return rich_escape(text)
 
 
 def totals_lines(s: Summary) -> list[str]:
