@@ -204,6 +204,8 @@ def read_manifest(bundle: str | Path) -> Manifest:
     root = Path(bundle)
     path = root / MANIFEST
     if not path.is_file():
+        if not root.exists():
+            raise BundleError(f"{root}: no such bundle (nothing there); make one with `shard compile`")
         if (root / "generative.json").is_file():
             raise BundleError(f"{root}: a decoder's bundle of several programs: write text with `shard generate`, check "
                               f"it with `shard verify`, run one program with `shard run {root}/decode`")

@@ -524,6 +524,9 @@ def generate_command(
     check_seconds(timeout)
     if (prompt is None) == (ids is None):
         raise ShardError("give the prompt as --prompt TEXT or as --ids 1,2,3 (one of the two)")
+    if not bundle.exists():
+        raise ShardError(f"{bundle}: no such bundle (nothing there); compile a decoder (a GGUF file or a transformers "
+                         f"folder) with `shard compile`")
     if not is_generative(bundle):
         raise ShardError(f"{bundle} is not a generative bundle (compile a decoder: a GGUF file or a transformers "
                          f"folder); run it with `shard run`")

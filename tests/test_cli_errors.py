@@ -79,8 +79,10 @@ def test_a_bundle_shard_wrote_is_replaced_and_a_link_to_one_is_refused(save, tmp
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["run", "nowhere.shard"], "not a shard bundle"),
-    (["verify", "nowhere.shard", "--reference", "x.onnx"], "not a shard bundle"),
+    (["run", "nowhere.shard"], "nowhere.shard: no such bundle (nothing there)"),
+    (["verify", "nowhere.shard", "--reference", "x.onnx"], "nowhere.shard: no such bundle (nothing there)"),
+    (["generate", "nowhere.shard", "--ids", "1"], "nowhere.shard: no such bundle (nothing there)"),
+    (["run", "."], "not a shard bundle (no manifest.json)"),
     (["zoo", "export", "resnet-9000", "-o", "x.onnx"], "unknown zoo model"),
 ])
 def test_other_commands(tmp_path, args, fragment):
