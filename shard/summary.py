@@ -11,6 +11,9 @@ reads fields only, so any Summary prints: a property test hands it every kind of
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,17 +30,45 @@ STEPS_ONE_BY_ONE = 3   # host steps printed one by one; more in one line (a deco
 
 def record(cls, data: Any, where: str):
     """An instance of the dataclass `cls` from the dict `data`: each field from its key, or its default;
-    a ShardError naming `where` and the field when a field without a default is missing."""
+    a field typed as a record (or a list of them, or one or None) read as one in turn; a ShardError
+    naming `where` and the field when a field without a default is missing."""
     if not isinstance(data, dict):
         raise ShardError(f"report {where}: not a mapping ({type(data).__name__})")
     values = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
-            values[f.name] = data[f.name]
+            values[f.name] = nested(hints(cls)[f.name], data[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ShardError(f"report {where}: no {f.name!r}; the report was written by another version of shard, "
-                             f"or damaged")
+            take(data, f.name, where)
     return cls(**values)
+
+
+def nested(kind, value: Any, where: str) -> Any:
+    """`value` as the field type `kind` holds it: a record, a list of records, or as it is."""
+    if dataclasses.is_dataclass(kind) and value is not None:
+        return record(kind, value, where)
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) is list and args and dataclasses.is_dataclass(args[0]):
+        return [record(args[0], v, f"{where}[{k}]") for k, v in enumerate(value or [])]
+    if len(args) == 1 and dataclasses.is_dataclass(args[0]) and isinstance(kind, types.UnionType):
+        return nested(args[0], value, where)
+    return value
+
+
+@functools.cache
+def hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def take(data: dict, key: str, where: str) -> Any:
+    if key not in data:
+        raise ShardError(f"report {where}: no {key!r}; the report was written by another version of shard, or damaged")
+    return data[key]
+
+
+def maybe(cls, data: Any, where: str):
+    """The record of `data`, or None where the report has none."""
+    return record(cls, data, where) if data else None
 
 
 @dataclass(frozen=True)
@@ -233,14 +264,13 @@ class Summary:
         versus = report.get("versus_vendor")
         return cls(shards=shards, totals=record(Totals, take(report, "totals", "the report"), "totals"),
                    precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
-                   profile=record(ProfileLine, report["profile"], "profile") if "profile" in report else None,
+                   profile=maybe(ProfileLine, report.get("profile"), "profile"),
                    seconds=seconds.get("total", 0.0), builds_from_cache=builds.get("from_cache", 0),
                    builds_total=builds.get("total", 0),
-                   from_bundle_cache=(record(CacheHit, report["from_bundle_cache"], "from_bundle_cache")
-                                      if report.get("from_bundle_cache") else None),
+                   from_bundle_cache=maybe(CacheHit, report.get("from_bundle_cache"), "from_bundle_cache"),
                    mixed=mixed_of(report.get("mixed") or {}), cut=record(Cut, report.get("passes", {}).get(
                        "partition", {}), "passes.partition"),
-                   predicted=record(Predicted, report["predicted"], "predicted") if report.get("predicted") else None,
+                   predicted=maybe(Predicted, report.get("predicted"), "predicted"),
                    batch=report.get("batch", 1),
                    choices=[record(Choice, c, f"choices[{k}]") for k, c in enumerate(report.get("choices", []))],
                    passes=[pass_of(name, passed) for name, passed in report.get("passes", {}).items()],
@@ -251,27 +281,17 @@ class Summary:
                    vendor_only=bool(report.get("vendor_only")))
 
 
-def take(data: dict, key: str, where: str) -> Any:
-    if key not in data:
-        raise ShardError(f"report {where}: no {key!r}; the report was written by another version of shard, or damaged")
-    return data[key]
-
-
 def pass_of(name: str, passed: dict) -> PassReport:
     """A pass's changes and what it left (a pass's own other keys are its report's, not the summary's)."""
     if not isinstance(passed, dict):
         return PassReport(name)
-    entries = lambda key, cls: [record(cls, c, f"passes.{name}.{key}[{k}]")  # noqa: E731
-                                for k, c in enumerate(passed.get(key) or [])]
-    return PassReport(name, entries("changes", Change), entries("not_fixed", Left), entries("tried", Left))
+    return record(PassReport, {"name": name, **{key: passed.get(key) for key in ("changes", "not_fixed", "tried")}},
+                  f"passes.{name}")
 
 
 def mixed_of(mixed: dict) -> Mixed:
-    samples = mixed.get("samples", {})
-    rounds = [record(MixedRound, r, f"mixed.rounds[{k}]") for k, r in enumerate(mixed.get("rounds", []))]
-    return Mixed(calibration=samples.get("calibration", 0), held_out=samples.get("held_out", 0),
-                 folds=samples.get("folds", 1), bundle_cosine=mixed.get("bundle_cosine"), rounds=rounds,
-                 kept=mixed.get("kept"))
+    """--precision mixed's rounds, with how they were judged (its samples' counts) beside them."""
+    return record(Mixed, {**mixed.get("samples", {}), **mixed}, "mixed")
 
 
 def versus_of(versus: dict) -> Versus:
@@ -544,9 +564,7 @@ class SpeedRow:
 
     @classmethod
     def of(cls, row: dict, where: str) -> SpeedRow:
-        published = row.get("published")
-        return dataclasses.replace(record(cls, {k: v for k, v in row.items() if k != "published"}, where),
-                                   published=record(Published, published, f"{where}.published") if published else None)
+        return record(cls, row, where)
 
 
 def figure(value: float | None, digits: int | None = None) -> str:
@@ -675,18 +693,10 @@ class StageSummary:
     def of(cls, report: dict) -> StageSummary:
         stages = take(take(report, "passes", "the report").get("stages", {}), "stages", "passes.stages")
         fp8 = report["passes"].get("fp8_linears") or {}
-        auto = report.get("batch_auto")
         return cls(stages=[record(Stage, s, f"passes.stages.stages[{k}]") for k, s in enumerate(stages)],
                    precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
-                   fp8=Fp8(rounds=[record(Fp8Round, r, f"passes.fp8_linears.rounds[{k}]")
-                                   for k, r in enumerate(fp8.get("rounds", []))],
-                           kept=fp8.get("kept"), frames=fp8.get("frames", 1), checked_on=fp8.get("checked_on", 0),
-                           linears=len(fp8.get("changes", [])), samples=fp8.get("samples", 0)),
-                   batch=report.get("batch", 1),
-                   batch_auto=dataclasses.replace(
-                       record(BatchAuto, {k: v for k, v in auto.items() if k != "candidates"}, "batch_auto"),
-                       candidates=[record(BatchChoice, c, f"batch_auto.candidates[{k}]")
-                                   for k, c in enumerate(auto.get("candidates", []))]) if auto else None)
+                   fp8=record(Fp8, {**fp8, "linears": len(fp8.get("changes", []))}, "passes.fp8_linears"),
+                   batch=report.get("batch", 1), batch_auto=maybe(BatchAuto, report.get("batch_auto"), "batch_auto"))
 
 
 def stage_table(stages: list[Stage], title: str) -> Table:

@@ -70,15 +70,18 @@ def host_computed(node: gs.Node, derived: set[str], inputs: set[str]) -> bool:
         t.name in derived or node.op in COMPARISONS and t.name in inputs for t in variables)
 
 
-def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray], inputs: set[str],
-                 outputs: set[str]) -> dict | None:
-    """The host step for a node host_computed whose output is read (by a node, or as one of the
-    model's `outputs`); None otherwise. Its large constants (an embedding table) go into `files`,
-    which compile writes into the bundle."""
-    if not host_computed(node, derived, inputs) or len(node.outputs) != 1 \
-            or not node.outputs[0].outputs and node.outputs[0].name not in outputs:
+def integer_step(node: gs.Node, derived: set[str], files: dict[str, np.ndarray], inputs: set[str]) -> dict | None:
+    """The host step for a node host_computed; None otherwise. Its large constants (an embedding
+    table) go into `files`, which compile writes into the bundle."""
+    if not host_computed(node, derived, inputs) or len(node.outputs) != 1:
         return None
     return onnx_step(node, files)
+
+
+def host_made(out: gs.Tensor, outputs: list[gs.Tensor]) -> bool:
+    """Whether the host may make `out`: a node reads it, or it is one of several model outputs (input_ids
+    given back); never the model's only output, which would leave the NPU nothing to make."""
+    return out not in outputs and bool(out.outputs) or out in outputs and len(outputs) > 1
 
 
 def integer_inputs(graph: gs.Graph) -> set[str]:
@@ -131,8 +134,8 @@ def host_edges(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     while moved:  # inputs side: in dependency order, each step's input is already on the host
         moved = False
         for node in graph.nodes:
-            if node.outputs and (node.outputs[0] not in graph.outputs or len(graph.outputs) > 1) \
-                    and (step := integer_step(node, derived, ctx.host_tables, inputs, {t.name for t in graph.outputs})):
+            if node.outputs and host_made(node.outputs[0], graph.outputs) \
+                    and (step := integer_step(node, derived, ctx.host_tables, inputs)):
                 derived.add(node.outputs[0].name)
             elif not (node.name in ctx.host_candidates and node.op in PRE_OPS and node.outputs
                       and node.inputs[0].name in on_host and (step := host_step(node))):
