@@ -67,19 +67,28 @@ def tree_memory(root: int) -> Memory:
     return Memory(rss, pss)
 
 
-def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
-            ) -> tuple[float, Memory, subprocess.CompletedProcess]:
-    """Wall seconds and peak tree memory (RSS and PSS, each its own peak) of a command."""
+class Run(NamedTuple):
+    wall: float
+    peak: Memory
+    done: subprocess.CompletedProcess
+    timeline: list[tuple[float, Memory]]   # (seconds since the start, the tree's memory then)
+
+    def peak_between(self, start: float, end: float) -> Memory:
+        """The peak memory sampled from `start` to `end` seconds (each of RSS and PSS its own peak)."""
+        inside = [m for t, m in self.timeline if start <= t <= end] or [Memory(0, 0)]
+        return Memory(max(m.rss for m in inside), max(m.pss for m in inside))
+
+
+def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> Run:
+    """Wall seconds and peak tree memory (RSS and PSS, each its own peak) of a command, and the samples."""
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
-    peak = Memory(0, 0)
+    timeline = []
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
         while not done.is_set():
-            now = tree_memory(proc.pid)
-            peak = Memory(max(peak.rss, now.rss), max(peak.pss, now.pss))
+            timeline.append((time.monotonic() - started, tree_memory(proc.pid)))
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample)
@@ -88,7 +97,8 @@ def measure(cmd: list[str], env: dict | None = None, cwd: Path | None = None
     wall = time.monotonic() - started
     done.set()
     sampler.join()
-    return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    peak = Memory(max((m.rss for _, m in timeline), default=0), max((m.pss for _, m in timeline), default=0))
+    return Run(wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err), timeline)
 
 
 VENDOR_BUILD = """
@@ -126,8 +136,8 @@ def run(args: argparse.Namespace, work: Path) -> None:
     from shard.targets.rknn.env import find_python
 
     def vendor_build() -> tuple[float, Memory]:
-        wall, memory, res = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
-                                     str(work / "whole.rknn")], cwd=work)
+        wall, memory, res, _ = measure([str(find_python("rk3588")), "-I", "-c", VENDOR_BUILD, str(model.resolve()),
+                                        str(work / "whole.rknn")], cwd=work)
         if res.returncode:
             sys.exit(f"vendor build failed:\n{res.stderr}")
         return wall, memory
@@ -135,7 +145,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     vendor_before = vendor_build()
     bundle = work / "model.shard"
     edited = one_layer_changed(model, work / "one-layer.onnx")
-    runs = {}
+    runs, checks = {}, {}
     for label, cache, source, extra in (("cold", "cold", model, []), ("warm", "cold", model, []),
                                         ("one layer's weights changed", "cold", edited, []),
                                         ("cold, --vendor-alone whole", "whole", model, ["--vendor-alone", "whole"]),
@@ -146,9 +156,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
                                "-o", str(bundle), "--jobs", str(args.jobs), *extra], env)
         if runs[label][2].returncode:
             sys.exit(f"shard compile ({label}) failed:\n{runs[label][2].stderr}")
+        report = json.loads((bundle / "report.json").read_text())
+        fidelity = None if report.get("from_bundle_cache") else report["seconds"].get("fidelity")
+        checks[label] = check_share(runs[label], fidelity)
         if label == "cold":
             shards = len(json.loads((bundle / "manifest.json").read_text())["shards"])
-            versus = json.loads((bundle / "report.json").read_text())["versus_vendor"]["line"]
+            versus = report["versus_vendor"]["line"]
 
     vendor_after = vendor_build()   # before and after the compiles: the machine's drift shows, and averages out
     vendor_wall = (vendor_before[0] + vendor_after[0]) / 2
@@ -156,10 +169,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
     print(f"{'':66}{'wall s':>10}{'peak RSS GB':>14}{'peak PSS GB':>14}")
     rows = [(f"one vendor build (whole), {label} the compiles", wall, memory)
             for label, (wall, memory) in (("before", vendor_before), ("after", vendor_after))]
-    rows += [(f"shard compile, {label} (-j{args.jobs})", wall, memory) for label, (wall, memory, _) in runs.items()]
+    rows += [(f"shard compile, {label} (-j{args.jobs})", run.wall, run.peak) for label, run in runs.items()]
     for label, wall, memory in rows:
         print(f"{label:66}{wall:>10.1f}{memory.rss / 1e9:>14.2f}{memory.pss / 1e9:>14.2f}")
-    cold_wall, cold, _ = runs["cold"]
+    for label, line in checks.items():
+        print(f"{label}: {line}")
+    cold_wall, cold = runs["cold"].wall, runs["cold"].peak
     one_layer = runs["one layer's weights changed"][0]
     whole = runs["cold, --vendor-alone whole"]
     per_core = runs["cold, --shards 3 (one per core)"]
@@ -170,6 +185,17 @@ def run(args: argparse.Namespace, work: Path) -> None:
           f"wall_ratio_whole={whole[0] / vendor_wall:.2f} rss_ratio_whole={whole[1].rss / vendor_rss:.2f} "
           f"wall_ratio_3={per_core[0] / vendor_wall:.2f} rss_ratio_3={per_core[1].rss / vendor_rss:.2f} "
           f"shards={shards}")
+
+
+def check_share(run: Run, seconds: float | None) -> str:
+    """The fidelity check's share of a compile: its seconds (the report's) of the wall, and the peak
+    memory sampled while it ran (its last seconds, less the bundle's final move) beside the peak before."""
+    if not seconds:
+        return "no fidelity check ran (none asked, or the bundle came from the cache)"
+    start = run.wall - seconds - 1.0
+    during, before = run.peak_between(start, run.wall), run.peak_between(0.0, start)
+    return (f"fidelity check {seconds:.1f} s of {run.wall:.1f} ({100 * seconds / run.wall:.0f} %); peak PSS "
+            f"{during.pss / 1e9:.2f} GB while it ran, {before.pss / 1e9:.2f} GB before it")
 
 
 def one_layer_changed(model: Path, out: Path) -> Path:

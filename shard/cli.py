@@ -945,7 +945,8 @@ def cache_info() -> None:
     builds, _ = folders["builds"]
     bundles = sum(1 for _ in builds.glob(f"bundle-*/{MARKER}")) if builds.is_dir() else 0
     console.print(f"builds: at most {size_limit() / 2**30:g} GiB ($SHARD_BUILD_CACHE_SIZE), the least recently "
-                  f"used go first; beside vendor builds and range statistics it holds {bundles} whole bundles "
+                  f"used go first; beside vendor builds, range statistics and the fidelity check's shard runs it holds "
+                  f"{bundles} whole bundles "
                   "(a recompile of an unchanged model takes its bundle from there); $SHARD_BUILD_CACHE, "
                   "$SHARD_PROBE_CACHE move them; `shard cache clear` empties them")
 

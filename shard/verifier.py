@@ -78,24 +78,27 @@ def check_reference(reference: str | Path, model, manifest) -> None:
             raise VerifyError(f"{reference}: input {spec.name} has shape {shape}; the bundle's is {list(spec.shape)}")
 
 
-def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
-                  seed: int = 0, session: Session | None = None,
-                  progress: Callable[[str, int, int], None] = lambda *a: None,
-                  samples: list[dict[str, np.ndarray]] | None = None, shards: bool = True) -> VerifyReport:
-    """Run inputs through the reference (onnxruntime) and the bundle; compare every output. The inputs
-    are `samples` (shard.calibration's format) or one seeded random sample; `outputs` holds each
-    output's worst sample, and the shards are checked alone on the first sample (where `shards`)."""
-    manifest = read_manifest(bundle)
+def prepared_reference(reference: str | Path, manifest):
+    """The reference model as compile read it (the inputs it fixed, fixed as it fixed them; an old opset
+    upgraded), checked to take the bundle's inputs and make its outputs (check_reference)."""
     model = load_model(reference)
-    fix_input_values(model, manifest.input_values)   # the inputs the compile fixed, as it fixed them
-    model, _ = prepare_model(model)  # as compile read it: an old opset upgraded
+    fix_input_values(model, manifest.input_values)
+    model, _ = prepare_model(model)
     check_reference(reference, model, manifest)
+    return model
+
+
+def reference_tensors(bundle: str | Path, reference: str | Path, manifest, samples: list[dict[str, np.ndarray]],
+                      progress: Callable[[str, int, int], None] = lambda *a: None) -> list[dict[str, np.ndarray]]:
+    """Per sample, the reference's (onnxruntime's) values of the bundle's outputs and of every shard edge
+    the model has, as the bundle holds them (the host steps before the shards run, the pieces the host
+    joins after them, edges held scaled)."""
+    model = prepared_reference(reference, manifest)
     known = {v.name for v in model.graph.value_info} | {o.name for o in model.graph.output} | \
         {n_out for node in model.graph.node for n_out in node.output}
     graph_inputs = {t.name for t in manifest.inputs}
     edges = [t.name for s in manifest.shards for t in (*s.inputs, *s.outputs) if t.name not in graph_inputs]
     edges = list(dict.fromkeys(e for e in edges if e in known))
-    samples = samples or [random_inputs(manifest.inputs, seed)]
     tables = load_tables(Path(bundle), manifest.host_pre)
 
     progress("reference (onnxruntime)", 0, len(samples))
@@ -108,7 +111,19 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
         expected.update(scaled_edges(manifest, expected))
         references.append(expected)
         progress("reference (onnxruntime)", k + 1, len(samples))
+    return references
 
+
+def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
+                  seed: int = 0, session: Session | None = None,
+                  progress: Callable[[str, int, int], None] = lambda *a: None,
+                  samples: list[dict[str, np.ndarray]] | None = None, shards: bool = True) -> VerifyReport:
+    """Run inputs through the reference (onnxruntime) and the bundle; compare every output. The inputs
+    are `samples` (shard.calibration's format) or one seeded random sample; `outputs` holds each
+    output's worst sample, and the shards are checked alone on the first sample (where `shards`)."""
+    manifest = read_manifest(bundle)
+    samples = samples or [random_inputs(manifest.inputs, seed)]
+    references = reference_tensors(bundle, reference, manifest, samples, progress)
     own_session = session is None
     session = session or Session(bundle, backend)
     try:

@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from shard.bundle import Manifest, read_manifest
 from shard.calibration import calibration_samples, domain_samples
 from shard.compare import Comparison, worst_of
-from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE
 from shard.edges import SUFFIX as EDGES
 from shard.errors import CompileError
 from shard.graph import tensor_spec
@@ -29,19 +29,14 @@ from shard.targets import ShardBuild
 from shard.verifier import verify_bundle
 
 
-def keep_the_more_faithful(staging: Path, vendor_dir: Path, model: Path, versus: dict,
-                           progress: Progress, samples: list | None = None,
+def keep_the_more_faithful(staging: Path, vendor_dir: Path, versus: dict, ours: Comparison, theirs: Comparison,
                            spent_for_fidelity: bool = False) -> tuple[Manifest, dict, Comparison]:
-    """Run shard's bundle (staging) and the vendor alone's (vendor_dir) on the simulator with the same
-    inputs (`samples`, or seeded ones); where shard's worst cosine is lower, the vendor's becomes the
-    staging bundle. The verdict counts the cosines first. `spent_for_fidelity`: shard was judged without
-    the cycle axes, its cycles spent for fidelity (range rescales, mixed precision's fp16 ops); where
-    that bought nothing (both NaN), they count again. Returns the staging bundle's manifest and report,
-    `versus` updated in both, and the kept bundle's worst output."""
-    progress("fidelity on the simulator (shard, vendor alone)", 0, 2)
-    ours = simulator_worst(staging, model, samples)
-    progress("fidelity on the simulator (shard, vendor alone)", 1, 2)
-    theirs = simulator_worst(vendor_dir, model, samples)
+    """Shard's bundle (staging) and the vendor alone's (vendor_dir) by their worst outputs on the
+    simulator on the same inputs (`ours`, `theirs`); where shard's worst cosine is lower, the vendor's
+    becomes the staging bundle. The verdict counts the cosines first. `spent_for_fidelity`: shard was
+    judged without the cycle axes, its cycles spent for fidelity (range rescales, mixed precision's fp16
+    ops); where that bought nothing (both NaN), they count again. Returns the staging bundle's manifest
+    and report, `versus` updated in both, and the kept bundle's worst output."""
     versus["fidelity"] = {"shard": ours.cosine, "vendor": theirs.cosine}
     said = fidelity_verdict(ours.cosine, theirs.cosine)
     versus["line"] = comparison_line(Figures(**versus["shard"]), Figures(**versus["vendor"]),

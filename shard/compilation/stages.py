@@ -20,7 +20,8 @@ from shard import scratch
 from shard.cache_folder import default_cache_dir
 from shard.compilation.choice import (against_unrewritten, against_vendor_alone, choose_versions, fidelity_baseline,
                                       fidelity_samples, first_overflow, host_steps, keep_better_edges,
-                                      keep_the_more_faithful, simulator_worst, unrewritten_versions, vendor_plan)
+                                      keep_the_more_faithful, unrewritten_versions, vendor_plan)
+from shard.compilation.fidelity import RunCache, composed_worst
 from shard.compilation.jobs import (Datasets, data_inputs, quantization_values, relayout_jobs, vendor_alone_job,
                                     write_jobs, write_vendor_alone)
 from shard.compilation.staging import replace_dir, scratch_folders
@@ -54,8 +55,8 @@ def compile_one(model: Path, target: str, output: Path, options: CompileOptions,
             build_shards(c)            # each shard built once written, beside its unrewritten twin
             choose(c)                  # each shard's better build (rewritten or not, edges relaid or not)
             stand_beside_vendor(c)     # the whole beside the vendor alone: its build where shard is worse
-        write_bundle(c)                # host steps, shard files, manifest, report
-        check_fidelity(c)              # on the simulator: the bundle beside the vendor alone's
+            write_bundle(c)            # host steps, shard files, manifest, report
+            check_fidelity(c)          # on the simulator, on the same workers: the bundle beside the vendor alone's
         progress("write the bundle", 1, 1)
         replace_dir(c.staging, output)   # the last step: a stop a finalizer swallowed stops here, leaving nothing
     return CompileResult(bundle=output, manifest=c.manifest, report=c.report, rank=c.rank)
@@ -308,18 +309,25 @@ def check_fidelity(c: Compilation) -> None:
     if c.baseline:
         steps = host_steps(c.ctx, c.baseline, c.builds, None) if c.per_shard else ([], [])
         c.writer.write(c.vendor_dir, c.baseline, *steps)
+    started = time.monotonic()
+    runs = RunCache(c.cache, f"{c.target} {c.tgt.toolchain()}", samples)
+    with c.builder.simulator() as simulator:
+        worst = composed_worst([c.staging, *([c.vendor_dir] if c.baseline else [])], c.model, samples, simulator,
+                               c.progress, runs)
+    seconds = round(time.monotonic() - started, 2)
+    if c.baseline:
         c.manifest, c.report, c.kept = keep_the_more_faithful(
-            c.staging, c.vendor_dir, c.model, c.versus, c.progress, samples,
+            c.staging, c.vendor_dir, c.versus, *worst,
             spent_for_fidelity=bool(c.in_range) or c.options.precision == "mixed")
     else:
-        c.progress("fidelity on the simulator", 0, 1)
-        c.kept = simulator_worst(c.staging, c.model, samples)
+        c.kept = worst[0]
         if c.versus is not None:   # the other side was not run: it did not build, or it is this bundle
             c.versus["fidelity"] = {"shard": None, "vendor": None,
                                     "shard" if c.versus["bundle"] == "shard" else "vendor": c.kept.cosine}
             c.report["versus_vendor"] = c.versus
         else:
             c.report["fidelity"] = {"bundle": c.kept.cosine}
+    c.report["seconds"]["fidelity"] = seconds
     if c.quantized and not c.kept.cosine >= LOW_FIDELITY:
         c.report["warnings"].append(
             f"{c.options.precision} loses this model's accuracy: simulator cosine {c.kept.cosine:.4f} on "

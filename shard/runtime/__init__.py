@@ -78,34 +78,8 @@ class Session:
         self.written = frozenset().union(*(getattr(e, "written", frozenset()) for e in self.executors.values()))
 
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The graph inputs, complete and of the compiled shapes and dtypes (on an rknn runtime, a float16
-        array for a float32 input as it is: executors.npu_inputs)."""
-        expected = {t.name: t for t in self.manifest.inputs}
-        inputs = self.without_fixed(inputs, expected)
-        missing = set(expected) - set(inputs)
-        extra = set(inputs) - set(expected)
-        if missing or extra:
-            raise RunError(f"inputs must be exactly {', '.join(expected)}; "
-                           f"missing {sorted(missing) or 'none'}, unknown {sorted(extra) or 'none'}")
-        checked = {}
-        for name, spec in expected.items():
-            given = inputs[name]
-            kept = getattr(given, "is_cuda", False) and self.backend in STAGE_BACKENDS   # on the GPU: stays there
-            array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
-            if list(array.shape) != spec.shape:
-                raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
-            halves = self.backend in NPU_BACKENDS and as_float16(array, spec.dtype)
-            checked[name] = array if kept or halves else array.astype(spec.dtype, copy=False)
-        return checked
-
-    def without_fixed(self, inputs: dict[str, np.ndarray], expected: dict) -> dict[str, np.ndarray]:
-        """The inputs less those the compile fixed (--input-value), each checked to hold that value."""
-        fixed = {name: value for name, value in self.manifest.input_values.items() if name not in expected}
-        for name, value in fixed.items():
-            if name in inputs and not np.array_equal(np.asarray(inputs[name]).reshape(-1), np.asarray(value)):
-                raise RunError(f"input {name}: this bundle was compiled for {name}={','.join(map(str, value))} "
-                               f"(--input-value); got {np.asarray(inputs[name]).reshape(-1).tolist()[:8]}")
-        return {name: array for name, array in inputs.items() if name not in fixed}
+        """The graph inputs, complete and of the compiled shapes and dtypes (frame_inputs)."""
+        return frame_inputs(self.manifest, self.backend, inputs)
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one frame: every shard in dependency order, independent shards on different cores at once.
@@ -240,6 +214,38 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def frame_inputs(manifest: Manifest, backend: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The graph inputs, complete and of the compiled shapes and dtypes (on an rknn runtime, a float16
+    array for a float32 input as it is: executors.npu_inputs)."""
+    expected = {t.name: t for t in manifest.inputs}
+    inputs = without_fixed(manifest, inputs, expected)
+    missing = set(expected) - set(inputs)
+    extra = set(inputs) - set(expected)
+    if missing or extra:
+        raise RunError(f"inputs must be exactly {', '.join(expected)}; "
+                       f"missing {sorted(missing) or 'none'}, unknown {sorted(extra) or 'none'}")
+    checked = {}
+    for name, spec in expected.items():
+        given = inputs[name]
+        kept = getattr(given, "is_cuda", False) and backend in STAGE_BACKENDS   # on the GPU: stays there
+        array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
+        if list(array.shape) != spec.shape:
+            raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
+        halves = backend in NPU_BACKENDS and as_float16(array, spec.dtype)
+        checked[name] = array if kept or halves else array.astype(spec.dtype, copy=False)
+    return checked
+
+
+def without_fixed(manifest: Manifest, inputs: dict[str, np.ndarray], expected: dict) -> dict[str, np.ndarray]:
+    """The inputs less those the compile fixed (--input-value), each checked to hold that value."""
+    fixed = {name: value for name, value in manifest.input_values.items() if name not in expected}
+    for name, value in fixed.items():
+        if name in inputs and not np.array_equal(np.asarray(inputs[name]).reshape(-1), np.asarray(value)):
+            raise RunError(f"input {name}: this bundle was compiled for {name}={','.join(map(str, value))} "
+                           f"(--input-value); got {np.asarray(inputs[name]).reshape(-1).tolist()[:8]}")
+    return {name: array for name, array in inputs.items() if name not in fixed}
 
 
 def check_cores(cores: list[int]) -> list[int]:

@@ -137,6 +137,11 @@ class Builds(Protocol):
 
     def results(self, futures: list[Future]) -> list[ShardBuild]: ...
 
+    def simulator(self):
+        """The target's simulator on these workers, one built shard each at a time (the fidelity check:
+        shard.compilation.fidelity.OneShardAtATime), or None where the target has none."""
+        ...
+
     def __enter__(self) -> Builds: ...
 
     def __exit__(self, *exc) -> None: ...
@@ -169,6 +174,9 @@ class LogsOnly:
 
     def results(self, futures: list[Future]) -> list[ShardBuild]:
         return [f.result() for f in futures]
+
+    def simulator(self) -> None:
+        return None
 
     def __enter__(self) -> LogsOnly:
         return self

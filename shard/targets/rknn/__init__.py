@@ -29,6 +29,7 @@ from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, p
 from shard.targets.rknn.memory import onnx_weight_bytes, shards_for_memory, worker_build_bytes
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.remote import worker_pool
+from shard.targets.rknn.simulate import ShardByShard
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_failure, build_request
 
 ONE_OP_TIMEOUT = 300.0   # seconds a pass's small build may take (the whole model's builds: --timeout)
@@ -165,6 +166,11 @@ class ToolkitBuilds:
         elif job.artifact and result.error is None and not result.built_from:   # kept before builds recorded it
             result.built_from = job.built_from()
         return result
+
+    def simulator(self) -> ShardByShard:
+        """The simulator on these workers, one shard each at a time, as many at once as builds may run."""
+        with self.gate:
+            return ShardByShard(self.target.name, self.limit, self.timeout, pool=self.pool)
 
     def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
         return self.store.figures(job, self.target.build_for(build, job.precision, job.float16, job.disable_rules)) \

@@ -1,0 +1,96 @@
+"""The simulator's fidelity check shard by shard (shard.compilation.fidelity), with the real toolkit:
+a session's figures, one simulator build per artifact, and a failed build ends it at once."""
+
+import shutil
+
+import numpy as np
+import pytest
+from conftest import mlp_chain
+
+import shard
+from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
+from shard.compilation.choice import simulator_worst
+from shard.compilation.fidelity import RunCache, Side, composed_worst, groups, run_in_order
+from shard.errors import RunError
+from shard.options import CompileOptions
+from shard.runtime import Session, random_inputs
+from shard.targets.rknn.simulate import ShardByShard
+
+
+def manifest_of(artifacts: list[str | None]) -> Manifest:
+    x = [TensorSpec("x", [1, 4], "float32")]
+    shards = [ShardSpec(f"shard_{k:03d}", f"shards/shard_{k:03d}.onnx", None, None, x, x, 0, "fp16",
+                        built_from={"artifact": a} if a else {}) for k, a in enumerate(artifacts)]
+    return Manifest("rk3588", {}, {}, {}, x, x, shards)
+
+
+def test_one_simulator_build_serves_each_bundle_holding_the_same_artifact_at_the_same_place():
+    ours = Side(None, manifest_of(["a0", "a1", "a2"]), [])
+    theirs = Side(None, manifest_of(["t0", "a1", None]), [])
+    work = groups([ours, theirs])
+    assert [[(side is ours, k) for side, k in group] for group in work] == [
+        [(True, 0)], [(False, 0)], [(True, 1), (False, 1)], [(True, 2)], [(False, 2)]]
+    # in the shards' order, so a group only ever waits on groups before it
+    assert [group[0][1] for group in work] == sorted(group[0][1] for group in work)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fidelity")
+    model = root / "mlp.onnx"
+    model.write_bytes(mlp_chain(4, width=32).SerializeToString())
+    shard.compile(model, "rk3588", root / "m.shard", CompileOptions(shards=2, check_fidelity=False))
+    return root / "m.shard", model
+
+
+@pytest.mark.toolkit
+def test_shard_by_shard_makes_what_a_session_makes(bundle):
+    path, model = bundle
+    manifest = read_manifest(path)
+    assert len(manifest.shards) == 2
+    samples = [random_inputs(manifest.inputs, seed) for seed in range(3)]
+    sides = [Side(path, m, [dict(s) for s in samples]) for m in (manifest, read_manifest(path))]
+    with ShardByShard("rk3588", workers=2) as simulator:
+        run_in_order(sides, simulator, lambda *a: None, RunCache(None, "", samples))
+        worst = composed_worst([path], model, samples, simulator)
+    with Session(path, "sim") as session:
+        for k, sample in enumerate(samples):
+            made = session.run_all(sample)
+            for side in sides:   # the same bundle twice: one build per shard served both, bit for bit
+                for name, value in made.items():
+                    np.testing.assert_array_equal(side.frames[k][name], value)
+    assert worst[0].cosine == pytest.approx(simulator_worst(path, model, samples).cosine, abs=1e-7)
+    assert worst[0].cosine > 0.999
+
+
+@pytest.mark.toolkit
+def test_a_shard_the_simulator_cannot_build_ends_the_check_with_its_name(bundle, tmp_path):
+    path, model = bundle
+    broken = tmp_path / "broken.shard"
+    shutil.copytree(path, broken)
+    (broken / "shards" / "shard_000.onnx").write_bytes(b"not a model")
+    manifest = read_manifest(path)
+    samples = [random_inputs(manifest.inputs, 0)]
+    with ShardByShard("rk3588", workers=2) as simulator, pytest.raises(RunError, match="shard_000"):
+        composed_worst([broken], model, samples, simulator)   # shard_001 waited on it, and was woken
+
+
+@pytest.mark.toolkit
+def test_shard_runs_kept_in_the_cache_build_nothing_the_next_time(bundle, tmp_path):
+    path, model = bundle
+    manifest = read_manifest(path)
+    samples = [random_inputs(manifest.inputs, seed) for seed in range(2)]
+    runs = RunCache(tmp_path / "cache", "rk3588 test", samples)
+    with ShardByShard("rk3588", workers=1) as simulator:
+        first = composed_worst([path], model, samples, simulator, cache=runs)
+        assert simulator.pool.started   # built and ran
+    with ShardByShard("rk3588", workers=1) as simulator:
+        kept = RunCache(tmp_path / "cache", "rk3588 test", samples)
+        again = composed_worst([path], model, samples, simulator, cache=kept)
+        assert simulator.pool.started == []   # no worker, so nothing built
+    assert again[0].cosine == first[0].cosine and again[0].max_abs_diff == first[0].max_abs_diff
+    # other samples, or another toolkit, are another entry
+    other = RunCache(tmp_path / "cache", "rk3588 test", samples[:1])
+    assert other.key(Side(path, manifest, []), 1) != runs.key(Side(path, manifest, []), 1)
+    assert RunCache(tmp_path / "cache", "rk3588 other", samples).key(Side(path, manifest, []), 0) != \
+        runs.key(Side(path, manifest, []), 0)
