@@ -35,7 +35,7 @@ from shard.compare import Comparison, compare, worst_of
 from shard.compilation.state import Progress
 from shard.graph import give_back_freed
 from shard.runtime import frame_inputs
-from shard.runtime.host import load_tables, run_host
+from shard.runtime.host import load_tables, run_host, step_files
 from shard.verifier import prepared_reference
 
 
@@ -168,7 +168,8 @@ def run_group(group: list[tuple[Side, int]], simulator: OneShardAtATime, failed:
 
 class RunCache:
     """Each shard's outputs on the check's samples, in a cache folder (None: nothing kept), by what
-    decides them: `salt` (the target and its toolkit), the samples, and its bundle's shards up to it."""
+    decides them: `salt` (the target and its toolkit), the samples, and its bundle's shards up to it
+    (their builds' hashes, edges and options) with the host steps before them and their tables' hashes."""
 
     def __init__(self, root: Path | None, salt: str, samples: list[dict[str, np.ndarray]]):
         self.root = root
@@ -185,7 +186,8 @@ class RunCache:
         shards = side.manifest.shards[:k + 1]
         if self.root is None or not all(s.built_from for s in shards):
             return None
-        what = [self.base, side.manifest.build, side.manifest.host_pre,
+        tables = {f: side.manifest.files.get(f) for step in side.manifest.host_pre for f in step_files(step)}
+        what = [self.base, side.manifest.build, side.manifest.host_pre, tables,
                 [[s.built_from, s.build_options, [(t.name, t.shape, t.dtype) for t in (*s.inputs, *s.outputs)],
                   s.edge_shapes, s.edge_scales] for s in shards]]
         return "r" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
