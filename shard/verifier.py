@@ -114,6 +114,14 @@ def reference_tensors(bundle: str | Path, reference: str | Path, manifest, sampl
     return references
 
 
+def compared(outputs, references: list[dict[str, np.ndarray]], runs: list[dict[str, np.ndarray]]
+             ) -> tuple[list[list[Comparison]], list[Comparison]]:
+    """Every output against the reference's on every sample, and each output's worst sample."""
+    per_sample = [[compare(t.name, expected[t.name], actual[t.name]) for t in outputs]
+                  for expected, actual in zip(references, runs)]
+    return per_sample, [worst_of(comps[i] for comps in per_sample) for i in range(len(outputs))]
+
+
 def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None = None, min_cosine: float = 0.999,
                   seed: int = 0, session: Session | None = None,
                   progress: Callable[[str, int, int], None] = lambda *a: None,
@@ -131,9 +139,7 @@ def verify_bundle(bundle: str | Path, reference: str | Path, backend: str | None
         for k, inputs in enumerate(samples):
             progress("bundle end to end", k, len(samples))
             runs.append(session.run_all(inputs))
-        per_sample = [[compare(t.name, expected[t.name], actual[t.name]) for t in manifest.outputs]
-                      for expected, actual in zip(references, runs)]
-        worst = [worst_of(comps[i] for comps in per_sample) for i in range(len(manifest.outputs))]
+        per_sample, worst = compared(manifest.outputs, references, runs)
         report = VerifyReport(backend=session.backend, min_cosine=min_cosine, outputs=worst,
                               reference_is_source=sha256_file(reference) == manifest.source["sha256"],
                               samples=per_sample, files=dict(session.files))

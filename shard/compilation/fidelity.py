@@ -18,7 +18,6 @@ weights changed further on) runs only the shards from the change on.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -31,12 +30,12 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.cache_folder import entry_file, store_entry
 from shard.calibration import ort_session
-from shard.compare import Comparison, compare, worst_of
+from shard.compare import Comparison, worst_of
 from shard.compilation.state import Progress
 from shard.graph import give_back_freed
 from shard.runtime import frame_inputs
 from shard.runtime.host import load_tables, run_host, step_files
-from shard.verifier import prepared_reference
+from shard.verifier import compared, prepared_reference
 
 
 class OneShardAtATime(Protocol):
@@ -54,7 +53,7 @@ class Side:
     bundle: Path
     manifest: Manifest
     frames: list[dict[str, np.ndarray]]
-    ready: list[threading.Event] = field(default_factory=list)
+    ready: list[threading.Event] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ready = [threading.Event() for _ in self.manifest.shards]
@@ -66,15 +65,18 @@ def composed_worst(bundles: list[Path], model: Path, samples: list[dict[str, np.
     """Each bundle's worst output against onnxruntime on the simulator over `samples` (a NaN is the
     worst), as simulator_worst gives it, shard by shard; `cache`: the shards' runs kept before."""
     # first: onnxruntime's memory is given back before the simulator's workers take theirs
-    references = reference_outputs(model, read_manifest(bundles[0]), samples)
+    manifests = [read_manifest(bundle) for bundle in bundles]
+    references = reference_outputs(model, manifests[0], samples)
     sides = []
-    for bundle in bundles:
-        manifest = read_manifest(bundle)
+    for bundle, manifest in zip(bundles, manifests):
         tables = load_tables(bundle, manifest.host_pre)
         frames = [run_host(manifest.host_pre, frame_inputs(manifest, simulator.backend, s), tables) for s in samples]
         sides.append(Side(bundle, manifest, frames))
     run_in_order(sides, simulator, progress, cache or RunCache(None, "", samples))
-    return [worst_output(side, references) for side in sides]
+    for side in sides:   # the host steps after the shards
+        for frame in side.frames:
+            run_host(side.manifest.host_post, frame, contiguous=False)
+    return [worst_of(compared(side.manifest.outputs, references, side.frames)[1]) for side in sides]
 
 
 def reference_outputs(model: Path, manifest: Manifest, samples: list[dict[str, np.ndarray]]
@@ -209,17 +211,5 @@ class RunCache:
     def put(self, key: str | None, outputs: list[dict[str, np.ndarray]]) -> None:
         if key is None:
             return
-        buffer = io.BytesIO()
-        np.savez(buffer, **{f"{n}/{name}": array for n, made in enumerate(outputs) for name, array in made.items()})
-        store_entry(self.root, key, lambda staging: (staging / "outputs.npz").write_bytes(buffer.getvalue()))
-
-
-def worst_output(side: Side, references: list[dict[str, np.ndarray]]) -> Comparison:
-    """The host steps after the shards, then each output's worst sample against the reference's, and
-    the worst of those (as verify_bundle's outputs give it)."""
-    outputs = side.manifest.outputs
-    per_sample = []
-    for frame, expected in zip(side.frames, references):
-        run_host(side.manifest.host_post, frame, contiguous=False)
-        per_sample.append([compare(t.name, expected[t.name], frame[t.name]) for t in outputs])
-    return worst_of(worst_of(comps[i] for comps in per_sample) for i in range(len(outputs)))
+        arrays = {f"{n}/{name}": array for n, made in enumerate(outputs) for name, array in made.items()}
+        store_entry(self.root, key, lambda staging: np.savez(staging / "outputs.npz", **arrays))
