@@ -131,15 +131,19 @@ def domain_samples(graph, inputs: list, n: int, seed: int = 0) -> list[dict[str,
     return samples
 
 
-def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize: bool = True):
+def ort_session(model: onnx.ModelProto | Path, extra_outputs: list[str] = (), optimize: bool = True):
     """onnxruntime over a model, also returning the named intermediate tensors; a model over 2 GB
-    goes through a temporary file with its weights beside it. optimize=False: no graph fusions, so
-    two graphs that differ by exact rewrites round alike."""
+    goes through a temporary file with its weights beside it; a model's file (a Path) is read by
+    onnxruntime itself, its outputs only (no proto and no serialized copy beside onnxruntime's own).
+    optimize=False: no graph fusions, so two graphs that differ by exact rewrites round alike."""
     import onnxruntime as ort
 
-    present = {o.name for o in model.graph.output}
+    on_disk = isinstance(model, Path)
+    present = set() if on_disk else {o.name for o in model.graph.output}
     extra = [n for n in dict.fromkeys(extra_outputs) if n not in present]
-    small = fits_protobuf(model)
+    if on_disk and extra:
+        raise ValueError("a model read from its file gives its own outputs only")
+    small = on_disk or fits_protobuf(model)
     if extra:  # on a copy: the caller's model keeps its outputs
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -155,7 +159,8 @@ def ort_session(model: onnx.ModelProto, extra_outputs: list[str] = (), optimize:
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if small:
-        return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        source = str(model) if on_disk else model.SerializeToString()
+        return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
     with scratch.temporary("ort") as tmp:
         onnx.save(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
         return ort.InferenceSession(f"{tmp}/model.onnx", opts, providers=["CPUExecutionProvider"])

@@ -4,17 +4,19 @@ a session's figures, one simulator build per artifact, and a failed build ends i
 import shutil
 
 import numpy as np
+import onnx
 import pytest
-from conftest import mlp_chain
+from conftest import mlp_chain, run_ort
 
 import shard
 from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.compilation.choice import simulator_worst
-from shard.compilation.fidelity import RunCache, Side, composed_worst, groups, run_in_order
+from shard.compilation.fidelity import RunCache, Side, composed_worst, groups, reference_outputs, run_in_order
 from shard.errors import RunError
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
 from shard.targets.rknn.simulate import ShardByShard
+from shard.verifier import prepared_reference
 
 
 def manifest_of(artifacts: list[str | None]) -> Manifest:
@@ -94,3 +96,18 @@ def test_shard_runs_kept_in_the_cache_build_nothing_the_next_time(bundle, tmp_pa
     assert other.key(Side(path, manifest, []), 1) != runs.key(Side(path, manifest, []), 1)
     assert RunCache(tmp_path / "cache", "rk3588 other", samples).key(Side(path, manifest, []), 0) != \
         runs.key(Side(path, manifest, []), 0)
+
+
+@pytest.mark.toolkit
+def test_the_reference_is_read_from_its_file_where_compile_read_it_as_it_is(bundle, tmp_path):
+    path, model = bundle
+    manifest = read_manifest(path)
+    samples = [random_inputs(manifest.inputs, 0)]
+    assert prepared_reference(model, manifest)[1]   # nothing fixed, upgraded or renumbered
+    want = run_ort(onnx.load(model), samples[0])[0]
+    np.testing.assert_array_equal(reference_outputs(model, manifest, samples)[0]["y"], want)
+    older = onnx.load(model)   # an old opset is upgraded first: onnxruntime then runs that model, not the file
+    older.opset_import[0].version = 11
+    onnx.save(older, tmp_path / "old.onnx")
+    assert not prepared_reference(tmp_path / "old.onnx", manifest)[1]
+    np.testing.assert_allclose(reference_outputs(tmp_path / "old.onnx", manifest, samples)[0]["y"], want, rtol=1e-6)

@@ -29,13 +29,12 @@ import numpy as np
 
 from shard.bundle import Manifest, ShardSpec, read_manifest
 from shard.cache_folder import entry_file, store_entry
-from shard.calibration import ort_session
 from shard.compare import Comparison, worst_of
 from shard.compilation.state import Progress
 from shard.graph import give_back_freed
 from shard.runtime import frame_inputs
 from shard.runtime.host import load_tables, run_host, step_files
-from shard.verifier import compared, prepared_reference
+from shard.verifier import compared, reference_session
 
 
 class OneShardAtATime(Protocol):
@@ -82,8 +81,8 @@ def composed_worst(bundles: list[Path], model: Path, samples: list[dict[str, np.
 def reference_outputs(model: Path, manifest: Manifest, samples: list[dict[str, np.ndarray]]
                       ) -> list[dict[str, np.ndarray]]:
     """onnxruntime's values of the model's outputs on each sample (no edge asked of it, which would keep
-    it from fusing); the model's proto goes once the session holds it."""
-    session = ort_session(prepared_reference(model, manifest))
+    it from fusing), its memory handed back after."""
+    session = reference_session(model, manifest)
     feeds = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     outputs = [dict(zip(names, session.run(names, {k: v for k, v in s.items() if k in feeds}))) for s in samples]
