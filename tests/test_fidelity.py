@@ -10,8 +10,10 @@ from conftest import mlp_chain, run_ort
 
 import shard
 from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
+from shard.calibration import random_samples
 from shard.compilation.choice import simulator_worst
-from shard.compilation.fidelity import RunCache, Side, composed_worst, groups, reference_outputs, run_in_order
+from shard.compilation.state import FIDELITY_SAMPLES
+from shard.compilation.fidelity import Runs, Side, composed_worst, digest, groups, reference_outputs, run_in_order
 from shard.errors import RunError
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
@@ -53,7 +55,7 @@ def test_shard_by_shard_makes_what_a_session_makes(bundle):
     samples = [random_inputs(manifest.inputs, seed) for seed in range(3)]
     sides = [Side(path, m, [dict(s) for s in samples]) for m in (manifest, read_manifest(path))]
     with ShardByShard("rk3588", workers=2) as simulator:
-        run_in_order(sides, simulator, lambda *a: None, RunCache(None, "", samples))
+        run_in_order(sides, simulator, lambda *a: None, Runs(None, ""))
         worst = composed_worst([path], model, samples, simulator)
     with Session(path, "sim") as session:
         for k, sample in enumerate(samples):
@@ -82,20 +84,37 @@ def test_shard_runs_kept_in_the_cache_build_nothing_the_next_time(bundle, tmp_pa
     path, model = bundle
     manifest = read_manifest(path)
     samples = [random_inputs(manifest.inputs, seed) for seed in range(2)]
-    runs = RunCache(tmp_path / "cache", "rk3588 test", samples)
+    runs = Runs(tmp_path / "cache", "rk3588 test")
     with ShardByShard("rk3588", workers=1) as simulator:
-        first = composed_worst([path], model, samples, simulator, cache=runs)
-        assert simulator.pool.started   # built and ran
+        first = composed_worst([path], model, samples, simulator, runs=runs)
+        assert simulator.pool.started and runs.built_again == 2   # built and ran
+    kept = Runs(tmp_path / "cache", "rk3588 test")
     with ShardByShard("rk3588", workers=1) as simulator:
-        kept = RunCache(tmp_path / "cache", "rk3588 test", samples)
-        again = composed_worst([path], model, samples, simulator, cache=kept)
-        assert simulator.pool.started == []   # no worker, so nothing built
+        again = composed_worst([path], model, samples, simulator, runs=kept)
+        assert simulator.pool.started == [] and kept.built_again == 0   # no worker, so nothing built
     assert again[0].cosine == first[0].cosine and again[0].max_abs_diff == first[0].max_abs_diff
-    # other samples, or another toolkit, are another entry
-    other = RunCache(tmp_path / "cache", "rk3588 test", samples[:1])
-    assert other.key(Side(path, manifest, []), 1) != runs.key(Side(path, manifest, []), 1)
-    assert RunCache(tmp_path / "cache", "rk3588 other", samples).key(Side(path, manifest, []), 0) != \
-        runs.key(Side(path, manifest, []), 0)
+    # another build, other inputs or another toolkit are another entry
+    fed = digest(([samples[0]["x"]], ["nchw"]))
+    assert len({runs.key("a", fed), runs.key("b", fed), runs.key("a", digest(([samples[1]["x"]], ["nchw"]))),
+                Runs(None, "rk3588 other").key("a", fed)}) == 4
+    assert runs.key(None, fed) is None   # no artifact to name the build by: nothing kept
+
+
+@pytest.mark.toolkit
+def test_the_check_takes_the_runs_made_where_each_shard_built(tmp_path):
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(mlp_chain(4, width=32).SerializeToString())
+    result = shard.compile(model, "rk3588", tmp_path / "m.shard",
+                           CompileOptions(shards=2, jobs=2, check_fidelity=True, vendor_baseline=False, build_cache=False))
+    assert len(result.manifest.shards) == 2
+    assert result.report["fidelity_builds"] == 0   # no shard built again for the check
+    # the figure is the check's with every shard built again on the simulator, on the same samples
+    samples = random_samples([TensorSpec("x", [1, 8, 32], "float32")], FIDELITY_SAMPLES)
+    with ShardByShard("rk3588", workers=1) as simulator:
+        runs = Runs(None, "")
+        again = composed_worst([tmp_path / "m.shard"], model, samples, simulator, runs=runs)
+        assert runs.built_again == 2
+    assert result.report["fidelity"]["bundle"] == again[0].cosine
 
 
 @pytest.mark.toolkit

@@ -159,6 +159,11 @@ def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
     asking.join(timeout=30)
     assert isinstance(answers[0], WorkerFailed) and "died" in str(answers[0])
     assert not worker.tmp.exists()
+    # the next request (a kept model's release after its run failed) is told at once, not at its timeout
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match="died"):
+        worker.request(op="release", key="shard_000", timeout=600)
+    assert time.monotonic() - started < 30
 
 
 def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_own(save, tmp_path):

@@ -4,15 +4,17 @@ A session on the simulator holds a whole bundle in one process and builds every 
 (the simulator runs only what its own process built): the compile's peak memory, one build after
 another. Here each bundle's shards run in their order over every sample at once, each fed the outputs
 its own bundle's earlier shards made (end to end, as a session runs a frame), so the figures are a
-session's. Each shard is built for the simulator once for every bundle that holds it (the same
-artifact: a shard the passes did not change is shard's and the vendor alone's alike), in its own
-toolkit worker, and released before that worker takes the next: the check holds one shard per worker,
-and the next shards build while the one before runs.
+session's.
 
-Each shard's outputs on the samples are kept in the build cache's folder (RunCache) by what decides
-them: the samples, the toolkit, and the bundle's shards up to it (their builds' hashes, edges and the
-host steps before them). A compile whose first shards are those of an earlier one (one layer's
-weights changed further on) runs only the shards from the change on.
+Most runs are made before the check, where the shard was built (BuildRuns): the worker that built a
+shard runs it on the simulator right after, on each chain of frames it is on (shard's bundle as it
+will most likely be, the vendor alone's), and releases it. Each run is kept (Runs) by what decides
+its outputs: the build (its artifact's sha256) and the arrays it was fed. The check looks each run up
+and builds again only a shard whose runs no build made (a choice the chains did not foresee: a twin
+kept in shard's bundle, edges relaid), once for every bundle that holds it, in its own toolkit worker,
+released before that worker takes the next. Kept in the build cache's folder, the runs of a cached
+build come with it: a compile whose first shards are an earlier one's (one layer's weights changed
+further on) runs only the shards from the change on.
 """
 
 from __future__ import annotations
@@ -20,21 +22,27 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import onnx
 
-from shard.bundle import Manifest, ShardSpec, read_manifest
+from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.cache_folder import entry_file, store_entry
 from shard.compare import Comparison, worst_of
-from shard.compilation.state import Progress
-from shard.graph import give_back_freed
+from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.graph import dtype_name, give_back_freed, tensor_spec
 from shard.runtime import frame_inputs
-from shard.runtime.host import load_tables, run_host, step_files
+from shard.runtime.executors import npu_inputs, outputs_by_name
+from shard.runtime.host import load_tables, run_host
 from shard.verifier import compared, reference_session
+
+Run = tuple[list[np.ndarray], list[str]]   # the arrays a shard is fed on the simulator, and their layouts
 
 
 class OneShardAtATime(Protocol):
@@ -42,7 +50,7 @@ class OneShardAtATime(Protocol):
     backend: str
     workers: int
 
-    def loaded(self, bundle: Path, manifest: Manifest, shard: ShardSpec): ...
+    def loaded(self, bundle: Path, manifest: Manifest, shard: ShardSpec): ...   # yields run(arrays, formats)
 
 
 @dataclass
@@ -60,9 +68,9 @@ class Side:
 
 def composed_worst(bundles: list[Path], model: Path, samples: list[dict[str, np.ndarray]],
                    simulator: OneShardAtATime, progress: Progress = lambda *a: None,
-                   cache: RunCache | None = None) -> list[Comparison]:
+                   runs: Runs | None = None) -> list[Comparison]:
     """Each bundle's worst output against onnxruntime on the simulator over `samples` (a NaN is the
-    worst), as simulator_worst gives it, shard by shard; `cache`: the shards' runs kept before."""
+    worst), as simulator_worst gives it, shard by shard; `runs`: the shards' runs made before."""
     # first: onnxruntime's memory is given back before the simulator's workers take theirs
     manifests = [read_manifest(bundle) for bundle in bundles]
     references = reference_outputs(model, manifests[0], samples)
@@ -71,7 +79,7 @@ def composed_worst(bundles: list[Path], model: Path, samples: list[dict[str, np.
         tables = load_tables(bundle, manifest.host_pre)
         frames = [run_host(manifest.host_pre, frame_inputs(manifest, simulator.backend, s), tables) for s in samples]
         sides.append(Side(bundle, manifest, frames))
-    run_in_order(sides, simulator, progress, cache or RunCache(None, "", samples))
+    run_in_order(sides, simulator, progress, runs or Runs(None, ""))
     for side in sides:   # the host steps after the shards
         for frame in side.frames:
             run_host(side.manifest.host_post, frame, contiguous=False)
@@ -102,7 +110,7 @@ def groups(sides: list[Side]) -> list[list[tuple[Side, int]]]:
     return sorted(by_build.values(), key=lambda group: group[0][1])
 
 
-def run_in_order(sides: list[Side], simulator: OneShardAtATime, progress: Progress, cache: RunCache) -> None:
+def run_in_order(sides: list[Side], simulator: OneShardAtATime, progress: Progress, runs: Runs) -> None:
     """Every group of groups() on its own worker, in order: a group's shards wait for their bundle's
     shard before them once built, so the next builds overlap the runs; a failure wakes every waiter."""
     work = groups(sides)
@@ -113,7 +121,7 @@ def run_in_order(sides: list[Side], simulator: OneShardAtATime, progress: Progre
 
     def run(group: list[tuple[Side, int]]) -> None:
         try:
-            run_group(group, simulator, failed, cache)
+            run_group(group, simulator, failed, runs)
         except BaseException:
             failed.set()
             for side in sides:
@@ -135,80 +143,223 @@ def run_in_order(sides: list[Side], simulator: OneShardAtATime, progress: Progre
 
 
 def run_group(group: list[tuple[Side, int]], simulator: OneShardAtATime, failed: threading.Event,
-              cache: RunCache) -> None:
-    """One shard built once and run for each bundle that holds it, over all its frames; where its
-    outputs there were kept before (cache), they are taken, and where all were, nothing is built."""
+              runs: Runs) -> None:
+    """One shard's runs for each bundle that holds it, over all its frames, once its bundle's shard
+    before it ran: those made before (runs) are taken; for the rest the shard is built once and run."""
     todo = []
     for side, k in group:
-        key = cache.key(side, k)
-        kept = cache.get(key, len(side.frames))
-        if kept is None:
-            todo.append((side, k, key))
-            continue
         if k:   # ready means every shard before it is in the frames too
             side.ready[k - 1].wait()
-        for frame, outputs in zip(side.frames, kept):
-            frame.update(outputs)
-        side.ready[k].set()
+        if failed.is_set():
+            return
+        shard = side.manifest.shards[k]
+        fed = [npu_inputs(shard, {t.name: frame[t.name] for t in shard.inputs}) for frame in side.frames]
+        keys = [runs.key(shard.built_from.get("artifact"), digest(run)) for run in fed]
+        kept = [runs.get(key) for key in keys]
+        if all(outputs is not None for outputs in kept):
+            fill(side, k, kept)
+        else:
+            todo.append((side, k, fed, keys, kept))
     if not todo:
         return
     first, k = todo[0][:2]
+    runs.built_again += 1
     with simulator.loaded(first.bundle, first.manifest, first.manifest.shards[k]) as run:
-        for side, k, key in todo:
-            if k:
-                side.ready[k - 1].wait()
+        for side, k, fed, keys, kept in todo:
             if failed.is_set():
                 return
-            shard = side.manifest.shards[k]
-            made = [run({t.name: frame[t.name] for t in shard.inputs}) for frame in side.frames]
-            for frame, outputs in zip(side.frames, made):
-                frame.update(outputs)
-            cache.put(key, made)
-            side.ready[k].set()
+            for n, key in enumerate(keys):
+                if kept[n] is None:
+                    kept[n] = run(*fed[n])
+                    runs.put(key, kept[n])
+            fill(side, k, kept)
 
 
-class RunCache:
-    """Each shard's outputs on the check's samples, in a cache folder (None: nothing kept), by what
-    decides them: `salt` (the target and its toolkit), the samples, and its bundle's shards up to it
-    (their builds' hashes, edges and options) with the host steps before them and their tables' hashes."""
+def fill(side: Side, k: int, outputs: list[list[np.ndarray]]) -> None:
+    """Shard k's outputs (as the simulator gives them) into its bundle's frames, one list per frame."""
+    shard = side.manifest.shards[k]
+    for frame, made in zip(side.frames, outputs):
+        frame.update(outputs_by_name(shard, made))
+    side.ready[k].set()
 
-    def __init__(self, root: Path | None, salt: str, samples: list[dict[str, np.ndarray]]):
-        self.root = root
-        digest = hashlib.sha256(salt.encode())
-        for sample in samples:
-            for name in sorted(sample):
-                array = np.ascontiguousarray(sample[name])
-                digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
-                digest.update(array.tobytes())
-        self.base = digest.hexdigest()
 
-    def key(self, side: Side, k: int) -> str | None:
-        """The entry of shard k of a bundle; None where a shard up to it has no build hashes."""
-        shards = side.manifest.shards[:k + 1]
-        if self.root is None or not all(s.built_from for s in shards):
+def digest(run: Run) -> str:
+    """The sha256 of what a run is fed: each array's type, shape and bytes, and the layouts."""
+    arrays, formats = run
+    h = hashlib.sha256(json.dumps(formats).encode())
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        h.update(json.dumps([array.dtype.str, list(array.shape)]).encode())
+        h.update(memoryview(array).cast("B"))
+    return h.hexdigest()
+
+
+class Runs:
+    """Shards' outputs on the simulator by what decides them: the build, by its artifact's sha256 (the
+    toolkit writes uninitialised memory into each .rknn, so no two builds share one), and what it was
+    fed (digest). Kept in a cache folder (`root`), or for this compile only (None); `salt`: the target
+    and its toolkit."""
+
+    def __init__(self, root: Path | None, salt: str):
+        self.root, self.salt = root, salt
+        self.here: dict[str, list[np.ndarray]] = {}
+        self.built_again = 0   # the check's own simulator builds: shards whose runs no build made
+
+    def key(self, artifact: str | None, fed: str) -> str | None:
+        """The entry of a build's run; None where the build has no artifact to name it by."""
+        if not artifact:
             return None
-        tables = {f: side.manifest.files.get(f) for step in side.manifest.host_pre for f in step_files(step)}
-        what = [self.base, side.manifest.build, side.manifest.host_pre, tables,
-                [[s.built_from, s.build_options, [(t.name, t.shape, t.dtype) for t in (*s.inputs, *s.outputs)],
-                  s.edge_shapes, s.edge_scales] for s in shards]]
-        return "r" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+        return "r" + hashlib.sha256(json.dumps([self.salt, artifact, fed]).encode()).hexdigest()
 
-    def get(self, key: str | None, samples: int) -> list[dict[str, np.ndarray]] | None:
-        found = entry_file(self.root, key, "outputs.npz") if key else None   # marks it used
+    def get(self, key: str | None) -> list[np.ndarray] | None:
+        if key is None or self.root is None:
+            return self.here.get(key) if key else None
+        found = entry_file(self.root, key, "outputs.npz")   # marks it used
         if found is None:
             return None
         try:
             with np.load(found, allow_pickle=False) as stored:
-                kept = [{} for _ in range(samples)]
-                for name in stored.files:
-                    n, tensor = name.split("/", 1)
-                    kept[int(n)][tensor] = stored[name]
-        except (OSError, ValueError, IndexError):   # evicted under our feet, or not whole
+                return [stored[f"arr_{k}"] for k in range(len(stored.files))]
+        except (OSError, ValueError, KeyError):   # evicted under our feet, or not whole
             return None
-        return kept
 
-    def put(self, key: str | None, outputs: list[dict[str, np.ndarray]]) -> None:
+    def put(self, key: str | None, outputs: list[np.ndarray]) -> None:
         if key is None:
             return
-        arrays = {f"{n}/{name}": array for n, made in enumerate(outputs) for name, array in made.items()}
-        store_entry(self.root, key, lambda staging: np.savez(staging / "outputs.npz", **arrays))
+        if self.root is None:
+            self.here[key] = outputs
+        else:
+            store_entry(self.root, key, lambda staging: np.savez(staging / "outputs.npz", *outputs))
+
+
+class Chains:
+    """The check's frames as the builds make them: per chain, the tensors each sample holds so far.
+    "ours" is shard's bundle as it most likely will be (each rewritten shard), "vendor" the vendor
+    alone's shard by shard (each shard as it came), "whole" the vendor alone's whole build. start()
+    gives their first frames (the samples, after the host's steps), once the passes made them; a build
+    made before (the vendor alone's, which runs through the passes) finds no frames and runs nothing.
+
+    A build whose inputs a build under way will make (two builds at once) waits for it; one whose
+    inputs no build under way makes (its producer still queued, or failed) runs nothing, and the
+    check builds it again. Waiting only on builds that hold a worker cannot deadlock: those wait only
+    on earlier shards."""
+
+    def __init__(self, runs: Runs):
+        self.runs = runs
+        self.frames: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.makers: dict[tuple[str, str], BuildRuns] = {}   # (chain, tensor): the build that makes it there
+        self.changed = threading.Condition()
+
+    def start(self, samples: list[dict[str, np.ndarray]], host_pre: list[dict], tables: dict) -> None:
+        """The first frames: shard's bundle's and the vendor alone's shard by shard after the host's
+        steps (a chain's bundle keeps those its shards read: the others' outputs are not read), the
+        vendor alone's whole build's the samples as they are."""
+        hosted = [run_host(host_pre, dict(sample), tables) for sample in samples]
+        with self.changed:
+            self.frames = {"ours": hosted, "vendor": [dict(frame) for frame in hosted],
+                           "whole": [dict(sample) for sample in samples]}
+
+    def shards(self, plans: list, originals: list, per_shard: bool) -> dict[str, BuildRuns]:
+        """{build: its runs} for each shard and twin: a shard the passes changed on shard's chain and
+        its twin on the vendor alone's (per_shard: the vendor alone stands beside shard by shard), a
+        shard they did not change on both. Else the twins run nothing: in shard's chain their outputs
+        would take the rewritten shards' names."""
+        runs = {}
+        for plan, original in zip(plans, originals):
+            on = ("ours", "vendor") if original is None and per_shard else ("ours",)
+            runs[plan.name] = self.of(plan.name, [tensor_spec(t) for t in plan.inputs],
+                                      [tensor_spec(t) for t in plan.outputs], on)
+            if original is not None and per_shard:
+                runs[f"{plan.name}{UNREWRITTEN}"] = self.of(
+                    plan.name, [tensor_spec(t) for t in original.inputs], [tensor_spec(t) for t in original.outputs],
+                    ("vendor",))
+        return runs
+
+    def whole(self, graph: onnx.GraphProto) -> BuildRuns:
+        """The runs of the vendor alone's build of the whole model (`graph`, its input shapes fixed)."""
+        weights = {t.name for t in graph.initializer}
+        spec = lambda v: TensorSpec(v.name, [d.dim_value for d in v.type.tensor_type.shape.dim],  # noqa: E731
+                                    dtype_name(v.type.tensor_type.elem_type))
+        return self.of(VENDOR_ALONE, [spec(v) for v in graph.input if v.name not in weights],
+                       [spec(v) for v in graph.output], ("whole",))
+
+    def of(self, name: str, inputs: list[TensorSpec], outputs: list[TensorSpec], on: tuple[str, ...]) -> BuildRuns:
+        """The runs of a build of a shard with these inputs and outputs, on the chains `on`."""
+        shard = ShardSpec(name=name, onnx="", artifact=None, log=None, inputs=inputs, outputs=outputs, core=0,
+                          precision="")
+        runs = BuildRuns(self, shard, on)
+        with self.changed:
+            for chain in on:
+                for t in outputs:
+                    self.makers.setdefault((chain, t.name), runs)
+        return runs
+
+    def fed(self, shard: ShardSpec, on: tuple[str, ...]) -> dict[str, tuple[Run, list[tuple[str, int]]]]:
+        """What the shard is fed on each chain that holds (or will, from builds under way) all its
+        inputs, one run per distinct arrays, by their digest: {digest: (run, its (chain, sample)s)}."""
+        names = [t.name for t in shard.inputs]
+        with self.changed:
+            ready = [chain for chain in on if self.wait_for(chain, names)]
+            fed = [(chain, n, npu_inputs(shard, {name: frame[name] for name in names}))
+                   for chain in ready for n, frame in enumerate(self.frames[chain])]
+        by_digest: dict[str, tuple[Run, list[tuple[str, int]]]] = {}
+        for chain, n, run in fed:
+            by_digest.setdefault(digest(run), (run, []))[1].append((chain, n))
+        return by_digest
+
+    def wait_for(self, chain: str, names: list[str]) -> bool:
+        """Whether the chain's frames hold every name, once the builds under way that make the
+        missing ones are done (under self.changed)."""
+        while True:
+            frames = self.frames.get(chain)   # each sample's run joins on its own: every frame is asked
+            missing = [name for name in names if not frames or any(name not in frame for frame in frames)]
+            if not missing:
+                return True
+            makers = [self.makers.get((chain, name)) for name in missing]
+            if not frames or not all(m is not None and m.state == "building" for m in makers):
+                return False
+            self.changed.wait()
+
+
+class BuildRuns:
+    """One build's runs (shard.targets.SampleRuns): on every chain it is on that holds all its inputs,
+    a run per sample, the same arrays run once; its outputs join those chains' frames."""
+
+    def __init__(self, chains: Chains, shard: ShardSpec, on: tuple[str, ...]):
+        self.chains, self.shard, self.on = chains, shard, on
+        self.state = "queued"   # "building" while its build holds a worker, then "done"
+        self.pending: list[tuple[str, Run, list[tuple[str, int]]]] = []   # (digest, run, its chains' frames)
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        with self.chains.changed:
+            self.state = "building"
+        try:
+            yield
+        finally:
+            with self.chains.changed:
+                self.state = "done"
+                self.chains.changed.notify_all()
+
+    def wanted(self, artifact: str | None) -> list[Run]:
+        self.pending = []
+        for fed, (run, places) in self.chains.fed(self.shard, self.on).items():
+            kept = self.chains.runs.get(self.chains.runs.key(artifact, fed))
+            if kept is None:
+                self.pending.append((fed, run, places))
+            else:
+                self.join(places, kept)
+        return [run for _, run, _ in self.pending]
+
+    def made(self, artifact: str, outputs: list[list[np.ndarray]]) -> None:
+        for (fed, _, places), made in zip(self.pending, outputs):
+            self.chains.runs.put(self.chains.runs.key(artifact, fed), made)
+            self.join(places, made)
+        self.pending = []
+
+    def join(self, places: list[tuple[str, int]], outputs: list[np.ndarray]) -> None:
+        named = outputs_by_name(self.shard, outputs)
+        with self.chains.changed:
+            for chain, n in places:
+                self.chains.frames[chain][n].update(named)
+            self.chains.changed.notify_all()

@@ -21,7 +21,7 @@ from shard.cache_folder import default_cache_dir
 from shard.compilation.choice import (against_unrewritten, against_vendor_alone, choose_versions, fidelity_baseline,
                                       fidelity_samples, first_overflow, host_steps, keep_better_edges,
                                       keep_the_more_faithful, unrewritten_versions, vendor_plan)
-from shard.compilation.fidelity import RunCache, composed_worst
+from shard.compilation.fidelity import Chains, Runs, composed_worst
 from shard.compilation.jobs import (Datasets, data_inputs, quantization_values, relayout_jobs, vendor_alone_job,
                                     write_jobs, write_vendor_alone)
 from shard.compilation.staging import replace_dir, scratch_folders
@@ -119,6 +119,9 @@ def load(c: Compilation) -> None:
     c.whole = against_vendor and whole
     c.build = c.vendor_build = c.tgt.build_options(options)
     c.cache = default_cache_dir() if options.build_cache else None
+    checked = against_vendor if options.check_fidelity is None else options.check_fidelity
+    if checked and c.tgt.vendor and not options.vendor_only:   # its runs made where each shard builds
+        c.chains = Chains(Runs(c.cache, f"{c.target} {c.tgt.toolchain()}"))
 
 
 def start_vendor_alone(c: Compilation) -> None:
@@ -129,9 +132,11 @@ def start_vendor_alone(c: Compilation) -> None:
         return
     fix_input_shapes(c.proto, c.options.input_shapes)
     c.vendor_inputs = data_inputs(c.proto.graph)
+    c.vendor_runs = c.chains.whole(c.proto.graph) if c.chains else None
     if not c.quantized:
         c.vendor_job = vendor_alone_job(c.staging, c.logs, c.tgt, c.vendor_inputs)
         c.vendor_job.figures_key = structure_key(c.proto)
+        c.vendor_job.runs = c.vendor_runs
         if not (c.options.vendor_only or c.options.check_fidelity):
             c.stand_in = c.builder.figures(c.vendor_job, c.build)
     if not c.stand_in:   # written now, so its weights are not held twice through the passes
@@ -160,6 +165,9 @@ def rewrite(c: Compilation) -> None:
         else [None] * len(c.plans)
     if c.quantized:
         c.values, c.feeds = quantization_values(c.ctx, c.graph, c.canonical, c.plans, c.originals, c.progress)
+    if c.chains:
+        c.samples = fidelity_samples(c.ctx, c.canonical or c.graph, c.quantized)
+        c.chains.start(c.samples, c.ctx.host_pre, c.ctx.host_tables)
     if c.options.precision == "mixed":
         c.ctx.reports["mixed"] = {"promoted": sorted(c.options.promote)}
         graph, feeds, progress = c.graph, c.feeds, c.progress
@@ -177,6 +185,7 @@ def build_shards(c: Compilation) -> None:
                               set(c.options.promote or ()))
     if c.whole and c.quantized:
         c.vendor_job = vendor_alone_job(c.staging, c.logs, c.tgt, c.vendor_inputs, c.datasets)
+        c.vendor_job.runs = c.vendor_runs
     if c.ctx.build_config and "config" in c.build:   # the passes' toolkit config is the shards' only
         c.build = {**c.build, "config": {**c.build["config"], **c.ctx.build_config}}
     c.jobs = [c.vendor_job] if c.vendor_job and not c.stand_in else []
@@ -184,7 +193,9 @@ def build_shards(c: Compilation) -> None:
     # Each shard's weights go once no shard still to be written reads them; mixed ranks its linears
     # on the graph after the build and keeps them.
     held = () if c.options.precision == "mixed" else tuple(g for g in (c.graph, c.canonical) if g is not None)
+    runs = c.chains.shards(c.plans, c.originals, c.per_shard) if c.chains else {}
     for job in write_jobs(c.staging, c.logs, c.tgt, c.plans, c.originals, c.opset, c.progress, c.datasets, held):
+        job.runs = runs.get(job.name)
         c.jobs.append(job)
         under_way += c.builder.submit([job], c.build, c.on_done("compile shards"))
     c.builds = c.compile_jobs([], "compile shards", under_way)
@@ -305,12 +316,12 @@ def check_fidelity(c: Compilation) -> None:
     the floor (hold_the_floor)."""
     if not c.measure or not c.tgt.vendor or c.options.vendor_only:
         return
-    samples = fidelity_samples(c.ctx, c.canonical or c.graph, c.quantized)
+    samples = c.samples or fidelity_samples(c.ctx, c.canonical or c.graph, c.quantized)
     if c.baseline:
         steps = host_steps(c.ctx, c.baseline, c.builds, None) if c.per_shard else ([], [])
         c.writer.write(c.vendor_dir, c.baseline, *steps)
     started = time.monotonic()
-    runs = RunCache(c.cache, f"{c.target} {c.tgt.toolchain()}", samples)
+    runs = c.chains.runs if c.chains else Runs(c.cache, f"{c.target} {c.tgt.toolchain()}")
     with c.builder.simulator() as simulator:
         worst = composed_worst([c.staging, *([c.vendor_dir] if c.baseline else [])], c.model, samples, simulator,
                                c.progress, runs)
@@ -328,6 +339,7 @@ def check_fidelity(c: Compilation) -> None:
         else:
             c.report["fidelity"] = {"bundle": c.kept.cosine}
     c.report["seconds"]["fidelity"] = seconds
+    c.report["fidelity_builds"] = runs.built_again   # simulator builds of its own: the rest ran where built
     if c.quantized and not c.kept.cosine >= LOW_FIDELITY:
         c.report["warnings"].append(
             f"{c.options.precision} loses this model's accuracy: simulator cosine {c.kept.cosine:.4f} on "

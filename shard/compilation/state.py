@@ -19,6 +19,7 @@ from shard.profile import Profile
 from shard.targets import Builds, ShardBuild, ShardJob, Target
 
 if TYPE_CHECKING:   # the stages' rooms, which read this module's names
+    from shard.compilation.fidelity import BuildRuns, Chains
     from shard.compilation.jobs import Datasets
     from shard.compilation.writer import BundleWriter
 
@@ -66,10 +67,12 @@ class Compilation:
     whole: bool = False              # the vendor alone's build of the whole model is made
     per_shard: bool = False          # else, stood beside shard by shard (each shard's unrewritten build)
     why: str = ""                    # why the whole build is or is not made
+    chains: Chains | None = None     # the fidelity check's runs, made where each shard builds
     # the vendor alone's build
     builder: Builds | None = None
     vendor_inputs: list | None = None
     vendor_job: ShardJob | None = None
+    vendor_runs: BuildRuns | None = None   # its fidelity runs, made where it builds
     stand_in: ShardBuild | None = None   # an earlier build's figures, the same model with other weights
     early: list[Future] = field(default_factory=list)
     # rewrite
@@ -82,6 +85,7 @@ class Compilation:
     values: dict | None = None           # quantized: every shard input's value on each sample
     feeds: list | None = None
     rank: Callable[[], dict] | None = None
+    samples: list[dict] = field(default_factory=list)   # what the fidelity check runs
     seconds: dict = field(default_factory=dict)
     # build_shards
     datasets: Datasets | None = None

@@ -5,9 +5,31 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from contextlib import AbstractContextManager
 from typing import Callable, Protocol
 
 from shard.bundle import file_record
+
+
+class SampleRuns(Protocol):
+    """The runs a build makes on the simulator where it was built, right after the build, so that a
+    check of the bundle need not build it again (shard.compilation.fidelity.BuildRuns). A run is
+    (arrays, formats): the arrays in the shard's input order, each one's layout for the runtime."""
+
+    def building(self) -> AbstractContextManager:
+        """Held while the build (or a cached build's build for the simulator) holds its worker: runs
+        that take this build's outputs wait for it to end."""
+        ...
+
+    def wanted(self, artifact: str | None) -> list[tuple[list, list[str]]]:
+        """The runs still to make: all of them for a build made now (artifact None); for one taken
+        from the cache (its artifact's sha256), those no earlier build ran. [] where none is wanted
+        or the inputs are not known yet."""
+        ...
+
+    def made(self, artifact: str, outputs: list[list]) -> None:
+        """The outputs of each run wanted() gave last, in its order, for the artifact built."""
+        ...
 
 
 @dataclass
@@ -24,6 +46,7 @@ class ShardJob:
     figures_key: str | None = None            # its model's build_cache.structure_key: figures kept by it too
     recover: bool = True                      # a crash in a rule the log names is retried with it off
     disable_rules: list[str] = field(default_factory=list)   # the rules its build crashed in, turned off
+    runs: SampleRuns | None = None            # runs to make on the simulator where it builds (vendor targets)
 
     def built_from(self) -> dict[str, str]:
         """The sha256 of the files the build read and wrote ("onnx", "onnx.data" if any, "artifact"),

@@ -13,9 +13,13 @@ source; the chip's profile: the limits and peak rates `shard probe --target CHIP
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +33,7 @@ from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, p
 from shard.targets.rknn.memory import onnx_weight_bytes, shards_for_memory, worker_build_bytes
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.remote import worker_pool
-from shard.targets.rknn.simulate import ShardByShard
+from shard.targets.rknn.simulate import ShardByShard, runs_where_built
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_failure, build_request
 
 ONE_OP_TIMEOUT = 300.0   # seconds a pass's small build may take (the whole model's builds: --timeout)
@@ -146,26 +150,67 @@ class ToolkitBuilds:
         return result
 
     def _build_once(self, job: ShardJob, options: dict) -> ShardBuild:
+        """The job's build, from the cache where it was made before; where the job asks for runs
+        (job.runs: the fidelity check's), they are made in the worker that built it, right after."""
         key = self.store.key(job, options) if self.store else None
         result = self.store.get(job, key) if self.store else None
         if result is None:
-            with self.gate:
-                self.gate.wait_for(lambda: self.running < self.limit)
-                self.running += 1
-            try:
-                with self.pool.worker(memory=worker_build_bytes(onnx_weight_bytes(job.onnx))) as worker:
-                    result = build_shard(worker, job, options, self.timeout)
-            finally:
-                with self.gate:
-                    self.running -= 1
-                    self.gate.notify_all()
-            if job.artifact and result.error is None:
-                result.built_from = job.built_from()
+            with self.slot(job) as worker, job.runs.building() if job.runs else nullcontext():
+                result = build_shard(worker, job, options, self.timeout, keep=job.runs is not None)
+                if job.artifact and result.error is None:
+                    result.built_from = job.built_from()
+                # asked once built: the inputs may come from the shard before, built beside it
+                runs = job.runs.wanted(None) if job.runs and result.built_from.get("artifact") else []
+                outputs = self.run_where_built(worker, job, runs) if job.runs else None   # releases it
+                if outputs:
+                    job.runs.made(result.built_from["artifact"], outputs)
             if self.store:
                 self.store.put(job, key, result, self.store.figures_key(job, options))
-        elif job.artifact and result.error is None and not result.built_from:   # kept before builds recorded it
+            return result
+        if job.artifact and result.error is None and not result.built_from:   # kept before builds recorded it
             result.built_from = job.built_from()
+        self.cached_runs(job, options, result)
         return result
+
+    def cached_runs(self, job: ShardJob, options: dict, result: ShardBuild) -> None:
+        """The runs a cached build's job asks for that no earlier build ran: the simulator runs only what
+        its own process built, so the shard is built again for them (not exported)."""
+        artifact = result.built_from.get("artifact")
+        runs = job.runs.wanted(artifact) if job.runs and artifact and result.error is None else []
+        if not runs:
+            return
+        with self.slot(job) as worker, job.runs.building():
+            try:
+                answer = build_request(worker.request, job.onnx, job.log.with_suffix(".sim.log"), options,
+                                       keep=job.name, dataset=job.dataset or [], timeout=self.timeout)
+            except WorkerFailed:   # the check builds it again and says why
+                return
+            outputs = self.run_where_built(worker, job, runs) if answer["ok"] else None
+            if outputs:
+                job.runs.made(artifact, outputs)
+
+    @contextmanager
+    def slot(self, job: ShardJob) -> Iterator[ToolkitWorker]:
+        """A worker for the job's build, once fewer builds than the limit run (at_once)."""
+        with self.gate:
+            self.gate.wait_for(lambda: self.running < self.limit)
+            self.running += 1
+        try:
+            with self.pool.worker(memory=worker_build_bytes(onnx_weight_bytes(job.onnx))) as worker:
+                yield worker
+        finally:
+            with self.gate:
+                self.running -= 1
+                self.gate.notify_all()
+
+    def run_where_built(self, worker: ToolkitWorker, job: ShardJob, runs: list) -> list | None:
+        """The job's runs on the model its worker keeps (simulate.runs_where_built)."""
+        folder = Path(tempfile.mkdtemp(prefix=f"{job.name}-runs-", dir=job.log.parent))
+        try:
+            return runs_where_built(lambda **req: worker.request(**{"timeout": self.timeout, **req}), job.name,
+                                    runs, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def simulator(self) -> ShardByShard:
         """The simulator on these workers, one shard each at a time, as many at once as builds may run."""
@@ -195,9 +240,10 @@ class ToolkitBuilds:
             self.store.prune()
 
 
-def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: float) -> ShardBuild:
+def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: float, keep: bool = False) -> ShardBuild:
     """One vendor build and what its log says; `error` set if it failed, crashed, timed out, or logged
-    REGTASK errors (the caller decides whether that ends the compile)."""
+    REGTASK errors (the caller decides whether that ends the compile). keep: the built model stays in
+    the worker under the job's name, to run on the simulator (released by the caller)."""
     started = time.monotonic()
     job.log.write_text("")
     answer = {}   # the worker's, once it came: every result below carries the build's peak memory
@@ -205,8 +251,8 @@ def build_shard(worker: ToolkitWorker, job: ShardJob, build: dict, timeout: floa
         name=job.name, seconds=round(time.monotonic() - started, 2), diagnostics=diag, error=error,
         peak_bytes=answer.get("peak_bytes"))
     try:
-        answer = build_request(worker.request, job.onnx, job.log, build, job.artifact, dataset=job.dataset or [],
-                               timeout=timeout)
+        answer = build_request(worker.request, job.onnx, job.log, build, job.artifact, keep=job.name if keep else None,
+                               dataset=job.dataset or [], timeout=timeout)
     except WorkerFailed as exc:
         return done({}, f"{job.name}: the vendor build {exc}; log: {job.log}")
     parsed = parse_build_log(job.log.read_text(errors="replace"))

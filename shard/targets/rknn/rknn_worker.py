@@ -211,7 +211,9 @@ def do_infer(req):
 
 
 def do_release(req):
-    kept.pop(req["key"]).release()
+    rknn = kept.pop(req["key"], None)   # None: its build failed, so nothing was kept
+    if rknn is not None:
+        rknn.release()
     give_back_memory()   # a worker that ran a shard on the simulator holds nothing of it while idle
     return {}
 

@@ -53,22 +53,45 @@ def build_for_simulator(ask: Request, bundle: Path, manifest: Manifest, shard: S
 def run_on_simulator(ask: Request, shard: ShardSpec, inputs: dict[str, np.ndarray], folder: Path
                      ) -> dict[str, np.ndarray]:
     """One run of a shard the worker keeps, its arrays handed over as files in `folder`."""
-    work = Path(tempfile.mkdtemp(prefix=f"{shard.name}-", dir=folder))
-    arrays, formats = npu_inputs(shard, inputs)
+    return outputs_by_name(shard, run_kept(ask, shard.name, *npu_inputs(shard, inputs), folder))
+
+
+def run_kept(ask: Request, key: str, arrays: list[np.ndarray], formats: list[str], folder: Path
+             ) -> list[np.ndarray]:
+    """One run of the model a worker keeps under `key` on the arrays (executors.npu_inputs gives
+    them), handed over as files in `folder`: its outputs as the simulator gives them."""
+    work = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=folder))
     try:
-        outs = infer(ask, shard.name, arrays, work, folder / f"{shard.name}.run.log", formats)
+        return infer(ask, key, arrays, work, folder / f"{key}.run.log", formats)
     except RunError as exc:
-        raise RunError(f"{shard.name}: {exc}") from None
+        raise RunError(f"{key}: {exc}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return outputs_by_name(shard, outs)
+
+
+def runs_where_built(ask: Request, key: str, runs: list[tuple[list[np.ndarray], list[str]]], folder: Path
+                     ) -> list[list[np.ndarray]] | None:
+    """Each run of the model a worker keeps under `key` (built just now: shard.targets.SampleRuns), which
+    is then released; None where the simulator failed: a check of the bundle builds it again and says
+    why there."""
+    try:
+        outputs = [run_kept(ask, key, arrays, formats, folder) for arrays, formats in runs]
+    except RunError:
+        outputs = None
+    except WorkerFailed:   # it died or timed out: nothing is kept
+        return None
+    try:
+        ask(op="release", key=key)
+    except WorkerFailed:   # it died since: nothing is kept
+        pass
+    return outputs
 
 
 class ShardByShard:
     """At most `workers` toolkit workers, each holding one shard built for the simulator at a time:
 
         with simulator.loaded(bundle, manifest, shard) as run:
-            outputs = run(inputs)
+            outputs = run(*npu_inputs(shard, inputs))   # as the simulator gives them (run_kept)
     """
 
     backend = "sim"   # the runtime's name for what runs them (shard.runtime.frame_inputs)
@@ -88,7 +111,7 @@ class ShardByShard:
             ask = asking(worker.request, shard, self.timeout)
             build_for_simulator(ask, bundle, manifest, shard, self.folder / f"{shard.name}.build.log", self.timeout)
             try:
-                yield lambda inputs: run_on_simulator(ask, shard, inputs, self.folder)
+                yield lambda arrays, formats: run_kept(ask, shard.name, arrays, formats, self.folder)
             finally:
                 ask(op="release", key=shard.name)
 

@@ -104,6 +104,7 @@ class ToolkitWorker:
             self.kill()
             raise WorkerFailed(f"timed out (no answer within {timeout:g} s; killed)", self.log, timed_out=True) from None
         if line is None:
+            self._answers.put(None)   # said again for the next request, which would wait for ever
             code = self.proc.wait()
             how = f"exited with code {code}" if code is not None else "ended: its log says how"
             raise WorkerFailed(f"died (the toolkit process {how})", self.log)
