@@ -190,7 +190,7 @@ def digest(run: Run) -> str:
     for array in arrays:
         array = np.ascontiguousarray(array)
         h.update(json.dumps([array.dtype.str, list(array.shape)]).encode())
-        h.update(memoryview(array).cast("B"))
+        h.update(array.reshape(-1).view(np.uint8))
     return h.hexdigest()
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import AbstractContextManager
 from typing import Callable, Protocol
 
 from shard.bundle import file_record
