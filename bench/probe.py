@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shard.targets.rknn import CHIPS  # noqa: E402
+from shard.targets.chips import CHIPS  # noqa: E402
 
 
 def probe(target: str, families: str | None, jobs: int, cache: Path, out: Path) -> tuple[float, int]:

@@ -25,7 +25,6 @@ from shard.macs import estimate_macs
 from shard.passes.partition import ShardPlan
 from shard.runtime.host import step_inputs, step_outputs
 from shard.targets.chips import Handoff
-from shard.targets.rknn.memory import build_bytes, shards_for_memory
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a
 # build that returned 0 ("Unkown op target: 0") come last: the vendor's own DPT build logs 4 and runs.
@@ -160,7 +159,7 @@ def available_bytes() -> int | None:
     return None
 
 
-def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = None, jobs: int = 2,
+def whole_build_fits(model: onnx.ModelProto, how: str, tgt, available: int | None = None, jobs: int = 2,
                      cores: int | None = None, quantized: bool = False) -> tuple[bool, str]:
     """Is the vendor alone built as the whole model (True) or shard by shard, from the builds of each
     shard without its rewrites (False)? `how`: whole, shards, or auto: whole where its predicted peak
@@ -169,16 +168,16 @@ def whole_build_fits(model: onnx.ModelProto, how: str, available: int | None = N
     free for it beside the compile's `jobs` builds, or the model is not large (no shards take less
     memory than its whole build: shards_for_memory; it builds in seconds to a few tens of them), or
     the compile quantizes (its fidelity against the vendor's own quantized build is the comparison
-    that matters, and needs the whole). With why."""
+    that matters, and needs the whole). The memory as the target `tgt` predicts it. With why."""
     if how != "auto":
         return how == "whole", f"--vendor-alone {how}"
     weights = weight_bytes(model)
-    need, have = build_bytes(weights), available_bytes() if available is None else available
+    need, have = tgt.build_bytes(weights), available_bytes() if available is None else available
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
     gb = f"the whole model's build predicted at {need / 1e9:.1f} GB"
     if have is not None and need > have / 2:
         return False, f"{gb}, more than half of the {have / 1e9:.1f} GB available"
-    if cores <= jobs and shards_for_memory(weights, jobs) and not quantized:
+    if cores <= jobs and tgt.shards_for_memory(weights, jobs) and not quantized:
         return False, (f"{cores} cores for --jobs {jobs}, a large model's shard builds: the whole build of "
                        f"{weights / 1e6:.0f} MB of weights would add its own time to the compile's")
     return True, gb + ("" if have is None else f", {have / 1e9:.1f} GB available") + f", {cores} cores"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "shard"
 
@@ -119,3 +121,22 @@ def test_no_function_is_over_80_lines():
             for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
     assert not long, "\n".join(long)
+
+
+@pytest.mark.toolkit
+def test_the_rknn_executors_import_where_only_numpy_and_the_toolkit_are():
+    """The runtime's simulator and board executors import in the toolkit's own environment, whose
+    numpy and onnx are the toolkit's pins and which holds none of the compiler's libraries; nothing
+    of the compiler comes with them (an import of shard.targets.rknn's package once brought the passes)."""
+    from shard.targets.rknn.env import find_python
+
+    code = (f"import sys; sys.path.insert(0, {str(ROOT.parent)!r}); "
+            "import shard.runtime.executors.rknn_sim, shard.runtime.executors.rknn_board; "
+            "print(' '.join(sorted(sys.modules)))")
+    run = subprocess.run([str(find_python("rk3588")), "-I", "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    modules = set(run.stdout.split())
+    assert "shard.runtime.executors.rknn_sim" in modules
+    compiler = {"onnx_graphsurgeon", "networkx", "onnxruntime", "torch", "shard.passes", "shard.compilation",
+                "shard.targets.rknn.target"}
+    assert not modules & compiler, sorted(modules & compiler)

@@ -116,27 +116,28 @@ def test_the_worst_comparison_is_the_lowest_cosine_and_a_nan_before_any():
 
 def test_the_vendor_alone_is_built_whole_where_it_fits_and_does_not_double_the_compile():
     from shard.never_worse import weight_bytes, whole_build_fits
-    from shard.targets.rknn.memory import build_bytes
+    from shard.targets.registry import get_target
 
-    predicted_build_bytes = lambda model: build_bytes(weight_bytes(model))  # noqa: E731
+    rk = get_target("rk3588")
+    predicted_build_bytes = lambda model: rk.build_bytes(weight_bytes(model))  # noqa: E731
 
     model = mlp_chain(2, width=64)   # 2 x 2 x 64 x 128 float weights: 131 kB
     need = predicted_build_bytes(model)
     assert need == int(0.34e9 + 6.1 * 4 * 2 * 2 * 64 * 128)
-    assert whole_build_fits(model, "auto", available=2 * need, jobs=2, cores=3)[0]
-    fits, why = whole_build_fits(model, "auto", available=2 * need - 1, jobs=2, cores=3)
+    assert whole_build_fits(model, "auto", rk, available=2 * need, jobs=2, cores=3)[0]
+    fits, why = whole_build_fits(model, "auto", rk, available=2 * need - 1, jobs=2, cores=3)
     assert not fits and "more than half of the 0.7 GB available" in why
-    assert whole_build_fits(model, "auto", available=2 * need, jobs=2, cores=2)[0]   # small: seconds to build
+    assert whole_build_fits(model, "auto", rk, available=2 * need, jobs=2, cores=2)[0]   # small: seconds to build
     # 419 MB of weights, every core building shards: the whole build would add its time to the compile's.
     weight = numpy_helper.from_array(np.zeros((10240, 10240), np.float32), "w")
     large = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [("x", [1, 10240])], [("y", [1, 10240])], [weight])
     room = 2 * predicted_build_bytes(large)
-    fits, why = whole_build_fits(large, "auto", available=room, jobs=2, cores=2)
+    fits, why = whole_build_fits(large, "auto", rk, available=room, jobs=2, cores=2)
     assert not fits and why.startswith("2 cores for --jobs 2, a large model's shard builds: the whole build of 419 MB")
-    assert whole_build_fits(large, "auto", available=room, jobs=1, cores=2)[0]
-    assert whole_build_fits(large, "auto", available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
-    assert whole_build_fits(model, "whole", available=0, cores=1) == (True, "--vendor-alone whole")
-    assert whole_build_fits(model, "shards", available=10**12, cores=64) == (False, "--vendor-alone shards")
+    assert whole_build_fits(large, "auto", rk, available=room, jobs=1, cores=2)[0]
+    assert whole_build_fits(large, "auto", rk, available=room, jobs=2, cores=2, quantized=True)[0]   # fidelity needs it
+    assert whole_build_fits(model, "whole", rk, available=0, cores=1) == (True, "--vendor-alone whole")
+    assert whole_build_fits(model, "shards", rk, available=10**12, cores=64) == (False, "--vendor-alone shards")
 
 
 def test_shards_joined_by_an_edge_held_scaled_keep_the_same_version():

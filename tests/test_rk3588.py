@@ -134,7 +134,7 @@ def test_a_worker_killed_mid_build_leaves_no_scratch(save, tmp_path):
     import threading
     import time
 
-    from shard.targets.rknn import RknnTarget
+    from shard.targets.rknn.target import RknnTarget
     from shard.targets.rknn.env import find_python
     from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed
 
@@ -175,7 +175,7 @@ def test_a_forked_worker_shares_the_toolkit_import_builds_apart_and_ends_on_its_
     import threading
     from pathlib import Path
 
-    from shard.targets.rknn import RknnTarget
+    from shard.targets.rknn.target import RknnTarget
     from shard.targets.rknn.env import find_python
     from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed
 
@@ -325,7 +325,7 @@ def test_each_build_log_holds_its_own_layer_table(tmp_path):
     import onnx
 
     from shard.probes.families import FAMILIES
-    from shard.targets.rknn import RknnTarget
+    from shard.targets.rknn.target import RknnTarget
     from shard.targets.rknn.log import parse_build_log
     from shard.targets.rknn.env import find_python
     from shard.targets.rknn.worker import ToolkitWorker

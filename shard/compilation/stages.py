@@ -113,7 +113,7 @@ def load(c: Compilation) -> None:
     # --check-fidelity asks for the whole model's check: the vendor alone built whole, unless told otherwise.
     how = "whole" if options.vendor_only or options.check_fidelity and options.vendor_alone == "auto" \
         else options.vendor_alone
-    whole, c.why = whole_build_fits(c.proto, how, jobs=options.jobs, quantized=c.quantized) \
+    whole, c.why = whole_build_fits(c.proto, how, c.tgt, jobs=options.jobs, quantized=c.quantized) \
         if against_vendor else (False, "")
     c.per_shard = against_vendor and not whole   # the vendor alone from the shards' unrewritten builds
     c.whole = against_vendor and whole

@@ -22,7 +22,7 @@ from shard.probes.handoff import measure_handoff
 from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
 from shard.targets.chips import CHIPS, chip_facts
-from shard.targets.rknn import RknnTarget
+from shard.targets.rknn.target import RknnTarget
 
 DEFAULT_SLOW_FACTOR = 4.0
 BUILD_TIMEOUT_S = 300.0

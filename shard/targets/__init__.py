@@ -116,6 +116,11 @@ class Target:
         on the CPU, with that layout's shape (shard.edges). None here: any shape runs as it is."""
         return {}, {}
 
+    def build_bytes(self, weight_bytes: int) -> int:
+        """The peak memory of one vendor build of a model holding `weight_bytes` of weights; 0 where
+        nothing is built here."""
+        return 0
+
     def shards_for_memory(self, weight_bytes: int, jobs: int) -> int:
         """The fewest shards whose builds, `jobs` at once, fit in memory beside the compile; 0 where a
         build's memory does not grow with its weights (nothing is built here)."""

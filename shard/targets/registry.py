@@ -7,7 +7,7 @@ from shard.targets import Target
 from shard.targets.chips import CHIPS, GPU_TARGETS
 from shard.targets.cpu import CpuTarget
 from shard.targets.gpu import GpuTarget
-from shard.targets.rknn import RknnTarget
+from shard.targets.rknn.target import RknnTarget
 
 
 def get_target(name: str) -> Target:

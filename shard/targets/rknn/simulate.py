@@ -97,7 +97,7 @@ class ShardByShard:
     backend = "sim"   # the runtime's name for what runs them (shard.runtime.frame_inputs)
 
     def __init__(self, chip: str, workers: int, timeout: float = 1800.0, pool=None):
-        """`pool`: the compile's own toolkit workers (shard.targets.rknn.ToolkitBuilds), which have
+        """`pool`: the compile's own toolkit workers (shard.targets.rknn.target.ToolkitBuilds), which have
         the toolkit loaded already; else `workers` of its own, started on first use."""
         self.folder = scratch.folder("sim")
         self.timeout, self.workers = timeout, workers
