@@ -216,6 +216,12 @@ def tensor_spec(tensor: gs.Variable) -> TensorSpec:
     return TensorSpec(name=tensor.name, shape=[int(d) for d in tensor.shape], dtype=dtype_name(tensor.dtype))
 
 
+def value_spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    """A model's input or output as the bundle records it (a dimension without a value as 0)."""
+    return TensorSpec(value.name, [d.dim_value for d in value.type.tensor_type.shape.dim],
+                      dtype_name(value.type.tensor_type.elem_type))
+
+
 def small_model(nodes: list, inputs: list[tuple], outputs: list[tuple],
                 inits: list[tuple[str, np.ndarray]] = ()) -> onnx.ModelProto:
     """A model of a few onnx.helper nodes at opset 17 and an IR version the toolkit's onnx reads:

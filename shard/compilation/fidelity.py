@@ -36,7 +36,7 @@ from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.cache_folder import entry_file, store_entry
 from shard.compare import Comparison, worst_of
 from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
-from shard.graph import dtype_name, give_back_freed, tensor_spec
+from shard.graph import give_back_freed, tensor_spec, value_spec
 from shard.runtime import frame_inputs
 from shard.runtime.executors import npu_inputs, outputs_by_name
 from shard.runtime.host import load_tables, run_host
@@ -197,8 +197,8 @@ def digest(run: Run) -> str:
 class Runs:
     """Shards' outputs on the simulator by what decides them: the build, by its artifact's sha256 (the
     toolkit writes uninitialised memory into each .rknn, so no two builds share one), and what it was
-    fed (digest). Kept in a cache folder (`root`), or for this compile only (None); `salt`: the target
-    and its toolkit."""
+    fed (digest). Kept for this compile in memory and, where given, in a cache folder (`root`) for the
+    next; `salt`: the target and its toolkit."""
 
     def __init__(self, root: Path | None, salt: str):
         self.root, self.salt = root, salt
@@ -212,8 +212,10 @@ class Runs:
         return "r" + hashlib.sha256(json.dumps([self.salt, artifact, fed]).encode()).hexdigest()
 
     def get(self, key: str | None) -> list[np.ndarray] | None:
-        if key is None or self.root is None:
-            return self.here.get(key) if key else None
+        if key is None:
+            return None
+        if key in self.here or self.root is None:   # made in this compile: not read back from its file
+            return self.here.get(key)
         found = entry_file(self.root, key, "outputs.npz")   # marks it used
         if found is None:
             return None
@@ -226,9 +228,8 @@ class Runs:
     def put(self, key: str | None, outputs: list[np.ndarray]) -> None:
         if key is None:
             return
-        if self.root is None:
-            self.here[key] = outputs
-        else:
+        self.here[key] = outputs   # the arrays the frames hold already: no copy
+        if self.root is not None:
             store_entry(self.root, key, lambda staging: np.savez(staging / "outputs.npz", *outputs))
 
 
@@ -278,10 +279,8 @@ class Chains:
     def whole(self, graph: onnx.GraphProto) -> BuildRuns:
         """The runs of the vendor alone's build of the whole model (`graph`, its input shapes fixed)."""
         weights = {t.name for t in graph.initializer}
-        spec = lambda v: TensorSpec(v.name, [d.dim_value for d in v.type.tensor_type.shape.dim],  # noqa: E731
-                                    dtype_name(v.type.tensor_type.elem_type))
-        return self.of(VENDOR_ALONE, [spec(v) for v in graph.input if v.name not in weights],
-                       [spec(v) for v in graph.output], ("whole",))
+        return self.of(VENDOR_ALONE, [value_spec(v) for v in graph.input if v.name not in weights],
+                       [value_spec(v) for v in graph.output], ("whole",))
 
     def of(self, name: str, inputs: list[TensorSpec], outputs: list[TensorSpec], on: tuple[str, ...]) -> BuildRuns:
         """The runs of a build of a shard with these inputs and outputs, on the chains `on`."""

@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnx
 
-from shard.bundle import TensorSpec, read_manifest
+from shard.bundle import read_manifest
 from shard.calibration import compile_samples
 from shard.compilation.choice import simulator_cosine, simulator_cosines
 from shard.compilation.stages import compile_one
 from shard.compilation.staging import replace_dir, staging_folder
 from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
-from shard.graph import fix_input_values, load_model
+from shard.graph import fix_input_values, load_model, value_spec
 from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions
 from shard.precision import next_count
@@ -70,9 +69,7 @@ def mixed_samples(model: Path, options: CompileOptions) -> tuple[list[dict], str
     fix_input_shapes(proto, options.input_shapes)
     fix_input_values(proto, options.input_values)
     weights = {t.name for t in proto.graph.initializer}
-    specs = [TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim],
-                        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name)
-             for i in proto.graph.input if i.name not in weights]
+    specs = [value_spec(i) for i in proto.graph.input if i.name not in weights]
     del proto
     return compile_samples(replace(options, precision="int8"), specs)
 

@@ -98,12 +98,10 @@ def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[st
 def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[list[str]]:
     """Seeded calibration samples for a quantized probe build (shard.calibration's random samples of
     the model's inputs): per sample, one .npy per input."""
-    from shard.bundle import TensorSpec
     from shard.calibration import random_samples
+    from shard.graph import value_spec
 
-    specs = [TensorSpec(i.name, [d.dim_value for d in i.type.tensor_type.shape.dim],
-                        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name)
-             for i in model.graph.input]
+    specs = [value_spec(i) for i in model.graph.input]
     paths = []
     for k, sample in enumerate(in_domain(model, random_samples(specs, count))):
         paths.append([])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -196,13 +194,10 @@ class ToolkitBuilds:
                 self.gate.notify_all()
 
     def run_where_built(self, worker: ToolkitWorker, job: ShardJob, runs: list) -> list | None:
-        """The job's runs on the model its worker keeps (simulate.runs_where_built)."""
-        folder = Path(tempfile.mkdtemp(prefix=f"{job.name}-runs-", dir=job.log.parent))
-        try:
-            return runs_where_built(lambda **req: worker.request(**{"timeout": self.timeout, **req}), job.name,
-                                    runs, folder)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        """The job's runs on the model its worker keeps (simulate.runs_where_built), their files and
+        log beside its build log."""
+        return runs_where_built(lambda **req: worker.request(**{"timeout": self.timeout, **req}), job.name,
+                                runs, job.log.parent)
 
     def simulator(self) -> ShardByShard:
         """The simulator on these workers, one shard each at a time, as many at once as builds may run."""
