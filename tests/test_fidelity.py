@@ -13,7 +13,8 @@ from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.calibration import random_samples
 from shard.compilation.choice import simulator_worst
 from shard.compilation.state import FIDELITY_SAMPLES
-from shard.compilation.fidelity import Runs, Side, composed_worst, digest, groups, reference_outputs, run_in_order
+from shard.compilation.fidelity import (Chains, Runs, Side, composed_worst, digest, groups, reference_outputs,
+                                        run_in_order)
 from shard.errors import RunError
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
@@ -98,6 +99,27 @@ def test_shard_runs_kept_in_the_cache_build_nothing_the_next_time(bundle, tmp_pa
     assert len({runs.key("a", fed), runs.key("b", fed), runs.key("a", digest(([samples[1]["x"]], ["nchw"]))),
                 Runs(None, "rk3588 other").key("a", fed)}) == 4
     assert runs.key(None, fed) is None   # no artifact to name the build by: nothing kept
+
+
+def test_the_whole_builds_runs_are_kept_where_the_models_outputs_have_no_shape():
+    # a model with a dynamic axis: after its inputs are fixed, its outputs still have none (and a
+    # decoder's may have no rank); the run is kept as the simulator gave it, for its bundle's shapes
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 16, 128])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "seq", 128])
+    z = onnx.helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)
+    relus = [onnx.helper.make_node("Relu", ["x"], [out]) for out in ("y", "z")]
+    graph = onnx.helper.make_graph(relus, "g", [x], [y, z])
+    chains = Chains(Runs(None, ""))
+    whole = chains.whole(graph)
+    sample = {"x": np.ones((1, 16, 128), np.float32)}
+    chains.start([sample], [], {})
+    with whole.building():
+        fed = whole.wanted("artifact")
+        assert len(fed) == 1
+        made = [np.ones(2048, np.float32), np.ones(97, np.float32)]
+        whole.made("artifact", [made])
+    kept = chains.runs.get(chains.runs.key("artifact", digest(fed[0])))
+    assert [a.shape for a in kept] == [(2048,), (97,)]
 
 
 @pytest.mark.toolkit
