@@ -515,6 +515,8 @@ def generate_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the prompt's and the answer's token ids, "
                                                                  "the text and every step's time here."),
     force: bool = typer.Option(False, "--force", help="Replace the --json file if one is there."),
+    hand_cache: bool = typer.Option(False, "--hand-cache", help="board: hand the cache to rknn-toolkit-lite2 every "
+                                                                "step rather than hold it in NPU memory."),
 ) -> None:
     """Generate text with a decoder's bundle: the prompt in chunks, then a token a step, streamed."""
     from shard.runtime.generate import GenerativeSession, is_generative
@@ -531,7 +533,7 @@ def generate_command(
         raise ShardError(f"{bundle} is not a generative bundle (compile a decoder: a GGUF file or a transformers "
                          f"folder); run it with `shard run`")
     given = prompt if ids is None else parse_ids(ids)
-    with GenerativeSession(bundle, backend=backend, timeout=timeout) as session:
+    with GenerativeSession(bundle, backend=backend, timeout=timeout, held=not hand_cache) as session:
         show = (lambda text: print(text, end="", flush=True)) if prompt is not None else None
         out = session.generate(given, max_new_tokens, chat, temperature, top_p, seed, images=image or None,
                                on_text=show)

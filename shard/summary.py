@@ -561,6 +561,11 @@ class SpeedRow:
     image_squares: int | None = None
     cores: int | None = None
     published: Published | None = None
+    held_prefill_128_ms: float | None = None      # the cache held where the NPU reads it (rknn_held)
+    held_decode_tokens_per_s: float | None = None
+    held_handoff_ms: float | None = None
+    held_write_ms: float | None = None
+    held_source: str | None = None
 
     @classmethod
     def of(cls, row: dict, where: str) -> SpeedRow:
@@ -591,6 +596,10 @@ def speed_table(rows: list[SpeedRow]) -> Table:
                       figure(r.decode_tokens_per_s),
                       *([figure(r.decode_handoff_ms), figure(r.decode_npu_tokens_per_s)] if moves else []),
                       escape(bound))
+        if r.held_decode_tokens_per_s is not None:
+            table.add_row("shard, the cache held where the NPU reads it", str(r.capacity),
+                          *([""] if vision else []), figure(r.held_prefill_128_ms, 1), figure(r.held_decode_tokens_per_s),
+                          *([figure(held_ms(r)), ""] if moves else []), "")
     published = rows[0].published if rows else None
     if published is not None:
         table.add_row(escape(published.label), "", *([figure(published.vision_ms, 0)] if vision else []),
@@ -599,12 +608,23 @@ def speed_table(rows: list[SpeedRow]) -> Table:
     return table
 
 
+def held_ms(r: SpeedRow) -> float | None:
+    """Of a token with the cache held: the hand-offs and the host's writes of its new rows."""
+    parts = (r.held_handoff_ms, r.held_write_ms)
+    return None if None in parts else round(sum(parts), 3)
+
+
 def speed_lines(rows: list[SpeedRow]) -> list[str]:
     """What the speed table's figures hold, and what --one-step would give."""
     lines = []
     if any(r.decode_handoff_ms is not None for r in rows):
         lines.append("hand-offs: each step's inputs, the whole cache among them, set on the host through the board's "
                      "runtime every token (rates in each program's report.json: predicted.handoff_source)")
+    held = next((r for r in rows if r.held_decode_tokens_per_s is not None), None)
+    if held is not None:
+        lines.append(f"the cache held (shard generate --backend board, every step fp16): of a token, "
+                     f"{held.held_handoff_ms} ms hand-offs of the other inputs and the outputs, {held.held_write_ms} ms "
+                     f"writing the new keys and values; from {held.held_source}")
     one = [r for r in rows if (r.one_step_tokens_per_s or 0) > (r.decode_tokens_per_s or 0)]
     if one:
         lines.append(f"--one-step: the answer's tokens through the prompt's step would decode at "

@@ -23,9 +23,12 @@ from shard.compilation.staging import check_options, check_output_path, replace_
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
+from shard.bundle import read_manifest
+from shard.profile import load_profile
 from shard.runtime.generate import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
-                                    refuse_custom_code)
-from shard.targets.chips import CHIPS, GPU_TARGETS
+                                    refuse_custom_code, time_row_writes)
+from shard.runtime.scheduler import predict_stream
+from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
@@ -136,7 +139,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
                               capacity=capacities[-1], vocab=decoder.vocab, programs=programs, stop=decoder.stop,
                               source=checkpoint_record(source), files=record_files(staging),
                               vision=decoder.vision[0] if decoder.vision else None)
-        predicted = predict(spec, reports, decoder.weight_bytes, target, staging)
+        handoff = board_handoff(target, load_profile(target, options.profile).facts)
+        predicted = predict(spec, reports, decoder.weight_bytes, target, staging, handoff)
         (staging / GENERATIVE).write_text(spec.to_json())
         (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
         replace_dir(staging, output)
@@ -222,19 +226,20 @@ def vision_time(vision: dict, predicted: dict, bundle: Path | None) -> dict:
 
 
 def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, target: str,
-            bundle: Path | None = None) -> list[dict]:
+            bundle: Path | None = None, rates: Handoff | None = None) -> list[dict]:
     """Per cache capacity: prefill time for PREFILL_TOKENS and decode tokens/s from the vendor's cycle
     estimates and the board's hand-offs (each program's predicted latency: the sum of its shards',
     writer.npu_prediction; the NPU's share of a decode step apart) and, for decode, from DRAM
     bandwidth (the fp16 weights and the whole cache read once a token: decode at batch 1 is bound by
     it; decode_over_bound compares the NPU's share with it); a VLM's vision time a square and, where
     an image splits into several, for the most squares pipelined over the cores (the vision program
-    in `bundle`)."""
+    in `bundle`); and, on a board whose hand-off is known (`rates`), the same with the cache held
+    where the NPU reads it (held_speed)."""
     chip = CHIPS.get(target)
     seen = vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle) if "vision" in reports else {}
     rows = []
     for capacity in spec.capacities:
-        steps = {p.width: reports[p.name].get("predicted") or {} for p in spec.programs if p.capacity == capacity}
+        steps = {w: reports[p.name].get("predicted") or {} for w, p in widths(spec, capacity).items()}
         prompt_step = steps[max(steps)]
         decode_step = steps.get(1, prompt_step)   # --one-step: the answer's tokens through the prompt's step
         prefill, decode = prompt_step.get("latency_s"), decode_step.get("latency_s")
@@ -256,8 +261,44 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
             # the step's inputs (the whole cache) set on the host every token: the NPU alone beside it
             row.update(decode_handoff_ms=round(1e3 * handoff, 2),
                        decode_npu_tokens_per_s=round(1 / (decode - handoff), 1))
+        if rates and bundle is not None:
+            row.update(held_speed(spec, capacity, {w: (p, steps[w]) for w, p in widths(spec, capacity).items()},
+                                  rates, bundle))
         row.update(seen)   # the vision program's times: the same for every capacity
         if chip is not None and chip.decoder_figures:
             row["published"] = chip.decoder_figures
         rows.append(row)
     return rows
+
+
+def widths(spec: GenerativeSpec, capacity: int) -> dict[int, Program]:
+    """The programs of one cache capacity, by step width."""
+    return {p.width: p for p in spec.programs if p.capacity == capacity}
+
+
+def held_speed(spec: GenerativeSpec, capacity: int, steps: dict[int, tuple[Program, dict]], handoff: Handoff,
+               bundle: Path) -> dict:
+    """Prefill and decode with the cache held in NPU memory (shard.runtime.executors.rknn_held), where
+    every shard is fp16: each shard the NPU's time and the hand-off of its other inputs and of its
+    outputs (the logits, the new keys and values), and the host's writes of the new keys and values
+    into the held cache (time_row_writes: measured on the compiling machine's CPU, taken as the
+    board's). {} where a program has no NPU time or a shard is not fp16."""
+    held = {f"past_{kind}.{i}" for i in range(spec.layers) for kind in ("key", "value")}
+    times = {}
+    for width, (program, predicted) in steps.items():
+        shards = read_manifest(bundle / program.name).shards
+        npu = predicted.get("npu_seconds")
+        if not npu or any(shard.precision != "fp16" for shard in shards):
+            return {}
+        moves = [handoff.between([t for t in shard.inputs if t.name not in held], shard.outputs) for shard in shards]
+        write = time_row_writes(spec.layers, spec.kv_heads, spec.head_dim, capacity, width)
+        step = predict_stream(shards, [a + b for a, b in zip(npu, moves)], [0])[0] + write
+        times[width] = (step, sum(moves), write)
+    prompt = times[max(times)]
+    decode = times.get(1, prompt)
+    return {"held_prefill_128_ms": round(1e3 * prompt[0] * math.ceil(PREFILL_TOKENS / spec.chunk), 2),
+            "held_decode_tokens_per_s": round(1 / decode[0], 1), "held_handoff_ms": round(1e3 * decode[1], 2),
+            "held_write_ms": round(1e3 * decode[2], 3),
+            "held_source": "each shard's vendor cycle estimate; the hand-off of its inputs but the cache, and of its "
+                           f"outputs ({handoff.source}); the new keys and values written into the held cache by the "
+                           "host: measured on the compiling machine's CPU (time_row_writes), assumed the board's"}

@@ -138,13 +138,14 @@ class Session:
 
     def input_buffers(self) -> dict:
         """{input: the fixed buffer a GPU stage reads it from} for each bundle input that one stage alone
-        reads: a caller that writes there and hands the buffer itself over as the input spares the
-        copy (a decoder's cache, kept in the decode step's own buffers: shard.runtime.generate).
-        Empty on the other backends."""
+        reads, and on the board each input held in NPU memory (OnDevice.held): a caller that writes
+        there and hands the buffer itself over as the input spares the copy (a decoder's cache, kept
+        in the decode step's own buffers: shard.runtime.generate). Empty on the other backends."""
         graph_inputs = {t.name: t for t in self.manifest.inputs}
         readers = collections.Counter(t.name for shard in self.manifest.shards for t in shard.inputs)
         found = {}
         for executor in {id(e): e for e in self.executors.values()}.values():
+            found.update(getattr(executor, "held_views", dict)())
             for shard in self.manifest.shards:
                 prepared = getattr(executor, "prepared", {}).get(shard.name)
                 for buffer, spec in zip(prepared.inputs if prepared else [], shard.inputs):

@@ -45,6 +45,7 @@ import numpy as np
 from shard.bundle import read_versioned, sealed_digest
 from shard.errors import BundleError, RunError, ShardError
 from shard.runtime.executors import held_nhwc, to_host
+from shard.runtime.executors.rknn_held import Held, native_view
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
@@ -113,6 +114,24 @@ class Cache:
         if wrote:
             settle(self.keys[0])
         self.length = end
+
+
+def time_row_writes(layers: int, kv_heads: int, head_dim: int, capacity: int, width: int, c2: int = 8,
+                    runs: int = 30) -> float:
+    """The median seconds Cache.write takes to write one step's new keys and values (`width` tokens,
+    float32 as a step gives them) into a cache held in the NPU's layout (rknn_held.native_view over
+    NC1HWC2 memory with `c2` channels a block), on this machine's CPU."""
+    memory = [np.zeros(capacity * head_dim * c2, np.float16) for _ in range(2 * layers)]
+    views = [native_view(m, [1, 1, capacity, head_dim, c2], [1, kv_heads, capacity, head_dim]) for m in memory]
+    rows = np.ones((1, kv_heads, width, head_dim), np.float32)
+    outputs = {f"{kind}.{i}": rows for i in range(layers) for kind in ("key", "value")}
+    seconds = []
+    for _ in range(runs):
+        cache = Cache(views[:layers], views[layers:], length=capacity - width)
+        started = time.perf_counter()
+        cache.write(outputs, width)
+        seconds.append(time.perf_counter() - started)
+    return float(np.median(seconds))
 
 
 IN_PLACE = "written into the cache by the step itself"   # an output the step's graph wrote (Session.written)
@@ -469,9 +488,11 @@ class GenerativeSession:
     on the GPU where the programs run there (a GPU backend: each step reads the cache in place, its new
     keys and values stay there, and only its logits cross to the host; a decode step whose stage
     holds the cache writes its new entries there inside its own CUDA graph, unless `in_place` is
-    False)."""
+    False); on the board, where every step is fp16, held in NPU memory that every step reads in place
+    and the host writes only new rows into (rknn_held), unless `held` is False (rknn-toolkit-lite2,
+    handed the whole cache every step)."""
 
-    def __init__(self, bundle: str | Path, in_place: bool = True, **session_args):
+    def __init__(self, bundle: str | Path, in_place: bool = True, held: bool = True, **session_args):
         from shard.bundle import read_manifest
         from shard.runtime import STAGE_BACKENDS, OnDevice, Session, default_backend
 
@@ -479,14 +500,19 @@ class GenerativeSession:
         self.spec = read_generative(self.bundle)
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         self.vision = None
-        first = self.bundle / self.spec.programs[0].name
-        backend = session_args.get("backend") or default_backend(read_manifest(first))
+        manifests = [read_manifest(self.bundle / program.name) for program in self.spec.programs]
+        backend = session_args.get("backend") or default_backend(manifests[0])
         self.device = "cuda" if backend in STAGE_BACKENDS else None   # where the cache lives
         entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
         writes = {name: (f"past_{name}", "position_ids") for name in entries} if in_place else {}
+        # on the board, an fp16 cache held in NPU memory that every step reads in place (rknn_held)
+        self.halves = all(shard.precision == "fp16" for m in manifests for shard in m.shards)
+        self.held = OnDevice(held=frozenset(f"past_{name}" for name in entries), memory=Held()) \
+            if held and backend == "board" and self.halves else None
         try:
             for program in self.spec.programs:   # a decode step writes at its one position, inside the cache
-                kept = OnDevice(entries, writes if program.width == 1 else {}) if self.device else OnDevice()
+                kept = OnDevice(entries, writes if program.width == 1 else {}) if self.device else \
+                    self.held or OnDevice()
                 self.sessions[program.width, program.capacity] = Session(self.bundle / program.name, **session_args,
                                                                          on_device=kept)
             self.vision = Session(self.bundle / self.spec.vision["program"], **session_args) if self.spec.vision else None
@@ -512,26 +538,26 @@ class GenerativeSession:
         return outputs
 
     def cache(self) -> Cache:
-        """An empty cache where the steps read it: on the GPU, the decode step's own input buffers; for
-        the board's runtime, in numpy as it takes a 4-D input (NHWC memory, handed over with no
-        transpose: executors.npu_inputs), and in float16 where every step is built in fp16 (the NPU
+        """An empty cache where the steps read it: on the GPU, the decode step's own input buffers; on
+        the board, fp16 steps read it held in NPU memory in the NPU's layout (`held`: each step writes
+        only its new rows there); else for the board's runtime, in numpy as it takes a 4-D input (NHWC
+        memory, handed over with no transpose: executors.npu_inputs), and in float16 where every step is built in fp16 (the NPU
         reads the cache as fp16 whatever it is handed, and its new entries come back as fp16 numbers:
         the same logits, half the bytes a step hands over); else float32 in ONNX's layout (on the
         simulator the held form measured no faster: bench/cache_handoff.py)."""
         s = self.spec
-        if self.device:   # the decode step's own input buffers, which it reads without a copy
+        if self.device or self.held:   # the decode step's own input buffers, which it reads without a copy
             keys, values = self.stored(s.capacities[0])
             return Cache(keys, values, buckets=tuple(s.capacities[1:]), storage=self.stored)
         board = self.backend == "board"
-        halves = board and all(shard.precision == "fp16" for session in self.sessions.values()
-                               for shard in session.manifest.shards)
-        return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, np.float16 if halves else np.float32,
-                           buckets=tuple(s.capacities[1:]), nhwc=board)
+        return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim,
+                           np.float16 if board and self.halves else np.float32, buckets=tuple(s.capacities[1:]),
+                           nhwc=board)
 
     def stored(self, capacity: int) -> tuple[list, list]:
         """The keys and values of a cache of `capacity` on the GPU: each the decode step's own input
         buffer where one stage alone reads it (Session.input_buffers: where it writes its new entry
-        in place), else a new tensor."""
+        in place), else a new tensor; on the board, its NPU memory (every step binds the same)."""
         s = self.spec
         buffers = self.sessions[s.decode_width, capacity].input_buffers()
         shape = (1, s.kv_heads, capacity, s.head_dim)

@@ -27,14 +27,17 @@ NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32
 
 @dataclass(frozen=True)
 class OnDevice:
-    """What a GPU backend leaves on the GPU (shard.runtime.generate's cache lives there): the outputs
-    handed back as torch tensors there rather than in numpy (`outputs`), and those a stage writes
-    inside its own captured graph into one of its input buffers, along axis 2 at the positions
-    another of its inputs holds (`writes`: output -> (input, positions); a decode step's new key and
-    value into the cache it reads), which then come back to no one (Session.written)."""
+    """What a backend keeps where its device reads it (shard.runtime.generate's cache lives there). A GPU
+    backend: the outputs handed back as torch tensors there rather than in numpy (`outputs`), and those
+    a stage writes inside its own captured graph into one of its input buffers, along axis 2 at the
+    positions another of its inputs holds (`writes`: output -> (input, positions); a decode step's new
+    key and value into the cache it reads), which then come back to no one (Session.written). The
+    board: the inputs bound once in NPU memory, in its own layout (`held`, in `memory`)."""
 
     outputs: frozenset[str] = frozenset()
     writes: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    held: frozenset[str] = frozenset()   # the board: inputs bound once where the NPU reads them (rknn_held)
+    memory: object = field(default=None, compare=False)   # their memories, shared by every session (rknn_held.Held)
 
 
 class Executor(Protocol):
@@ -51,8 +54,9 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: d
     imported only now, makes them (its `make`). on_device: what a GPU backend leaves on the GPU."""
     if backend not in MODULES:
         raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"{__name__}.{MODULES[backend]}")
-    return module.make(bundle, manifest, placements, on_device) if backend in STAGE_BACKENDS else \
+    held = backend == "board" and on_device.held   # the board's C API, where inputs are held in NPU memory
+    module = importlib.import_module(f"{__name__}.{'rknn_held' if held else MODULES[backend]}")
+    return module.make(bundle, manifest, placements, on_device) if backend in STAGE_BACKENDS or held else \
         module.make(bundle, manifest, placements)
 
 
