@@ -177,7 +177,8 @@ def compile_command(
     calib: Optional[Path] = typer.Option(None, help=COMPILE_HELP["calib"]),
     check_fidelity: Optional[bool] = typer.Option(None, "--check-fidelity/--no-check-fidelity", help=FIDELITY_HELP),
     max_context: str = typer.Option("512", help=COMPILE_HELP["max_context"]),
-    chunk: int = typer.Option(16, help="A decoder: the prompt's tokens a step (the prefill program's width)."),
+    chunk: str = typer.Option("auto", help="A decoder: the prompt's tokens a step (the prefill program's width); "
+                                           "auto: the width the decode step's prediction says prefills fastest."),
     one_step: bool = typer.Option(False, "--one-step", help=COMPILE_HELP["one_step"]),
     batch_size: str = typer.Option("1", "--batch", help=COMPILE_HELP["batch_size"]),
     latency_budget: Optional[float] = typer.Option(None, help="--batch auto: milliseconds one batch may take."),
@@ -196,7 +197,17 @@ def compile_command(
                              allow_low_fidelity=allow_low_fidelity,
                              batch=parse_batch(batch_size), latency_budget=latency_budget and latency_budget / 1e3)
     compile_all(batch(models, target.split(","), output), options,
-                {"capacity": parse_ids(max_context, "--max-context"), "chunk": chunk, "one_step": one_step})
+                {"capacity": parse_ids(max_context, "--max-context"), "chunk": parse_chunk(chunk), "one_step": one_step})
+
+
+def parse_chunk(text: str) -> int | None:
+    """--chunk N, or auto (None: chosen by the compile)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ShardError(f"--chunk {text!r}: expected a number of tokens or auto") from None
 
 
 def compile_all(compiles: list[tuple[Path, str, Path | None]], options, steps: dict) -> None:
@@ -265,6 +276,8 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
                      f"cache of {program.capacity}")
         print_compile_report(result.reports[program.name])
+    if result.chunk is not None:
+        console.print(f"--chunk auto: {result.chunk['chunk']} tokens a prompt step: {result.chunk['why']}")
     rows = [SpeedRow.of(row, f"predicted[{k}]") for k, row in enumerate(result.predicted)]
     if rows and rows[0].decode_tokens_per_s:
         console.print(speed_table(rows))

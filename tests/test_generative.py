@@ -702,3 +702,40 @@ def test_the_same_bundle_format_for_thor(checkpoint, tmp_path):
         assert np.array_equal(cache[:, :, 11:12], want[name])   # the new entry, at position 11
         cache[:, :, 11] = feeds[f"past_{name}"][:, :, 11]
         assert np.array_equal(cache, feeds[f"past_{name}"])   # and nothing else changed
+
+
+def test_chunk_auto_takes_the_fewest_prompt_steps_the_decode_steps_prediction_allows():
+    """A step reads every weight once (the decode step's NPU time) or computes its tokens' MACs at the
+    peak, whichever is longer: SmolLM2's figures (15.4 ms, 130 M MACs a token, 512 MACs a cycle at
+    1 GHz) make 64 tokens a step the fastest prefill of 128, two steps of 16.3 ms; 128 ties and the
+    smaller is kept; a cache of 32 caps it; no NPU prediction keeps the default."""
+    from shard.compilation.generative import choose_chunk
+
+    facts = {"macs_per_cycle_fp16": 512.0, "macs_per_cycle_int8": 1024.0}
+    decode = {"predicted": {"npu_seconds": [9.3e-3, 6.1e-3], "npu_clock_hz": 1e9},
+              "shards": [{"macs": 80e6}, {"macs": 50e6}]}
+    why = choose_chunk(decode, 512, "fp16", facts)
+    assert why["chunk"] == 64 and why["prefill_s"]["16"] == pytest.approx(8 * 15.4e-3)
+    assert why["prefill_s"]["64"] == pytest.approx(2 * 64 * 130e6 / 512e9, rel=1e-4) and "2 steps of 64" in why["why"]
+    assert choose_chunk(decode, 512, "int8", facts)["chunk"] == 128   # twice the rate: 128 tokens in one read
+    assert choose_chunk(decode, 32, "fp16", facts)["chunk"] == 32
+    assert choose_chunk({"predicted": None, "shards": []}, 512, "fp16", facts)["chunk"] == 16
+
+
+@pytest.mark.toolkit
+def test_chunk_auto_compiles_the_decode_step_first_and_the_prompts_at_its_choice(checkpoint, tmp_path):
+    """`--chunk auto` on the RK3588: the 2-layer model's steps are bound by reading their weights, so
+    the widest prompt step the cache holds prefills fastest; the compile says why, and the bundle
+    generates transformers' own tokens with it."""
+    folder, model = checkpoint
+    res = shard_cli("compile", folder, "--target", "rk3588", "-o", tmp_path / "lm.shard", "--max-context", "32",
+                    "--chunk", "auto")
+    assert res.returncode == 0, res.stderr
+    assert "--chunk auto: 32 tokens a prompt step: a 128-token prompt in 4 steps of 32" in res.stdout
+    spec = read_generative(tmp_path / "lm.shard")
+    assert sorted(p.width for p in spec.programs) == [1, 32]
+    assert json.loads((tmp_path / "lm.shard" / "report.json").read_text())["chunk"]["chunk"] == 32
+    with load(tmp_path / "lm.shard", backend="sim") as session:
+        assert session.generate(PROMPT, max_new_tokens=4, stop=set()).tokens == transformers_greedy(model, PROMPT, 4)
+    bad = shard_cli("compile", folder, "--target", "rk3588", "-o", tmp_path / "x.shard", "--chunk", "wide")
+    assert bad.returncode != 0 and "--chunk 'wide': expected a number of tokens or auto" in bad.stderr

@@ -31,7 +31,8 @@ from shard.runtime.scheduler import predict_stream
 from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
-DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk)
+DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk) where no prediction chooses it
+CHUNKS = (16, 32, 64, 128, 256)   # the widths --chunk auto chooses among
 PREFILL_TOKENS = 128     # the prompt length published prefill times are stated at
 
 
@@ -50,6 +51,7 @@ class GenerativeResult:
     spec: GenerativeSpec
     reports: dict[str, dict]   # each program's compile report
     predicted: list[dict]      # per cache capacity
+    chunk: dict | None = None  # why --chunk auto chose the prompt step's width (choose_chunk)
 
 
 MAX_CONTEXT = 1 << 17   # tokens a cache may hold, whatever the model (its config may say fewer)
@@ -106,19 +108,22 @@ def onnx_decoder(source: Path) -> Decoder:
 
 
 def compile_generative(source: Path, target: str, output: Path, options: CompileOptions | None = None,
-                       capacity: int | Sequence[int] = DEFAULT_CAPACITY, chunk: int = DEFAULT_CHUNK,
+                       capacity: int | Sequence[int] = DEFAULT_CAPACITY, chunk: int | None = None,
                        one_step: bool = False, progress: Progress = lambda *a: None) -> GenerativeResult:
     """A GGUF checkpoint or a transformers folder of a Llama-family decoder, or an ONNX decoder in
     optimum's layout (shard.zoo.onnx_decoder), into a generative bundle at `output`: a program per step
     width and cache capacity (several capacities: buckets the cache moves up through as the context
     grows); `one_step`: only the step of `chunk` tokens, the answer's tokens too (one copy of the
-    weights per capacity). Nothing left at `output` on failure."""
+    weights per capacity); `chunk` None: chosen by the decode step's prediction (choose_chunk), the
+    decode steps compiled first. Nothing left at `output` on failure."""
     from shard.zoo.decoder import checkpoint_record
 
     options = options or CompileOptions()
     check_options(options)
     capacities = sorted({capacity} if isinstance(capacity, int) else set(capacity))
-    check_context(capacities, chunk)
+    if chunk is None and one_step:   # the answer's step too: no decode step to choose it by
+        chunk = DEFAULT_CHUNK
+    check_context(capacities, chunk or 1)
     check_output_path(output, source)
     progress("read the checkpoint", 0, 1)
     # an ONNX file is a decoder's only where read_onnx_decoder finds its layout (it says what is missing)
@@ -126,12 +131,10 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
     if decoder.positions and capacities[-1] > decoder.positions:
         raise ShardError(f"--max-context {capacities[-1]}: {source.name} was made for at most {decoder.positions} "
                          f"positions (its config's max_position_embeddings)")
-    kinds = (("step", chunk),) if one_step else (("prefill", chunk), ("decode", 1))
-    programs = [Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c) for c in capacities
-                for kind, width in kinds if width > 1 or kind != "prefill"]
     staging, exports = staging_folder(output), scratch.folder("export")
     try:
-        reports = compile_programs(decoder, programs, target, options, staging, exports, progress)
+        programs, reports, why = compile_steps(decoder, capacities, chunk, one_step, target, options, staging,
+                                               exports, progress)
         decoder.save_tokenizer(staging / TOKENIZER)
         refuse_custom_code(staging / TOKENIZER)   # a checkpoint whose tokenizer asks for code of its own
         np.save(staging / EMBEDDINGS, decoder.table)
@@ -142,12 +145,66 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         handoff = board_handoff(target, load_profile(target, options.profile).facts)
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging, handoff)
         (staging / GENERATIVE).write_text(spec.to_json())
-        (staging / "report.json").write_text(json.dumps({"predicted": predicted}, indent=2) + "\n")
+        (staging / "report.json").write_text(json.dumps({"predicted": predicted, "chunk": why}, indent=2) + "\n")
         replace_dir(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         scratch.remove(exports)
-    return GenerativeResult(output, spec, reports, predicted)
+    return GenerativeResult(output, spec, reports, predicted, why)
+
+
+def compile_steps(decoder: Decoder, capacities: list[int], chunk: int | None, one_step: bool, target: str,
+                  options: CompileOptions, staging: Path, exports: Path, progress: Progress
+                  ) -> tuple[list[Program], dict[str, dict], dict | None]:
+    """Every step program compiled: (the programs, {name: report}, why the chunk is what it is where
+    --chunk auto chose it). The chunk None: the decode steps first, then the prompt's at the width
+    choose_chunk takes from the first of them."""
+    def named(kind: str, width: int, c: int) -> Program:
+        return Program(f"{kind}-{c}" if len(capacities) > 1 else kind, width, c)
+
+    if one_step:
+        programs = [named("step", chunk, c) for c in capacities]
+        return programs, compile_programs(decoder, programs, target, options, staging, exports, progress), None
+    decodes = [named("decode", 1, c) for c in capacities]
+    why = None
+    if chunk is None:
+        reports = compile_programs(decoder, decodes, target, options, staging, exports, progress)
+        why = choose_chunk(reports[decodes[0].name], capacities[0], options.precision,
+                           load_profile(target, options.profile).facts)
+        chunk = why["chunk"]
+    else:
+        reports = {}
+    prompts = [named("prefill", chunk, c) for c in capacities if chunk > 1]
+    order = prompts + decodes if why is None else prompts
+    reports.update(compile_programs(decoder, order, target, options, staging, exports, progress,
+                                    vision=why is None))
+    programs = [p for c in capacities for p in prompts + decodes if p.capacity == c]
+    return programs, reports, why
+
+
+def choose_chunk(decode: dict, capacity: int, precision: str, facts: dict) -> dict:
+    """The prompt step's width for the fewest seconds over a prompt of PREFILL_TOKENS: a step of w
+    tokens takes the decode step's NPU time (reading every weight once, which a one-token step is
+    bound by) or its MACs for w tokens at the NPU's peak rate, whichever is longer (the decode step's
+    MACs a token, its LM head included, where the prompt's step computes the head for one token
+    only: an upper bound). The smallest such width among CHUNKS within the cache; DEFAULT_CHUNK
+    where the decode step has no NPU prediction. {"chunk", and the figures it was chosen by}."""
+    predicted = decode.get("predicted") or {}
+    npu, clock = predicted.get("npu_seconds"), predicted.get("npu_clock_hz")
+    rate = facts.get(f"macs_per_cycle_{'int8' if precision in ('int8', 'mixed') else 'fp16'}")
+    widths = [w for w in CHUNKS if w <= capacity] or [capacity]
+    if not npu or not clock or not rate:
+        return {"chunk": min(DEFAULT_CHUNK, capacity), "why": "no NPU prediction of the decode step"}
+    step, macs = sum(npu), sum(s["macs"] for s in decode["shards"])
+    seconds = {w: math.ceil(PREFILL_TOKENS / w) * max(step, w * macs / (rate * clock)) for w in widths}
+    best = min(widths, key=lambda w: (round(seconds[w], 6), w))
+    return {"chunk": best, "prefill_s": {str(w): round(t, 5) for w, t in seconds.items()}, "step_s": round(step, 5),
+            "macs_per_token": macs, "macs_per_s": rate * clock,
+            "why": f"a {PREFILL_TOKENS}-token prompt in {math.ceil(PREFILL_TOKENS / best)} steps of {best}, predicted "
+                   f"{1e3 * seconds[best]:.1f} ms against {1e3 * seconds[min(widths)]:.1f} ms in steps of "
+                   f"{min(widths)}: a step reads every weight once ({1e3 * step:.1f} ms, the decode step's NPU time) "
+                   f"or computes its tokens' MACs ({macs / 1e6:.0f} M a token at {rate:.0f} MACs a cycle), "
+                   f"whichever is longer"}
 
 
 def check_context(capacities: list[int], chunk: int) -> None:
@@ -161,11 +218,11 @@ def check_context(capacities: list[int], chunk: int) -> None:
 
 
 def compile_programs(decoder: Decoder, programs: list[Program], target: str, options: CompileOptions, staging: Path,
-                     exports: Path, progress: Progress) -> dict[str, dict]:
-    """Each program exported and compiled into staging/NAME (a VLM's image program first: the one it
-    runs first); {name: its compile report}."""
+                     exports: Path, progress: Progress, vision: bool = True) -> dict[str, dict]:
+    """Each program exported and compiled into staging/NAME (a VLM's image program first, where
+    `vision`: the one it runs first); {name: its compile report}."""
     steps = {p.name: p for p in programs}
-    if decoder.vision:
+    if decoder.vision and vision:
         steps = {"vision": None, **steps}
     reports = {}
     for name, program in steps.items():
