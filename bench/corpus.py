@@ -396,10 +396,11 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
 def summary(compiled) -> None:
     """The summary `shard compile` prints, printed where nothing shows it: a printer that fails on a
     report (a CLIP text encoder's ended in KeyError: 'action') counts as a traceback."""
-    from shard import cli
+    from shard.cli.common import console
+    from shard.cli.compile import print_compile_result
 
-    with cli.console.capture():
-        cli.print_compile_result(compiled)
+    with console.capture():
+        print_compile_result(compiled)
 
 
 def vendor_side(ours: Side) -> Side:

@@ -16,6 +16,7 @@ from shard.calibration import ort_session, run_each
 from shard.graph import fix_input_values, give_back_freed, load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
+from shard.runtime.generate import GenerativeSession, generate, teacher_forced
 from shard.runtime.host import load_tables, run_host
 
 
@@ -278,8 +279,6 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
     model, or one that answers as TransformersReference does): the greedy answer of `new` tokens, and
     `forced` teacher-forced steps (the prompt, then the reference's own answer a token a step) against
     the reference's one full forward."""
-    from shard.runtime.generate import generate, teacher_forced
-
     ours = generate(run, table, table[ids], cache(), new, chunk, decode=decode)
     count = max(new, forced)
     reference = model if hasattr(model, "greedy") else TransformersReference(model)
@@ -313,7 +312,6 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
     """A generative bundle against its checkpoint in transformers fp32 (or its ONNX decoder in
     onnxruntime fp32): per chat prompt, the greedy tokens and the teacher-forced logits of every step
     (check_prompt)."""
-    from shard.runtime.generate import GenerativeSession
     from shard.zoo.decoder import checkpoint_record
 
     progress("read the reference", 0, 1)

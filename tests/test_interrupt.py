@@ -189,7 +189,7 @@ def test_a_pool_started_ahead_serves_its_requests_from_those_workers_and_kills_t
 
 
 def test_a_stop_that_a_finalizer_swallowed_still_leaves_no_bundle(tmp_path):
-    """A signal that lands in a finalizer (a gc run, say) is only recorded (shard.cli.terminate), and the
+    """A signal that lands in a finalizer (a gc run, say) is only recorded (shard.cli.common.terminate), and the
     command stops at its next progress step (stop_point): the compile's last one comes before the bundle
     takes the output's place, so even a stop recorded after every build has finished leaves nothing."""
     import onnx

@@ -110,7 +110,8 @@ def test_mixed_holds_few_samples_out_in_turn_and_keeps_ranges_from_all(tmp_path,
     (spec,) = read_manifest(tmp_path / "m.shard").shards
     assert spec.precision == "mixed"
     assert [np.load(tmp_path / "m.shard" / s[0]).tolist() for s in spec.dataset] == np.load(calib)["x"].tolist()
-    from shard.cli import console, print_compile_report
+    from shard.cli.common import console
+    from shard.cli.compile import print_compile_report
 
     with console.capture() as seen:
         print_compile_report(report)

@@ -268,9 +268,6 @@ def decoder_bytes(model) -> int:
 def vision_time(vision: dict, predicted: dict, bundle: Path | None) -> dict:
     """vision_ms: one square through the vision program; image_ms: the most squares an image splits
     into, run as a stream of frames over the cores (the scheduler's own policy replayed)."""
-    from shard.bundle import read_manifest
-    from shard.runtime.scheduler import predict_stream
-
     seconds = predicted.get("latency_s")
     times = {"vision_ms": round(1e3 * seconds, 1) if seconds else None}
     squares = vision.get("most", {}).get("squares", 1)

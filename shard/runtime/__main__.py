@@ -24,6 +24,8 @@ import numpy as np
 from shard import scratch
 from shard.bundle import Manifest, read_manifest
 from shard.errors import RunError, ShardError
+from shard.runtime import load, random_inputs
+from shard.runtime.buckets import is_bucketed, read_buckets
 from shard.runtime.scheduler import exit_now_if_stuck
 
 
@@ -126,9 +128,6 @@ def unpack(path: Path, into: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shard.runtime import load, random_inputs
-    from shard.runtime.buckets import is_bucketed, read_buckets
-
     ap = argparse.ArgumentParser(prog="python -m shard.runtime", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("bundle", help="a bundle directory or a pack (.tar.gz)")

@@ -42,8 +42,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from shard.bundle import read_versioned, sealed_digest
+from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError, ShardError
+from shard.runtime import STAGE_BACKENDS, OnDevice, Session, default_backend
 from shard.runtime.executors import held_nhwc, to_host
 from shard.runtime.executors.rknn_held import Held, native_view
 
@@ -493,9 +494,6 @@ class GenerativeSession:
     handed the whole cache every step)."""
 
     def __init__(self, bundle: str | Path, in_place: bool = True, held: bool = True, **session_args):
-        from shard.bundle import read_manifest
-        from shard.runtime import STAGE_BACKENDS, OnDevice, Session, default_backend
-
         self.bundle = Path(bundle)
         self.spec = read_generative(self.bundle)
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
