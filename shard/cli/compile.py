@@ -159,7 +159,6 @@ def compile_one_command(model: Path, target: str, output: Path | None, options, 
 
 def print_compile_result(result) -> None:
     if "buckets" in result.report:
-
         for bucket in read_buckets(result.bundle).buckets:
             console.rule(bucket_title(bucket))
             print_compile_report(result.report["buckets"][bucket.name])

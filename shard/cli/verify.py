@@ -60,7 +60,6 @@ def verify_command(
             console.rule(bucket_title(b))
             reports[b.name] = verify_one(bundle / b.name, reference, backend, min_cosine, seed, inputs)
     if json_out:
-
         data = {name: {**asdict(r), "passed": r.passed} for name, r in reports.items()}
         json_out.write_text(json.dumps(data[""] if "" in data else data, indent=2) + "\n")
     worst = worst_of(c for r in reports.values() for c in r.outputs).cosine

@@ -354,5 +354,9 @@ def held_speed(spec: GenerativeSpec, capacity: int, steps: dict[int, tuple[Progr
             "held_decode_tokens_per_s": round(1 / decode[0], 1), "held_handoff_ms": round(1e3 * decode[1], 2),
             "held_write_ms": round(1e3 * decode[2], 3),
             "held_source": "each shard's vendor cycle estimate; the hand-off of its inputs but the cache, and of its "
-                           f"outputs ({handoff.source}); the new keys and values written into the held cache by the "
-                           "host: measured on the compiling machine's CPU (time_row_writes), assumed the board's"}
+                           f"outputs ({handoff.source}; assumed: an input bound with rknn_set_io_mem converts at "
+                           "rknn_inputs_set's rate"
+                           + ("" if handoff.run_s else "; a run's fixed cost not counted: no published figure "
+                              "separates it, `shard probe --on-board` measures it")
+                           + "); the new keys and values written into the held cache by the host: measured on the "
+                             "compiling machine's CPU (time_row_writes), assumed: the board's the same"}
