@@ -598,7 +598,8 @@ def speed_table(rows: list[SpeedRow]) -> Table:
                       escape(bound))
         if r.held_decode_tokens_per_s is not None:
             table.add_row("shard, the cache held where the NPU reads it", str(r.capacity),
-                          *([""] if vision else []), figure(r.held_prefill_128_ms, 1), figure(r.held_decode_tokens_per_s),
+                          *([""] if vision else []), figure(r.held_prefill_128_ms, 1),
+                          figure(r.held_decode_tokens_per_s),
                           *([figure(held_ms(r)), ""] if moves else []), "")
     published = rows[0].published if rows else None
     if published is not None:
@@ -623,8 +624,8 @@ def speed_lines(rows: list[SpeedRow]) -> list[str]:
     held = next((r for r in rows if r.held_decode_tokens_per_s is not None), None)
     if held is not None:
         lines.append(f"the cache held (shard generate --backend board, every step fp16): of a token, "
-                     f"{held.held_handoff_ms} ms hand-offs of the other inputs and the outputs, {held.held_write_ms} ms "
-                     f"writing the new keys and values; from {held.held_source}")
+                     f"{held.held_handoff_ms} ms hand-offs of the other inputs and the outputs, "
+                     f"{held.held_write_ms} ms writing the new keys and values; from {held.held_source}")
     one = [r for r in rows if (r.one_step_tokens_per_s or 0) > (r.decode_tokens_per_s or 0)]
     if one:
         lines.append(f"--one-step: the answer's tokens through the prompt's step would decode at "

@@ -537,14 +537,14 @@ class GenerativeSession:
 
     def cache(self) -> Cache:
         """An empty cache where the steps read it: on the GPU, the decode step's own input buffers; on
-        the board, fp16 steps read it held in NPU memory in the NPU's layout (`held`: each step writes
-        only its new rows there); else for the board's runtime, in numpy as it takes a 4-D input (NHWC
-        memory, handed over with no transpose: executors.npu_inputs), and in float16 where every step is built in fp16 (the NPU
-        reads the cache as fp16 whatever it is handed, and its new entries come back as fp16 numbers:
-        the same logits, half the bytes a step hands over); else float32 in ONNX's layout (on the
-        simulator the held form measured no faster: bench/cache_handoff.py)."""
+        the board, where every step is fp16, NPU memory in the NPU's layout (`held`: each step writes
+        only its new rows there); else, for rknn-toolkit-lite2, in numpy as it takes a 4-D input (NHWC
+        memory, handed over with no transpose: executors.npu_inputs), and in float16 where every step
+        is built in fp16 (the NPU reads the cache as fp16 whatever it is handed, and its new entries
+        come back as fp16 numbers: the same logits, half the bytes a step hands over); else float32 in
+        ONNX's layout (on the simulator the held form measured no faster: bench/cache_handoff.py)."""
         s = self.spec
-        if self.device or self.held:   # the decode step's own input buffers, which it reads without a copy
+        if self.device or self.held:   # the decode step's own input memory, which it reads without a copy
             keys, values = self.stored(s.capacities[0])
             return Cache(keys, values, buckets=tuple(s.capacities[1:]), storage=self.stored)
         board = self.backend == "board"

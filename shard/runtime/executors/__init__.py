@@ -51,7 +51,8 @@ class Executor(Protocol):
 def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
                    on_device: OnDevice = OnDevice()) -> dict[int, Executor]:
     """One executor per core holding the shards that core may run: the backend's module (MODULES),
-    imported only now, makes them (its `make`). on_device: what a GPU backend leaves on the GPU."""
+    imported only now, makes them (its `make`). on_device: what a GPU backend leaves on the GPU, or the
+    inputs the board holds in NPU memory (then rknn_held, the board's C API, makes them)."""
     if backend not in MODULES:
         raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
     held = backend == "board" and on_device.held   # the board's C API, where inputs are held in NPU memory

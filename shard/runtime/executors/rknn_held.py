@@ -83,7 +83,8 @@ class Runtime:
         ctx, ptr, mem = ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(TensorMem)
         for name, args, result in (
                 ("rknn_init", [ctypes.POINTER(ctx), ptr, ctypes.c_uint32, ctypes.c_uint32, ptr], ctypes.c_int),
-                ("rknn_destroy", [ctx], ctypes.c_int), ("rknn_query", [ctx, ctypes.c_int, ptr, ctypes.c_uint32], ctypes.c_int),
+                ("rknn_destroy", [ctx], ctypes.c_int),
+                ("rknn_query", [ctx, ctypes.c_int, ptr, ctypes.c_uint32], ctypes.c_int),
                 ("rknn_set_core_mask", [ctx, ctypes.c_int], ctypes.c_int), ("rknn_run", [ctx, ptr], ctypes.c_int),
                 ("rknn_create_mem", [ctx, ctypes.c_uint32], mem),
                 ("rknn_create_mem2", [ctx, ctypes.c_uint64, ctypes.c_uint64], mem),
@@ -110,15 +111,17 @@ class Held:
         """Bind the held input `attr` (its native attributes) of `context`; its [N, C, H, W] view."""
         key = (attr.name.decode(), tuple(shape))
         if key not in self.made:
-            mem = context.rt.lib.rknn_create_mem2(context.ctx, attr.size_with_stride, MEMORY_NON_CACHEABLE)
+            mem = context.rt.lib.rknn_create_mem2(context.ctx.value, attr.size_with_stride, MEMORY_NON_CACHEABLE)
             if not mem:
                 raise RunError(f"{key[0]}: no NPU memory of {attr.size_with_stride} bytes")
             ctypes.memset(mem.contents.virt_addr, 0, attr.size_with_stride)
+            context.mems.append(mem)   # destroyed with the context that made it
             self.made[key] = (context, mem, attr)
         owner, first, _ = self.made[key]
         mem = first if owner is context else context.imported(first)
         attr.pass_through = 1
-        context.rt.check(context.rt.lib.rknn_set_io_mem(context.ctx, mem, ctypes.byref(attr)), f"{key[0]}: rknn_set_io_mem")
+        context.rt.check(context.rt.lib.rknn_set_io_mem(context.ctx.value, mem, ctypes.byref(attr)),
+                         f"{key[0]}: rknn_set_io_mem")
         return self.view(key)
 
     def view(self, key: tuple[str, tuple]) -> np.ndarray:
@@ -135,7 +138,8 @@ class Context:
     def __init__(self, rt: Runtime, artifact: Path, shard: ShardSpec, core: int, cores: int, held: set[str],
                  memories: Held):
         self.rt, self.ctx, self.shard, self.mems = rt, ctypes.c_uint64(0), shard, []
-        rt.check(rt.lib.rknn_init(ctypes.byref(self.ctx), str(artifact).encode(), 0, 0, None), f"{shard.name}: rknn_init")
+        rt.check(rt.lib.rknn_init(ctypes.byref(self.ctx), str(artifact).encode(), 0, 0, None),
+                 f"{shard.name}: rknn_init")
         if cores > 1:
             rt.check(rt.lib.rknn_set_core_mask(self.ctx.value, CORE_MASKS[core]), f"{shard.name}: rknn_set_core_mask")
         self.views: dict[str, np.ndarray] = {}    # held inputs
