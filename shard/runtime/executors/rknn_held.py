@@ -148,8 +148,9 @@ class Context:
             if spec.name in held:
                 self.views[spec.name] = memories.bind(self, self.attr(QUERY_NATIVE_INPUT_ATTR, k), spec.shape)
             else:
+                shape = shard.edge_shapes.get(spec.name, spec.shape)
                 self.inputs.append(self.bound(self.attr(QUERY_INPUT_ATTR, k), spec.dtype,
-                                              len(shard.edge_shapes.get(spec.name, spec.shape)) == 4))
+                                              list(shape) if len(shape) == 4 else None))
         self.outputs = [self.bound(self.attr(QUERY_OUTPUT_ATTR, k), "float32") for k in range(len(shard.outputs))]
 
     def attr(self, query: int, index: int) -> TensorAttr:
@@ -158,21 +159,24 @@ class Context:
                       f"{self.shard.name}: rknn_query")
         return attr
 
-    def bound(self, attr: TensorAttr, dtype: str, nhwc: bool = False) -> tuple[np.ndarray, object]:
+    def bound(self, attr: TensorAttr, dtype: str, nchw: list[int] | None = None) -> tuple[np.ndarray, object]:
         """Memory of its own for a converted input or output, in `dtype` (float16 where the step is fed
-        float16), in ONNX's layout, or NHWC (`nhwc`: a 4-D input, the only layout the runtime converts
-        from there, as rknn_create_mem_demo says); its numpy array."""
-        dtype = np.float16 if dtype == "float16" else np.float32 if "float" in dtype else np.dtype(dtype)
+        float16): flat in ONNX's layout, or, for a 4-D input of shape `nchw`, NHWC with each row padded
+        to the runtime's w_stride (the one layout it converts from there, as rknn_create_mem_demo
+        copies it); its numpy array (the rows' view, for a 4-D input)."""
+        dtype = np.dtype(np.float16 if dtype == "float16" else np.float32 if "float" in dtype else dtype)
         attr.type, attr.fmt, attr.pass_through = (FLOAT16 if dtype == np.float16 else FLOAT32
-                                                  if dtype == np.float32 else attr.type), NHWC if nhwc else NCHW, 0
-        size = attr.n_elems * np.dtype(dtype).itemsize
+                                                  if dtype == np.float32 else attr.type), NHWC if nchw else NCHW, 0
+        n, c, h, w = nchw or (1, 1, 1, attr.n_elems)
+        stride = max(w, attr.w_stride) if nchw else w
+        size = n * h * stride * c * dtype.itemsize
         mem = self.rt.lib.rknn_create_mem(self.ctx.value, max(size, attr.size_with_stride))
         self.mems.append(mem)
         self.rt.check(self.rt.lib.rknn_set_io_mem(self.ctx.value, mem, ctypes.byref(attr)),
                       f"{self.shard.name}: rknn_set_io_mem of {attr.name.decode()}")
         array = np.ctypeslib.as_array(ctypes.cast(mem.contents.virt_addr, ctypes.POINTER(ctypes.c_uint8)),
                                       shape=(size,)).view(dtype)
-        return array, mem
+        return (array.reshape(n, h, stride, c)[:, :, :w] if nchw else array), mem
 
     def imported(self, mem) -> object:
         """Another context's memory, bound in this one (rknn_create_mem_from_fd)."""
@@ -192,8 +196,7 @@ class Context:
                 continue
             array, _ = next(others)
             value = np.asarray(value)
-            np.copyto(array, (value.transpose(0, 2, 3, 1) if value.ndim == 4 else value).reshape(-1),
-                      casting="same_kind")
+            np.copyto(array, value.transpose(0, 2, 3, 1) if array.ndim == 4 else value.reshape(-1), casting="same_kind")
         self.rt.check(self.rt.lib.rknn_run(self.ctx.value, None), f"{self.shard.name}: rknn_run")
         for array, mem in self.outputs:
             self.rt.check(self.rt.lib.rknn_mem_sync(self.ctx.value, mem, SYNC_FROM_DEVICE), "rknn_mem_sync")
