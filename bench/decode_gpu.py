@@ -137,7 +137,7 @@ def main() -> None:
             for in_place in (True, False) if stages == 1 else (False,):
                 with GenerativeSession(result.bundle, in_place=in_place, backend="cuda") as session:
                     tps, tokens = rate(lambda n: session.generate(PROMPT, max_new_tokens=n, stop=set()).tokens, args.new)
-                    steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).to_json()["decode_ms"]
+                    steps = session.generate(PROMPT, max_new_tokens=args.new, stop=set()).decode_ms
                     device = 1e3 * sum(stage_seconds(session.sessions[1, args.capacity]).values())
                     written = len(session.sessions[1, args.capacity].written)
                 rates[stages, in_place] = tps, tokens

@@ -25,7 +25,7 @@ from shard import scratch
 from shard.errors import ShardError
 from shard.graph import fits_protobuf
 from shard.options import CompileOptions
-from shard.cache_folder import entry_file, store_entry
+from shard.cache_folder import default_cache_dir, entry_file, store_entry
 
 RANDOM_SAMPLES = 8
 RANDOM_WARNING = ("no --calib file: {n} seeded random samples stand in (unit normals, ids of 0 and 1); "
@@ -373,8 +373,6 @@ def random_count(batch: int) -> int:
 
 def stats_cache(ctx) -> Path | None:
     """Where a compile keeps range statistics: the build cache, unless --no-cache."""
-    from shard.cache_folder import default_cache_dir
-
     return default_cache_dir() if ctx.options.build_cache else None
 
 

@@ -63,10 +63,8 @@ def generate_command(
         err.print(f"[yellow]warning[/]: stopped after {len(out.tokens)} new tokens of --max-new-tokens {max_new_tokens}: "
                   f"the prompt's {len(out.prompt)} and they fill the cache's capacity of {out.full} (compile with a "
                   f"larger --max-context)")
-    summary = out.to_json()
-    seen = f"image {sum(summary['vision_ms']):.1f} ms, " if summary["vision_ms"] else ""
-    err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; {seen}prefill {sum(summary['prefill_ms']):.1f} ms "
-              f"in {len(summary['prefill_ms'])} steps, decode {summary['decode_tokens_per_s']} tokens/s "
-              f"({session.backend})")
+    seen = f"image {sum(out.vision_ms):.1f} ms, " if out.vision_ms else ""
+    err.print(f"{len(out.prompt)} prompt tokens, {len(out.tokens)} new; {seen}prefill {sum(out.prefill_ms):.1f} ms "
+              f"in {len(out.prefill_ms)} steps, decode {out.decode_tokens_per_s} tokens/s ({session.backend})")
     if json_out:
-        json_out.write_text(json.dumps(summary, indent=2) + "\n")
+        json_out.write_text(json.dumps(out.to_json(), indent=2) + "\n")

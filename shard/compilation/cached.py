@@ -17,6 +17,7 @@ from shard.compilation.state import CompileResult, Progress
 from shard.compilation.variants import compile_uncached
 from shard.errors import ShardError
 from shard.options import CompileOptions
+from shard.runtime.buckets import is_bucketed, read_buckets
 from shard.targets.registry import get_target
 
 
@@ -53,8 +54,6 @@ def compile_one_model(model: Path, target: str, output: Path, options: CompileOp
 
 def restored(staging: Path, output: Path, record: dict, seconds: float) -> CompileResult:
     """A bundle from the cache, put in place, its report (of each bucket) saying where it came from."""
-    from shard.runtime.buckets import is_bucketed, read_buckets
-
     folders = [staging / b.name for b in read_buckets(staging).buckets] if is_bucketed(staging) else [staging]
     manifests = [read_manifest(folder) for folder in folders]   # every file there: else a damaged entry
     for folder, manifest in zip(folders, manifests):   # and each the bytes the compile wrote

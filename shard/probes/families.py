@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from shard.errors import ShardError
 from shard.graph import small_model
 
 @dataclass(frozen=True)
@@ -203,8 +204,6 @@ def limit_name(family: Family, setting: str) -> str:
 
 
 def select(names: list[str] | None) -> list[Family]:
-    from shard.errors import ShardError
-
     names = names or list(DEFAULT_FAMILIES)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:

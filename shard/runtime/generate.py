@@ -475,13 +475,31 @@ class Generation:
     prefill_steps: int = 0            # how many of the text steps were the prompt's
     full: int | None = None           # the cache's capacity, where it filled before max_new_tokens or a stop
 
+    @property
+    def vision_ms(self) -> list[float]:
+        return [round(1e3 * s, 3) for w, s in self.steps if w == 0]
+
+    @property
+    def prefill_ms(self) -> list[float]:
+        return [round(1e3 * s, 3) for s in self.text_seconds[:self.prefill_steps]]
+
+    @property
+    def decode_ms(self) -> list[float]:
+        return [round(1e3 * s, 3) for s in self.text_seconds[self.prefill_steps:]]
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        decode = self.text_seconds[self.prefill_steps:]
+        return round(len(decode) / sum(decode), 2) if decode else None
+
+    @property
+    def text_seconds(self) -> list[float]:
+        return [s for w, s in self.steps if w > 0]
+
     def to_json(self) -> dict:
-        text = [s for w, s in self.steps if w > 0]
-        prefill, decode = text[:self.prefill_steps], text[self.prefill_steps:]
-        return {"prompt_ids": self.prompt, "ids": self.tokens, "text": self.text,
-                "vision_ms": [round(1e3 * s, 3) for w, s in self.steps if w == 0],
-                "prefill_ms": [round(1e3 * s, 3) for s in prefill], "decode_ms": [round(1e3 * s, 3) for s in decode],
-                "decode_tokens_per_s": round(len(decode) / sum(decode), 2) if decode else None}
+        return {"prompt_ids": self.prompt, "ids": self.tokens, "text": self.text, "vision_ms": self.vision_ms,
+                "prefill_ms": self.prefill_ms, "decode_ms": self.decode_ms,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
 class GenerativeSession:

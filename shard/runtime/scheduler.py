@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shard import scratch
 from shard.bundle import ShardSpec
 from shard.errors import RunError
 
@@ -303,8 +304,6 @@ def exit_now_if_stuck(code: int) -> None:
     the temporary folders go first (no finalizer runs)."""
     import os
     import sys
-
-    from shard import scratch
 
     if any(t.name.startswith("shard-core-") and t.is_alive() for t in threading.enumerate()):
         scratch.remove_all()

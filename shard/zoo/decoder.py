@@ -28,7 +28,7 @@ import transformers as tf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from shard.errors import ShardError
-from shard.runtime.generate import PICK
+from shard.runtime.generate import PICK, step_feeds, step_mask
 
 # Pre-norm layers, rotary positions, q/k/v/o projections and a gated MLP: what CachedStep writes out.
 FAMILY = ("llama", "mistral", "qwen2")
@@ -246,8 +246,6 @@ SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence, then nam
 
 def step_samples(model, tokenizer, width: int, capacity: int, count: int = 2) -> dict[str, np.ndarray]:
     """prompt_samples of the checkpoint's step, the cache holding transformers' own keys and values."""
-    from shard.runtime.generate import step_mask
-
     step = CachedStep(model).eval()
     layers = len(step.body.layers)
 
@@ -271,8 +269,6 @@ def prompt_samples(tokenizer, table: np.ndarray, width: int, capacity: int, cach
     next tokens after its first 0, then more, tokens already in the cache (`cache_after(rows)`: the
     past_* feeds of a cache holding those tokens' embeddings; `finish`: the step's own form of a
     sample's feeds)."""
-    from shard.runtime.generate import step_feeds
-
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     ids = tokenizer(SAMPLE_PROMPT)["input_ids"]
     ids = (ids * (-(-(capacity + width) // len(ids))))[:capacity + width]
