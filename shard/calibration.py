@@ -22,10 +22,11 @@ import numpy as np
 import onnx
 
 from shard import scratch
-from shard.errors import ShardError
-from shard.graph import fits_protobuf
-from shard.options import CompileOptions
 from shard.cache_folder import default_cache_dir, entry_file, store_entry
+from shard.errors import ShardError
+from shard.graph import fits_protobuf, float_ranks
+from shard.options import CompileOptions
+from shard.runtime import random_inputs
 
 RANDOM_SAMPLES = 8
 RANDOM_WARNING = ("no --calib file: {n} seeded random samples stand in (unit normals, ids of 0 and 1); "
@@ -91,8 +92,6 @@ def load_samples(path: str | Path, inputs: list, flag: str = "--calib") -> list[
 
 
 def random_samples(inputs: list, n: int = RANDOM_SAMPLES, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    from shard.runtime import random_inputs
-
     return [random_inputs(inputs, seed + k) for k in range(n)]
 
 
@@ -254,8 +253,6 @@ def graph_stats(graph, samples: list[dict[str, np.ndarray]], names: list[str] | 
                 cache: Path | None = None, channels: bool = True) -> dict[str, TensorStats]:
     """collect_stats over a graphsurgeon graph: its large constants lifted (fed, not copied), the
     ranks from the shapes on the graph."""
-    from shard.graph import float_ranks
-
     model, weights = lifted(graph)
     return collect_stats(model, samples, names, ranks=float_ranks(graph), cache=cache, weights=weights,
                          channels=channels)

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import onnx_graphsurgeon as gs
 
+from shard.compilation.stages import run_passes
 from shard.graph import load_model, quiet_graphsurgeon
+from shard.options import CompileOptions
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
 from shard.summary import Change, Left, Stage, record
@@ -40,9 +42,6 @@ class Inspection:
 
 
 def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None) -> Inspection:
-    from shard.compilation.stages import run_passes
-    from shard.options import CompileOptions
-
     options = options or CompileOptions()
     profile = load_profile(target, options.profile)
     quiet_graphsurgeon()

@@ -10,14 +10,15 @@ import numpy as np
 import onnx
 
 from shard.bundle import read_manifest
+from shard.calibration import ort_session, run_each
 from shard.compare import Comparison, compare, worst_of
 from shard.errors import VerifyError
-from shard.calibration import ort_session, run_each
 from shard.graph import fix_input_values, give_back_freed, load_model, sha256_file
 from shard.passes.canonicalize import prepare_model
 from shard.runtime import Session, random_inputs
 from shard.runtime.generate import GenerativeSession, generate, teacher_forced
 from shard.runtime.host import load_tables, run_host
+from shard.zoo.onnx_decoder import OnnxReference, is_onnx_decoder
 
 
 @dataclass
@@ -294,8 +295,6 @@ def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int
 def reference_model(reference: Path):
     """(the reference, its layers, its vocabulary): an ONNX decoder in onnxruntime, else a checkpoint in
     transformers, fp32 (TransformersReference)."""
-    from shard.zoo.onnx_decoder import OnnxReference, is_onnx_decoder
-
     if is_onnx_decoder(reference):
         model = OnnxReference(reference)
         return model, model.layers, model.vocab

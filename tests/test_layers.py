@@ -116,11 +116,42 @@ def test_no_chip_is_named_outside_the_targets():
     assert not named, "chip names outside shard/targets/:\n" + "\n".join(named)
 
 
-def test_no_function_is_over_80_lines():
+def functions(root: Path):
+    """(path, function node) for every function and method under root."""
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path, node
+
+
+def test_no_function_is_over_60_lines():
     long = [f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
-            for path in sorted(ROOT.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+            for path, node in functions(ROOT) if node.end_lineno - node.lineno >= 60]
     assert not long, "\n".join(long)
+
+
+def hidden_imports(root: Path) -> list[str]:
+    """Each import of a shard module made inside a function under root (nested functions once)."""
+    seen, found = set(), []
+    for path, function in functions(root):
+        for node in ast.walk(function):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and (path, node.lineno) not in seen:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if getattr(node, "level", 0) or any(n == "shard" or n.startswith("shard.") for n in names):
+                    seen.add((path, node.lineno))
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {function.name}")
+    return found
+
+
+def test_few_imports_of_shard_modules_hide_inside_functions(tmp_path):
+    """An import inside a function hides a dependency (it once hid a loop across four packages): at
+    most 20 of shard's own modules are imported so, each one a module that brings torch."""
+    hidden = hidden_imports(ROOT)
+    assert len(hidden) <= 20, "\n".join(hidden)
+    (tmp_path / "shard").mkdir()   # the count itself, on a small tree
+    (tmp_path / "shard" / "m.py").write_text("import os\nfrom shard import a\n\ndef f():\n    import json\n"
+                                             "    from shard.b import c\n\n    def g():\n        from . import d\n")
+    assert [h.rpartition(" ")[0] for h in hidden_imports(tmp_path / "shard")] == ["shard/m.py:6", "shard/m.py:9"]
 
 
 @pytest.mark.toolkit

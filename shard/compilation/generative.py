@@ -29,6 +29,7 @@ from shard.runtime.generate import (EMBEDDINGS, GENERATIVE, TOKENIZER, Generativ
                                     refuse_custom_code, time_row_writes)
 from shard.runtime.scheduler import predict_stream
 from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff
+from shard.zoo import onnx_decoder as onnx_form
 
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk) where no prediction chooses it
@@ -39,10 +40,8 @@ PREFILL_TOKENS = 128     # the prompt length published prefill times are stated 
 def is_causal_lm(source: Path) -> bool:
     """A GGUF checkpoint, a transformers folder (a config.json), or an ONNX decoder with its KV cache as
     inputs (optimum's layout): what compile takes as a decoder."""
-    from shard.zoo.onnx_decoder import is_onnx_decoder
-
     return source.suffix == ".gguf" and source.is_file() or source.is_dir() and (source / "config.json").is_file() \
-        or is_onnx_decoder(source)
+        or onnx_form.is_onnx_decoder(source)
 
 
 @dataclass
@@ -97,8 +96,6 @@ def checkpoint_decoder(source: Path) -> Decoder:
 
 def onnx_decoder(source: Path) -> Decoder:
     """An ONNX decoder in optimum's layout, its tokenizer beside it (shard.zoo.onnx_decoder)."""
-    from shard.zoo import onnx_decoder as onnx_form
-
     found = onnx_form.read_onnx_decoder(source)
     tokenizer = onnx_form.load_tokenizer(source)
     return Decoder(found.layers, found.kv_heads, found.head_dim, found.vocab,

@@ -17,6 +17,7 @@ from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.edges import SUFFIX as EDGES, relayout
 from shard.graph import release_weights, save_onnx, tensor_spec, to_toolkit_model
 from shard.passes import PassContext
+from shard.precision import float16_names
 from shard.runtime.host import run_host
 from shard.targets import ShardJob
 
@@ -140,8 +141,6 @@ def shard_job(staging: Path, logs: Path, tgt, name: str, inputs: list[tuple[str,
     if datasets is not None:
         job.precision, job.dataset = datasets.precision, datasets.files(inputs)
         if datasets.precision == "mixed":
-            from shard.precision import float16_names
-
             job.float16 = float16_names(nodes or [], datasets.promoted, [name for name, _ in inputs])
     return job
 

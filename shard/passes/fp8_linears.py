@@ -43,10 +43,12 @@ from shard.calibration import (calibration_samples, collect_stats, content_key, 
                                stats_cache)
 from shard.errors import ModelError, RunError
 from shard.graph import float_ranks, tensor_spec
-from shard.passes.context import PassContext
 from shard.macs import estimate_macs
+from shard.passes.context import PassContext
 from shard.precision import (GATES, SAFETY, by_frame, gated_quantize, gated_weight, gates_input, is_linear,
                              next_count, next_prefix, single_errors, weight_axis, worst_cosine)
+from shard.runtime.executors.gpu import require_cuda
+from shard.runtime.executors.torch_graph import TorchGraph
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -261,9 +263,6 @@ def fp8_replica(graph: gs.Graph, stats: dict, found: list) -> gs.Graph:
 def replica_runner(model: onnx.ModelProto, outputs: list[str]):
     """(gates, samples) -> [the model's outputs, for each sample], with `.where` naming what runs it:
     torch on the GPU where there is one, else, or where an op has no torch form, onnxruntime."""
-    from shard.runtime.executors.gpu import require_cuda
-    from shard.runtime.executors.torch_graph import TorchGraph
-
     try:
         torch = require_cuda()
         graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import collections
 import datetime
+from pathlib import Path
 from typing import Callable
 
-from pathlib import Path
+import onnx
+import onnx_graphsurgeon as gs
 
+from shard.bundle import read_manifest
 from shard.profile import Profile
+from shard.runtime import Session, random_inputs
+from shard.runtime.executors.gpu import replay_seconds, require_cuda
+from shard.runtime.executors.torch_graph import TorchGraph
+from shard.targets.gpu.roofline import op_signature
 
 SIZES = (256, 512, 1024, 2048, 4096, 8192)
 REPEATS = 20
@@ -60,8 +67,6 @@ def gemm(torch, n: int, precision: str) -> Callable[[], object]:
 
 
 def probe_cuda(progress: Callable[[str, int, int], None] = lambda *a: None) -> Profile:
-    from shard.runtime.executors.gpu import require_cuda
-
     torch = require_cuda("shard probe --target cuda", "run it on the machine whose GPU the profile is for")
     props = torch.cuda.get_device_properties(0)
     source = (f"shard probe --target cuda on {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
@@ -115,14 +120,6 @@ def measure_ops(bundle: str | Path, progress: Callable[[str, int, int], None] = 
     costs 0). An FP8 stage's quantizes (four kernels each in that form) go into the op before them in
     the torch.compile'd form the executor keeps: they are charged what the stage takes in the form
     kept beyond its other ops, in proportion to their own times."""
-    import onnx
-    import onnx_graphsurgeon as gs
-
-    from shard.bundle import read_manifest
-    from shard.runtime.executors.gpu import require_cuda
-    from shard.runtime.executors.torch_graph import TorchGraph
-    from shard.targets.gpu.roofline import op_signature
-
     torch = require_cuda("shard probe --target cuda --ops", "run it on the machine whose GPU the profile is for")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
@@ -173,9 +170,6 @@ def charge_quantizes(shares: dict[str, float], counts: dict[str, int], quantizes
 def kept_seconds(torch, bundle: Path) -> dict[str, float]:
     """{stage: one replay of it as the cuda executor runs it}: the bundle loaded, each stage in the form
     the executor keeps (the faster of its forms), its CUDA graph replayed alone."""
-    from shard.runtime import Session
-    from shard.runtime.executors.gpu import replay_seconds
-
     with Session(bundle, backend="cuda") as session:
         return {shard.name: replay_seconds(torch, session.executors[shard.core].prepared[shard.name].graph,
                                            session.executors[shard.core].stream)
@@ -185,8 +179,6 @@ def kept_seconds(torch, bundle: Path) -> dict[str, float]:
 def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
     """(the nodes a step computes, its seconds captured alone) for each step of a TorchGraph that
     `seen(nodes)` does not already have, run in order on seeded inputs."""
-    from shard.runtime import random_inputs
-
     env = dict(graph.values)
     env.update({name: torch.from_numpy(value).to("cuda") for name, value in random_inputs(inputs).items()})
     timed = []

@@ -21,7 +21,10 @@ from shard.probes.families import Family, conv, conv_macs, limit_name, select
 from shard.probes.handoff import measure_handoff
 from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
+from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
 from shard.targets.chips import CHIPS, chip_facts
+from shard.targets.rknn.ops import ToolkitOps
+from shard.targets.rknn.remote import board_inference, board_timing
 from shard.targets.rknn.target import RknnTarget
 
 DEFAULT_SLOW_FACTOR = 4.0
@@ -43,12 +46,8 @@ def board_runners(target: str, on_board: bool, ray: str | None, timeout: float) 
     """(run once, time) of a clean point on a board of the chip: on a node of the Ray cluster that owns
     one, or here (rknn-toolkit-lite2, checked before the first build); (None, None) off the board."""
     if on_board and ray:
-        from shard.targets.rknn.remote import board_inference, board_timing
-
         return board_inference(ray, target, timeout), board_timing(ray, target, timeout)
     if on_board:
-        from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
-
         import_rknnlite()
         return infer_once, time_inference
     return None, None
@@ -89,7 +88,6 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     chosen = select(families)
     board, timer = board_runners(target, on_board, ray, timeout)
     base = base or starting_profile(target)
-    from shard.targets.rknn.ops import ToolkitOps
 
     ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board, ray)
     searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]

@@ -21,6 +21,7 @@ import numpy as np
 
 from shard.bundle import read_versioned
 from shard.errors import RunError
+from shard.runtime.session import Session
 
 BUCKETS = "buckets.json"
 PAD_VALUE = 0   # ids, masks and features alike: a 0 in the attention mask hides the padding
@@ -115,8 +116,6 @@ class BucketedSession:
         return value[tuple(index)]
 
     def session(self, bucket: Bucket):
-        from shard.runtime import Session
-
         if bucket.name not in self.sessions:
             self.sessions[bucket.name] = Session(self.bundle / bucket.name, **self.session_args)
         return self.sessions[bucket.name]

@@ -44,9 +44,9 @@ import numpy as np
 
 from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError, ShardError
-from shard.runtime import STAGE_BACKENDS, OnDevice, Session, default_backend
 from shard.runtime.executors import held_nhwc, to_host
 from shard.runtime.executors.rknn_held import Held, native_view
+from shard.runtime.session import STAGE_BACKENDS, OnDevice, Session, default_backend
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)

@@ -28,8 +28,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.errors import ShardError
-from shard.graph import load_model, quiet_graphsurgeon, save_onnx
-from shard.runtime.generate import PICK
+from shard.graph import load_model, quiet_graphsurgeon, replace_uses, save_onnx
+from shard.runtime.generate import PICK, Cache, as_attention_mask, prefill
 
 PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 SCAN_BYTES = 64 << 20   # the graph's nodes come first in the file; the cache's first reader is early among them
@@ -168,8 +168,6 @@ def drop_nan_guards(graph: gs.Graph) -> int:
     masked) read as p: a step's mask never masks a whole row (each new token sees itself:
     shard.runtime.generate.step_mask), and the vendor runs IsNaN on the CPU (2 ops in a 2-layer
     decoder's step on RK3588, toolkit 2.5.0). Returns how many."""
-    from shard.graph import replace_uses
-
     dropped = 0
     for node in list(graph.nodes):
         if node.op != "Where" or len(node.inputs) != 3 or not node.inputs[0].inputs:
@@ -206,7 +204,6 @@ def step_samples(decoder: OnnxDecoder, path: Path, tokenizer, width: int, capaci
                  count: int = 2) -> dict[str, np.ndarray]:
     """shard.zoo.decoder.prompt_samples of the step at `path` (export_onnx_step), the cache holding the
     step's own keys and values (in onnxruntime)."""
-    from shard.runtime.generate import Cache, as_attention_mask, prefill
     from shard.zoo.decoder import prompt_samples
 
     session = ort_session(path)

@@ -23,6 +23,8 @@ from typing import Callable
 
 from shard.bundle import MANIFEST, read_manifest, record_files
 from shard.errors import CompileError, ShardError
+from shard.runtime.executors.gpu import require_cuda
+from shard.runtime.executors.tensorrt import import_tensorrt
 
 BOOKKEEPING = ("Reformat", "NoOp", "Constant", "Shuffle", "Identity")   # layers that move data, compute nothing
 LOW = ("FP32", "FP16", "BF16")
@@ -89,9 +91,6 @@ def check_engine(info: dict, stage: str, precision: str, fp8_nodes: list[str]) -
 
 
 def import_builder():
-    from shard.runtime.executors.gpu import require_cuda
-    from shard.runtime.executors.tensorrt import import_tensorrt
-
     trt = import_tensorrt("shard build-engines")
     require_cuda("shard build-engines", "engines are built on the device that runs them")
     return trt

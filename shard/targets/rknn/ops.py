@@ -20,8 +20,10 @@ import numpy as np
 import onnx
 
 from shard import scratch
+from shard.calibration import random_samples, run_each
 from shard.compare import compare
 from shard.errors import RunError, TargetError
+from shard.graph import value_spec
 from shard.profile import Profile
 from shard.targets.rknn.cache import PointCache, default_cache_dir
 from shard.targets.rknn.classify import Point, classify_build, classify_numeric
@@ -98,9 +100,6 @@ def probe_inputs(model: onnx.ModelProto, scale: float, seed: int = 0) -> dict[st
 def write_samples(model: onnx.ModelProto, stem: Path, count: int = 2) -> list[list[str]]:
     """Seeded calibration samples for a quantized probe build (shard.calibration's random samples of
     the model's inputs): per sample, one .npy per input."""
-    from shard.calibration import random_samples
-    from shard.graph import value_spec
-
     specs = [value_spec(i) for i in model.graph.input]
     paths = []
     for k, sample in enumerate(in_domain(model, random_samples(specs, count))):
@@ -115,8 +114,6 @@ def in_domain(model: onnx.ModelProto, samples: list[dict[str, np.ndarray]]) -> l
     """The samples, the float inputs of each made non-negative where the model's output is NaN on it
     (Sqrt, Log, Pow of a negative base): the toolkit's quantizer takes its ranges from the samples,
     and a NaN range crashes it (`cannot convert float NaN to integer`)."""
-    from shard.calibration import run_each
-
     outputs = run_each(model, samples, [o.name for o in model.graph.output])
     return [{name: np.abs(x) if x.dtype.kind == "f" else x for name, x in sample.items()}
             if any(o.dtype.kind == "f" and np.isnan(o).any() for o in got.values()) else sample

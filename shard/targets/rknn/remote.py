@@ -33,8 +33,12 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from shard import scratch
 from shard.errors import RunError, ShardError
-from shard.targets.rknn.worker import WorkerFailed
+from shard.runtime.executors.rknn_board import infer_once, time_inference
+from shard.targets.rknn.env import find_python
+from shard.targets.rknn.memory import WORKER_BYTES
+from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, WorkerPool
 
 RETRIES = 3   # a request whose actor died is asked again this many times, each on the restarted actor
 CONNECTING = threading.Lock()   # threads that connect at once connect once
@@ -70,17 +74,12 @@ class ToolkitActor:
     the files it wrote (made a Ray actor by RayPool)."""
 
     def __init__(self, target: str):
-        from shard import scratch
-        from shard.targets.rknn.env import find_python
-
         self.python = find_python(target)
         self.tmp = scratch.folder("ray")   # swept by a later process once this one is gone, killed or not
         self.worker = None
         self.count = 0
 
     def request(self, req: dict, files: dict[str, bytes], timeout: float | None) -> tuple[dict, dict[str, bytes]]:
-        from shard.targets.rknn.worker import ToolkitWorker
-
         self.count += 1
         here = self.tmp / f"r{self.count}"
         here.mkdir()
@@ -249,10 +248,6 @@ def worker_pool(target: str, log_dir: Path, size: int, ray: str | None = None):
     """The toolkit workers a compile or a probe builds on: local processes (WorkerPool), or Ray actors
     where `ray` names a cluster (each reserving what its builds take, at least a worker's memory:
     shard.targets.rknn.memory)."""
-    from shard.targets.rknn.env import find_python
-    from shard.targets.rknn.memory import WORKER_BYTES
-    from shard.targets.rknn.worker import WorkerPool
-
     return RayPool(target, log_dir, size, ray, int(WORKER_BYTES)) if ray else WorkerPool(find_python(target), log_dir, size)
 
 
@@ -319,15 +314,11 @@ def on_board_with(address: str, chip: str, sent, timeout: float | None):
 
 def infer_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> list:
     """infer_once on an artifact sent as bytes (on a board's node)."""
-    from shard.runtime.executors.rknn_board import infer_once
-
     return on_sent_artifact(rknn, infer_once, arrays, platform, cores)
 
 
 def time_sent(rknn: bytes, arrays: list, platform: str, cores: int) -> float:
     """time_inference on an artifact sent as bytes (on a board's node)."""
-    from shard.runtime.executors.rknn_board import time_inference
-
     return on_sent_artifact(rknn, time_inference, arrays, platform, cores)
 
 
