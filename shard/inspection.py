@@ -17,7 +17,7 @@ from shard.graph import load_model, quiet_graphsurgeon
 from shard.options import CompileOptions
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
-from shard.summary import Change, Left, Stage, record
+from shard.summary import Stage, passed, stages_of
 from shard.targets.chips import DEFAULT_TARGET
 from shard.targets.registry import get_target
 
@@ -49,18 +49,15 @@ def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None)
     proto, _ = prepare_model(load_model(model), tgt.min_opset)
     _, ctx = run_passes(gs.import_onnx(proto), tgt, profile, options, until=None if tgt.stage_streams else "partition")
     result = Inspection(target, f"{profile.target} ({profile.toolkit})", host_pre=ctx.host_pre, host_post=ctx.host_post,
-                        stages=[record(Stage, s, f"passes.stages.stages[{k}]")
-                                for k, s in enumerate(ctx.reports.get("stages", {}).get("stages", []))])
+                        stages=stages_of(ctx.reports))
     for name in ("slow_paths", "scale_sandwich", "legalize"):
-        report = ctx.reports.get(name, {})
-        for c in report.get("changes", []):
-            change = record(Change, c, f"passes.{name}.changes")
+        report = passed(ctx.reports, name)
+        for change in report.changes:
             result.findings.append(Finding(change.node, change.op, change.reason, change.action + change.cycles(),
                                            "rewrite"))
-        for key in ("not_fixed", "tried"):
-            for left in (record(Left, c, f"passes.{name}.{key}") for c in report.get(key, [])):
-                result.findings.append(Finding(left.node, left.op, left.reason, left.action, "not fixed"))
-        for cpu in (record(Left, c, f"passes.{name}.reported") for c in report.get("reported", [])):
+        for left in report.not_fixed + report.tried:
+            result.findings.append(Finding(left.node, left.op, left.reason, left.action, "not fixed"))
+        for cpu in report.reported:
             result.findings.append(Finding(cpu.node, cpu.op, cpu.reason, "left to the vendor compiler (runs on the CPU)",
                                            "cpu"))
     return result

@@ -1,7 +1,10 @@
 """What `shard compile` prints: a compile's report read once into typed records, and the summary's
 lines made from their fields.
 
-`Summary.of(report)` is the one place the report's keys are read. A field every compile writes is
+This module is the one place a report's keys are read outside the code that writes it: the compile
+report (`Summary.of`, `StageSummary.of`, `totals_of`, `predicted_of`, `shards_of`) and the passes'
+own reports (`passed`, `cut_of`, `stages_of`, `fp8_nodes`, `rewrite_delta`), for the CLI, inspect,
+the compile's later stages and the generative compile alike. A field every compile writes is
 required: a report without it is refused there, in one line naming the entry and the field, never
 by a KeyError half way through the summary (a clean CLIP text encoder compile ended so, printing its
 changes). What only some compiles write has a default. The printer (`summary_lines`, `shards_table`)
@@ -84,6 +87,7 @@ class Change:
     before_cost: int | None = None       # with the ops the estimate leaves at 0 costed by bytes
     after_cost: int | None = None
     ddr_cycles_per_kb: float | None = None
+    form: str | None = None              # scale_sandwich: range, outlier split, hidden split, mask clamp
     query_tiles: int | None = None       # tile_attention: the tiles made, and how many the vendor kept apart
     tiles_in_layer_table: int | None = None
     tiles_survived: bool | None = None
@@ -111,10 +115,13 @@ class Left:
 
 @dataclass(frozen=True)
 class PassReport:
+    LISTS: typing.ClassVar = ("changes", "not_fixed", "tried", "reported")
+
     name: str
     changes: list[Change] = field(default_factory=list)
     not_fixed: list[Left] = field(default_factory=list)
     tried: list[Left] = field(default_factory=list)
+    reported: list[Left] = field(default_factory=list)   # left to the vendor compiler: it runs them on the CPU
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,7 @@ class Predicted:
     latency_s: float
     stream_fps: dict[str, float]
     handoff_seconds: list[float] | None = None    # per shard, on the board
+    shard_seconds: list[float] = field(default_factory=list)
     npu_seconds: list[float] = field(default_factory=list)
     vendor_handoff_s: float = 0.0
     npu_clock_hz: float | None = None
@@ -258,22 +266,20 @@ class Summary:
     @classmethod
     def of(cls, report: dict) -> Summary:
         """The summary of a compile's report (one precision, one bucket): its records, each checked."""
-        shards = [record(ShardRow, {**s, **s.get("diagnostics", {})}, f"shards[{k}]")
-                  for k, s in enumerate(take(report, "shards", "the report"))]
+        shards = shards_of(report)
         builds, seconds = report.get("builds", {}), report.get("seconds", {})
         versus = report.get("versus_vendor")
-        return cls(shards=shards, totals=record(Totals, take(report, "totals", "the report"), "totals"),
+        return cls(shards=shards, totals=totals_of(report),
                    precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
                    profile=maybe(ProfileLine, report.get("profile"), "profile"),
                    seconds=seconds.get("total", 0.0), builds_from_cache=builds.get("from_cache", 0),
                    builds_total=builds.get("total", 0),
                    from_bundle_cache=maybe(CacheHit, report.get("from_bundle_cache"), "from_bundle_cache"),
-                   mixed=mixed_of(report.get("mixed") or {}), cut=record(Cut, report.get("passes", {}).get(
-                       "partition", {}), "passes.partition"),
-                   predicted=maybe(Predicted, report.get("predicted"), "predicted"),
+                   mixed=mixed_of(report.get("mixed") or {}), cut=cut_of(report.get("passes", {})),
+                   predicted=predicted_of(report),
                    batch=report.get("batch", 1),
                    choices=[record(Choice, c, f"choices[{k}]") for k, c in enumerate(report.get("choices", []))],
-                   passes=[pass_of(name, passed) for name, passed in report.get("passes", {}).items()],
+                   passes=[pass_of(name, its) for name, its in report.get("passes", {}).items()],
                    host_pre=list(report.get("host_pre", [])), host_post=list(report.get("host_post", [])),
                    host_ms=report.get("host_ms"), host_post_ms=report.get("host_post_ms"),
                    versus=versus_of(versus) if versus else None, compared=report.get("vendor_alone") is not None,
@@ -285,8 +291,56 @@ def pass_of(name: str, passed: dict) -> PassReport:
     """A pass's changes and what it left (a pass's own other keys are its report's, not the summary's)."""
     if not isinstance(passed, dict):
         return PassReport(name)
-    return record(PassReport, {"name": name, **{key: passed.get(key) for key in ("changes", "not_fixed", "tried")}},
-                  f"passes.{name}")
+    return record(PassReport, {"name": name, **{key: passed.get(key) for key in PassReport.LISTS}}, f"passes.{name}")
+
+
+def passed(passes: dict, name: str) -> PassReport:
+    """The pass `name`'s report among a compile's (a PassContext's reports, or the report's "passes"); an
+    empty one where that pass did not run."""
+    return pass_of(name, passes.get(name))
+
+
+def shards_of(report: dict) -> list[ShardRow]:
+    return [record(ShardRow, {**s, **s.get("diagnostics", {})}, f"shards[{k}]")
+            for k, s in enumerate(take(report, "shards", "the report"))]
+
+
+def totals_of(report: dict) -> Totals:
+    return record(Totals, take(report, "totals", "the report"), "totals")
+
+
+def predicted_of(report: dict) -> Predicted | None:
+    """The compile's prediction of a run (the vendor's cycle estimates, a board's hand-offs), or None."""
+    return maybe(Predicted, report.get("predicted"), "predicted")
+
+
+def cut_of(passes: dict) -> Cut:
+    return record(Cut, passes.get("partition") or {}, "passes.partition")
+
+
+def stages_of(passes: dict) -> list[Stage]:
+    """A GPU target's pipeline stages (its stages pass); [] where there are none."""
+    stages = (passes.get("stages") or {}).get("stages", [])
+    return [record(Stage, s, f"passes.stages.stages[{k}]") for k, s in enumerate(stages)]
+
+
+def staged(report: dict) -> bool:
+    """A GPU target's compile: pipeline stages (StageSummary), not the NPU's shards (Summary)."""
+    return "stages" in take(report, "passes", "the report")
+
+
+def fp8_nodes(passes: dict) -> set[str]:
+    """The linears fp8_linears put in FP8."""
+    return {take(c, "node", "passes.fp8_linears.changes") for c in (passes.get("fp8_linears") or {}).get("changes", [])}
+
+
+def rewrite_delta(passes: dict) -> int:
+    """Cycles the rewrites saved, each measured by building its region before and after alone (the
+    changes with cycles before and after)."""
+    return sum((c.before_cycles or 0) - (c.after_cycles or 0)
+               for name, report in passes.items() if isinstance(report, dict)
+               for c in (record(Change, change, f"passes.{name}.changes")
+                         for change in report.get("changes", []) if "before_cycles" in change))
 
 
 def mixed_of(mixed: dict) -> Mixed:
@@ -712,9 +766,10 @@ class StageSummary:
 
     @classmethod
     def of(cls, report: dict) -> StageSummary:
-        stages = take(take(report, "passes", "the report").get("stages", {}), "stages", "passes.stages")
-        fp8 = report["passes"].get("fp8_linears") or {}
-        return cls(stages=[record(Stage, s, f"passes.stages.stages[{k}]") for k, s in enumerate(stages)],
+        passes = take(report, "passes", "the report")
+        take(passes.get("stages", {}), "stages", "passes.stages")
+        fp8 = passes.get("fp8_linears") or {}
+        return cls(stages=stages_of(passes),
                    precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
                    fp8=record(Fp8, {**fp8, "linears": len(fp8.get("changes", []))}, "passes.fp8_linears"),
                    batch=report.get("batch", 1), batch_auto=maybe(BatchAuto, report.get("batch_auto"), "batch_auto"))

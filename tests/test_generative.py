@@ -20,6 +20,7 @@ from shard.errors import RunError, ShardError
 from shard.runtime import load
 from shard.runtime.executors import held_nhwc
 from shard.runtime.generate import Cache, GenerativeSession, read_generative, sampler, step_mask, teacher_forced
+from shard.summary import Predicted
 from shard.verifier import parting
 
 WORDS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"] + [f"w{k}" for k in range(92)]   # 97 tokens
@@ -624,7 +625,7 @@ def test_a_vlm_bundle_generates_transformers_own_tokens_about_an_image(vlm, cpu_
     assert result.spec.vision["most"] == {"squares": 5, "tokens": 20}
     # The vision program is one shard: 5 squares of 0.1 s each, pipelined over 3 cores, take 2 rounds.
     assert len(read_manifest(result.bundle / "vision").shards) == 1
-    one = {"latency_s": 0.1, "shard_seconds": [0.1], "stream_fps": {"1": 10.0, "2": 20.0, "3": 30.0}}
+    one = Predicted(latency_s=0.1, shard_seconds=[0.1], stream_fps={"1": 10.0, "2": 20.0, "3": 30.0})
     assert vision_time(result.spec.vision, one, result.bundle) == {"vision_ms": 100.0, "image_ms": 200.0,
                                                                     "image_squares": 5, "cores": 3}
     with load(result.bundle) as session:
@@ -716,14 +717,16 @@ def test_chunk_auto_takes_the_fewest_prompt_steps_the_decode_steps_prediction_al
     from shard.compilation.generative import choose_chunk
 
     facts = {"macs_per_cycle_fp16": 512.0, "macs_per_cycle_int8": 1024.0}
-    decode = {"predicted": {"npu_seconds": [9.3e-3, 6.1e-3], "npu_clock_hz": 1e9},
-              "shards": [{"macs": 80e6}, {"macs": 50e6}]}
+    decode = {"predicted": {"latency_s": 0.02, "stream_fps": {"1": 50.0}, "npu_seconds": [9.3e-3, 6.1e-3],
+                            "npu_clock_hz": 1e9},
+              "shards": [{"name": "s0", "core": 0, "nodes": 9, "macs": 80e6},
+                         {"name": "s1", "core": 1, "nodes": 7, "macs": 50e6}]}
     why = choose_chunk(decode, 512, "fp16", facts)
-    assert why["chunk"] == 64 and why["prefill_s"]["16"] == pytest.approx(8 * 15.4e-3)
-    assert why["prefill_s"]["64"] == pytest.approx(2 * 64 * 130e6 / 512e9, rel=1e-4) and "2 steps of 64" in why["why"]
-    assert choose_chunk(decode, 512, "int8", facts)["chunk"] == 128   # twice the rate: 128 tokens in one read
-    assert choose_chunk(decode, 32, "fp16", facts)["chunk"] == 32
-    assert choose_chunk({"predicted": None, "shards": []}, 512, "fp16", facts)["chunk"] == 16
+    assert why.chunk == 64 and why.prefill_s["16"] == pytest.approx(8 * 15.4e-3)
+    assert why.prefill_s["64"] == pytest.approx(2 * 64 * 130e6 / 512e9, rel=1e-4) and "2 steps of 64" in why.why
+    assert choose_chunk(decode, 512, "int8", facts).chunk == 128   # twice the rate: 128 tokens in one read
+    assert choose_chunk(decode, 32, "fp16", facts).chunk == 32
+    assert choose_chunk({"predicted": None, "shards": []}, 512, "fp16", facts).chunk == 16
 
 
 @pytest.mark.toolkit

@@ -171,3 +171,41 @@ def test_the_rknn_executors_import_where_only_numpy_and_the_toolkit_are():
     compiler = {"onnx_graphsurgeon", "networkx", "onnxruntime", "torch", "shard.passes", "shard.compilation",
                 "shard.targets.rknn.target"}
     assert not modules & compiler, sorted(modules & compiler)
+
+
+def key_reads(path: Path, bases: tuple[str, ...]) -> list[str]:
+    """Reads of a report by a key written in the code (`x.report["totals"]`, `reports.get("partition")`) in
+    one file, where the report's name ends in one of `bases`: a subscript or .get() that is not the
+    target of an assignment, nor the object of an .append/.update/.extend (a write)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def named(node) -> bool:
+        return isinstance(node, (ast.Name, ast.Attribute)) and ast.unparse(node).endswith(bases)
+
+    def written(node) -> bool:
+        up = parents.get(node)
+        return (isinstance(up, ast.Subscript) and isinstance(up.ctx, ast.Store) or isinstance(up, ast.AugAssign)
+                or isinstance(up, ast.Attribute) and up.attr in ("append", "update", "extend", "setdefault"))
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and named(node.value) \
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str) and not written(node):
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and named(node.func.value) and node.args and isinstance(node.args[0], ast.Constant):
+            found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    return found
+
+
+def test_reports_are_read_through_their_typed_records():
+    """A compile's report and its passes' reports are read by key only where they are written (the
+    passes, shard/compilation/) and in shard.summary, which reads them into typed records: everywhere
+    else (the CLI, inspect, the runtime) reads fields. Inside shard/compilation/ no stage reads a pass's
+    report by key (shard.summary.passed, cut_of, stages_of, fp8_nodes)."""
+    makers = {ROOT / "summary.py"} | set((ROOT / "passes").rglob("*.py")) | set((ROOT / "compilation").rglob("*.py"))
+    reads = [hit for path in sorted(ROOT.rglob("*.py")) if path not in makers
+             for hit in key_reads(path, ("report", "reports"))]
+    reads += [hit for path in sorted((ROOT / "compilation").rglob("*.py")) for hit in key_reads(path, ("ctx.reports",))]
+    assert not reads, "reports read by key:\n" + "\n".join(reads)

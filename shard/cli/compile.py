@@ -16,7 +16,7 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.buckets import read_buckets
 from shard.summary import (SpeedRow, StageSummary, Summary, image_room_lines, shards_table, speed_lines, speed_table,
-                           stage_lines, stage_table, summary_lines)
+                           stage_lines, stage_table, staged, summary_lines)
 from shard.targets.chips import DEFAULT_TARGET, targets_help
 
 app = typer.Typer(add_completion=False)
@@ -158,10 +158,10 @@ def compile_one_command(model: Path, target: str, output: Path | None, options, 
 
 
 def print_compile_result(result) -> None:
-    if "buckets" in result.report:
+    if result.bucket_reports:
         for bucket in read_buckets(result.bundle).buckets:
             console.rule(bucket_title(bucket))
-            print_compile_report(result.report["buckets"][bucket.name])
+            print_compile_report(result.bucket_reports[bucket.name])
     else:
         print_compile_report(result.report)
     console.print(f"bundle: {result.bundle}")
@@ -182,7 +182,7 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
                      f"cache of {program.capacity}")
         print_compile_report(result.reports[program.name])
     if result.chunk is not None:
-        console.print(f"--chunk auto: {result.chunk['chunk']} tokens a prompt step: {result.chunk['why']}")
+        console.print(f"--chunk auto: {result.chunk.chunk} tokens a prompt step: {result.chunk.why}")
     rows = [SpeedRow.of(row, f"predicted[{k}]") for k, row in enumerate(result.predicted)]
     if rows and rows[0].decode_tokens_per_s:
         console.print(speed_table(rows))
@@ -221,10 +221,10 @@ def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
 
 def print_compile_report(report: dict) -> None:
     """The shards' table and the summary under it, from the report's typed records (shard.summary)."""
-    if "stages" in report["passes"]:   # a GPU target's pipeline stages
-        staged = StageSummary.of(report)
-        console.print(stage_table(staged.stages, f"{len(staged.stages)} pipeline stages, {staged.precision}"))
-        for line in stage_lines(staged):
+    if staged(report):   # a GPU target's pipeline stages
+        stages = StageSummary.of(report)
+        console.print(stage_table(stages.stages, f"{len(stages.stages)} pipeline stages, {stages.precision}"))
+        for line in stage_lines(stages):
             console.print(line)
         return
     summary = Summary.of(report)

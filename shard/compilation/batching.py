@@ -19,6 +19,7 @@ from shard.compilation.stages import run_passes
 from shard.compilation.state import Progress
 from shard.errors import ModelError, ShardError
 from shard.graph import load_model, quiet_graphsurgeon
+from shard.summary import stages_of
 from shard.options import CompileOptions
 from shard.passes.canonicalize import prepare_model
 from shard.profile import load_profile
@@ -106,7 +107,7 @@ def choose_batch(model: Path, inputs: list, target: str, options: CompileOptions
             raise ModelError(f"--batch auto: {model.name} takes one batch size only (its inputs' leading axes are "
                              f"fixed); export it with a dynamic batch axis") from None
         _, ctx = run_passes(gs.import_onnx(proto), tgt, profile, fixed)
-        seconds = [s["predicted_s"] for s in ctx.reports["stages"]["stages"]]
+        seconds = [s.predicted_s for s in stages_of(ctx.reports)]
         candidates.append({"batch": batch, "latency_s": sum(seconds), "fps": batch / max(seconds)})
     progress("--batch auto", len(BATCHES), len(BATCHES))
     return {"batch": pick(candidates, options.latency_budget), "latency_budget_s": options.latency_budget,

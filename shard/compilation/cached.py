@@ -65,5 +65,6 @@ def restored(staging: Path, output: Path, record: dict, seconds: float) -> Compi
         (folder / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         reports[folder.name] = report
     replace_dir(staging, output)
-    return CompileResult(bundle=output, manifest=manifests[-1],
-                         report={"buckets": reports} if folders[0] != staging else reports[staging.name])
+    if folders[0] != staging:
+        return CompileResult.of_buckets(output, manifests[-1], reports)
+    return CompileResult(bundle=output, manifest=manifests[-1], report=reports[staging.name])

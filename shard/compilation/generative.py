@@ -12,7 +12,7 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ from shard.profile import load_profile
 from shard.runtime.generate import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
                                     refuse_custom_code, time_row_writes)
 from shard.runtime.scheduler import predict_stream
+from shard.summary import Predicted, predicted_of, shards_of
 from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff
 from shard.zoo import onnx_decoder as onnx_form
 
@@ -50,7 +51,19 @@ class GenerativeResult:
     spec: GenerativeSpec
     reports: dict[str, dict]   # each program's compile report
     predicted: list[dict]      # per cache capacity
-    chunk: dict | None = None  # why --chunk auto chose the prompt step's width (choose_chunk)
+    chunk: ChunkChoice | None = None  # why --chunk auto chose the prompt step's width (choose_chunk)
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    """The prompt step's width --chunk auto chose, why, and the figures it was chosen by."""
+
+    chunk: int
+    why: str
+    prefill_s: dict[str, float] | None = None   # a prompt of PREFILL_TOKENS, by step width
+    step_s: float | None = None                 # a step that reads every weight once: the decode step's NPU time
+    macs_per_token: float | None = None
+    macs_per_s: float | None = None
 
 
 MAX_CONTEXT = 1 << 17   # tokens a cache may hold, whatever the model (its config may say fewer)
@@ -142,7 +155,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         handoff = board_handoff(target, load_profile(target, options.profile).facts)
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging, handoff)
         (staging / GENERATIVE).write_text(spec.to_json())
-        (staging / "report.json").write_text(json.dumps({"predicted": predicted, "chunk": why}, indent=2) + "\n")
+        (staging / "report.json").write_text(json.dumps({"predicted": predicted, "chunk": why and asdict(why)}, indent=2) + "\n")
         replace_dir(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -152,7 +165,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
 
 def compile_steps(decoder: Decoder, capacities: list[int], chunk: int | None, one_step: bool, target: str,
                   options: CompileOptions, staging: Path, exports: Path, progress: Progress
-                  ) -> tuple[list[Program], dict[str, dict], dict | None]:
+                  ) -> tuple[list[Program], dict[str, dict], ChunkChoice | None]:
     """Every step program compiled: (the programs, {name: report}, why the chunk is what it is where
     --chunk auto chose it). The chunk None: the decode steps first, then the prompt's at the width
     choose_chunk takes from the first of them."""
@@ -168,7 +181,7 @@ def compile_steps(decoder: Decoder, capacities: list[int], chunk: int | None, on
         reports = compile_programs(decoder, decodes, target, options, staging, exports, progress)
         why = choose_chunk(reports[decodes[0].name], capacities[0], options.precision,
                            load_profile(target, options.profile).facts)
-        chunk = why["chunk"]
+        chunk = why.chunk
     else:
         reports = {}
     prompts = [named("prefill", chunk, c) for c in capacities if chunk > 1]
@@ -179,29 +192,30 @@ def compile_steps(decoder: Decoder, capacities: list[int], chunk: int | None, on
     return programs, reports, why
 
 
-def choose_chunk(decode: dict, capacity: int, precision: str, facts: dict) -> dict:
+def choose_chunk(decode: dict, capacity: int, precision: str, facts: dict) -> ChunkChoice:
     """The prompt step's width for the fewest seconds over a prompt of PREFILL_TOKENS: a step of w
     tokens takes the decode step's NPU time (reading every weight once, which a one-token step is
     bound by) or its MACs for w tokens at the NPU's peak rate, whichever is longer (the decode step's
     MACs a token, its LM head included, where the prompt's step computes the head for one token
     only: an upper bound). The smallest such width among CHUNKS within the cache; DEFAULT_CHUNK
-    where the decode step has no NPU prediction. {"chunk", and the figures it was chosen by}."""
-    predicted = decode.get("predicted") or {}
-    npu, clock = predicted.get("npu_seconds"), predicted.get("npu_clock_hz")
+    where the decode step has no NPU prediction (`decode`: its compile report)."""
+    predicted = predicted_of(decode)
+    npu, clock = (predicted.npu_seconds, predicted.npu_clock_hz) if predicted else (None, None)
     rate = facts.get(f"macs_per_cycle_{'int8' if precision in ('int8', 'mixed') else 'fp16'}")
     widths = [w for w in CHUNKS if w <= capacity] or [capacity]
     if not npu or not clock or not rate:
-        return {"chunk": min(DEFAULT_CHUNK, capacity), "why": "no NPU prediction of the decode step"}
-    step, macs = sum(npu), sum(s["macs"] for s in decode["shards"])
+        return ChunkChoice(min(DEFAULT_CHUNK, capacity), "no NPU prediction of the decode step")
+    step, macs = sum(npu), sum(s.macs for s in shards_of(decode))
     seconds = {w: math.ceil(PREFILL_TOKENS / w) * max(step, w * macs / (rate * clock)) for w in widths}
     best = min(widths, key=lambda w: (round(seconds[w], 6), w))
-    return {"chunk": best, "prefill_s": {str(w): round(t, 5) for w, t in seconds.items()}, "step_s": round(step, 5),
-            "macs_per_token": macs, "macs_per_s": rate * clock,
-            "why": f"a {PREFILL_TOKENS}-token prompt in {math.ceil(PREFILL_TOKENS / best)} steps of {best}, predicted "
-                   f"{1e3 * seconds[best]:.1f} ms against {1e3 * seconds[min(widths)]:.1f} ms in steps of "
-                   f"{min(widths)}: a step reads every weight once ({1e3 * step:.1f} ms, the decode step's NPU time) "
-                   f"or computes its tokens' MACs ({macs / 1e6:.0f} M a token at {rate:.0f} MACs a cycle), "
-                   f"whichever is longer"}
+    return ChunkChoice(
+        best, prefill_s={str(w): round(t, 5) for w, t in seconds.items()}, step_s=round(step, 5),
+        macs_per_token=macs, macs_per_s=rate * clock,
+        why=f"a {PREFILL_TOKENS}-token prompt in {math.ceil(PREFILL_TOKENS / best)} steps of {best}, predicted "
+            f"{1e3 * seconds[best]:.1f} ms against {1e3 * seconds[min(widths)]:.1f} ms in steps of "
+            f"{min(widths)}: a step reads every weight once ({1e3 * step:.1f} ms, the decode step's NPU time) "
+            f"or computes its tokens' MACs ({macs / 1e6:.0f} M a token at {rate:.0f} MACs a cycle), "
+            f"whichever is longer")
 
 
 def check_context(capacities: list[int], chunk: int) -> None:
@@ -262,15 +276,15 @@ def decoder_bytes(model) -> int:
     return 2 * (params + head.weight.numel())
 
 
-def vision_time(vision: dict, predicted: dict, bundle: Path | None) -> dict:
+def vision_time(vision: dict, predicted: Predicted | None, bundle: Path | None) -> dict:
     """vision_ms: one square through the vision program; image_ms: the most squares an image splits
     into, run as a stream of frames over the cores (the scheduler's own policy replayed)."""
-    seconds = predicted.get("latency_s")
+    seconds = predicted and predicted.latency_s
     times = {"vision_ms": round(1e3 * seconds, 1) if seconds else None}
     squares = vision.get("most", {}).get("squares", 1)
     if seconds and squares > 1 and bundle is not None:
-        cores = list(range(max(int(n) for n in predicted["stream_fps"])))
-        fps = predict_stream(read_manifest(bundle / vision["program"]).shards, predicted["shard_seconds"], cores,
+        cores = list(range(max(int(n) for n in predicted.stream_fps)))
+        fps = predict_stream(read_manifest(bundle / vision["program"]).shards, predicted.shard_seconds, cores,
                              frames=squares)[1]
         times.update(image_ms=round(1e3 * squares / fps, 1), image_squares=squares, cores=len(cores))
     return times
@@ -287,14 +301,14 @@ def predict(spec: GenerativeSpec, reports: dict[str, dict], weight_bytes: int, t
     in `bundle`); and, on a board whose hand-off is known (`rates`), the same with the cache held
     where the NPU reads it (held_speed)."""
     chip = CHIPS.get(target)
-    seen = vision_time(spec.vision, reports["vision"].get("predicted") or {}, bundle) if "vision" in reports else {}
+    seen = vision_time(spec.vision, predicted_of(reports["vision"]), bundle) if "vision" in reports else {}
     rows = []
     for capacity in spec.capacities:
-        steps = {w: reports[p.name].get("predicted") or {} for w, p in widths(spec, capacity).items()}
+        steps = {w: predicted_of(reports[p.name]) for w, p in widths(spec, capacity).items()}
         prompt_step = steps[max(steps)]
         decode_step = steps.get(1, prompt_step)   # --one-step: the answer's tokens through the prompt's step
-        prefill, decode = prompt_step.get("latency_s"), decode_step.get("latency_s")
-        handoff = sum(decode_step.get("handoff_seconds", []))
+        prefill, decode = prompt_step and prompt_step.latency_s, decode_step and decode_step.latency_s
+        handoff = sum(decode_step.handoff_seconds or []) if decode_step else 0.0
         cache_bytes = 2 * spec.layers * spec.kv_heads * spec.head_dim * capacity * 2   # keys and values, fp16
         row = {"capacity": capacity,
                "prefill_128_ms": round(1e3 * prefill * math.ceil(PREFILL_TOKENS / spec.chunk), 2) if prefill else None,
@@ -327,8 +341,8 @@ def widths(spec: GenerativeSpec, capacity: int) -> dict[int, Program]:
     return {p.width: p for p in spec.programs if p.capacity == capacity}
 
 
-def held_speed(spec: GenerativeSpec, capacity: int, steps: dict[int, tuple[Program, dict]], handoff: Handoff,
-               bundle: Path) -> dict:
+def held_speed(spec: GenerativeSpec, capacity: int, steps: dict[int, tuple[Program, Predicted | None]],
+               handoff: Handoff, bundle: Path) -> dict:
     """Prefill and decode with the cache held in NPU memory (shard.runtime.executors.rknn_held), where
     every shard is fp16: each shard the NPU's time and the hand-off of its other inputs and of its
     outputs (the logits, the new keys and values), and the host's writes of the new keys and values
@@ -338,7 +352,7 @@ def held_speed(spec: GenerativeSpec, capacity: int, steps: dict[int, tuple[Progr
     times = {}
     for width, (program, predicted) in steps.items():
         shards = read_manifest(bundle / program.name).shards
-        npu = predicted.get("npu_seconds")
+        npu = predicted and predicted.npu_seconds
         if not npu or any(shard.precision != "fp16" for shard in shards):
             return {}
         moves = [handoff.between([t for t in shard.inputs if t.name not in held], shard.outputs) for shard in shards]

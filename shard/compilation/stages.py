@@ -38,6 +38,7 @@ from shard.passes.canonicalize import prepare_model
 from shard.passes.fit import Legality, OneOpBuilds
 from shard.precision import rank_linears
 from shard.profile import load_profile
+from shard.summary import cut_of, passed
 from shard.targets.build_cache import structure_key
 from shard.targets.chips import board_handoff
 from shard.targets.registry import get_target
@@ -159,7 +160,7 @@ def rewrite(c: Compilation) -> None:
                                 until="slow_paths" if c.options.vendor_only else None)
     c.ctx.reports["canonicalize"]["prepared"] = prepared
     c.plans = c.ctx.plan or []
-    c.builder.at_once(c.ctx.reports.get("partition", {}).get("builds_at_once", c.options.jobs))
+    c.builder.at_once(cut_of(c.ctx.reports).builds_at_once or c.options.jobs)
     c.canonical = c.ctx.snapshots.pop("canonicalize", None)
     c.originals = original_plans(c.canonical, c.plans, c.ctx.host_post) if c.canonical is not None \
         else [None] * len(c.plans)
@@ -210,8 +211,7 @@ def choose(c: Compilation) -> None:
     precision's fp16 ops cost cycles by choice (cores, fidelity), so cycles are not judged there."""
     c.axes = HARD_AXES if c.options.tile_attention == "force" or c.options.precision == "mixed" else AXES
     stop_where_both_fail(c)
-    c.in_range = {ch["node"] for ch in c.ctx.reports.get("scale_sandwich", {}).get("changes", [])
-                  if ch["form"] == "range"}
+    c.in_range = {ch.node for ch in passed(c.ctx.reports, "scale_sandwich").changes if ch.form == "range"}
     versions = [(plan.name, plan) for plan in c.plans] + [
         (f"{plan.name}{UNREWRITTEN}", original) for plan, original in zip(c.plans, c.originals)
         if original is not None]
@@ -368,8 +368,8 @@ def hold_the_floor(c: Compilation, samples: list[dict]) -> None:
     c.progress("fidelity floor: the first output to overflow", 0, 1)
     first = first_overflow(c.staging, c.model, samples[:1])
     where = f"; the first to overflow, fed onnxruntime's tensors: {first}" if first else ""
-    unfixed = c.ctx.reports.get("scale_sandwich", {}).get("not_fixed") or []
-    why = f"; scale_sandwich: {unfixed[0]['node']} ({unfixed[0]['op']}): {unfixed[0]['reason']}" if unfixed else ""
+    unfixed = passed(c.ctx.reports, "scale_sandwich").not_fixed
+    why = f"; scale_sandwich: {unfixed[0].node} ({unfixed[0].op}): {unfixed[0].reason}" if unfixed else ""
     line = f"the bundle is under the fidelity floor: {what}{tried}{where}{why}"
     if not options.allow_low_fidelity:
         raise CompileError(f"{line}; nothing written (--allow-low-fidelity writes it anyway)")

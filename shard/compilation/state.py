@@ -40,6 +40,16 @@ class CompileResult:
     report: dict
     rank: Callable[[], dict] | None = field(default=None, repr=False)   # mixed: mixed_ranking of its graph
 
+    @classmethod
+    def of_buckets(cls, bundle: Path, manifest: Manifest, reports: dict[str, dict]) -> CompileResult:
+        """A bundle of shape buckets: its report holds each bucket's compile report under the bucket's name."""
+        return cls(bundle, manifest, {"buckets": reports})
+
+    @property
+    def bucket_reports(self) -> dict[str, dict]:
+        """{bucket: its compile report}; {} for a bundle of one shape."""
+        return self.report.get("buckets", {})
+
 
 @dataclass
 class Compilation:

@@ -23,6 +23,7 @@ from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions
 from shard.precision import next_count
 from shard.runtime.buckets import BUCKETS, Bucket, Buckets, crop_axes
+from shard.summary import totals_of
 
 
 def compile_uncached(model: Path, target: str, output: Path, options: CompileOptions,
@@ -114,13 +115,14 @@ def compile_mixed(model: Path, target: str, output: Path, options: CompileOption
             if ranking is None and cosine < options.min_cosine:   # ranked once, where the first round falls short
                 ranking = result.rank()
             result.rank = None   # lets go of the round's graph
-            int8 = result.report["totals"].get("int8_mac_share") or 0.0
+            totals = totals_of(result.report)
+            int8 = totals.int8_mac_share or 0.0
             linears = ranking["linears"] if ranking else []
             predicted = (linears[len(promoted) - 1]["cosine_after"] if promoted else ranking["replica_cosine"]) \
                 if ranking else None
             rounds.append({"round": k + 1, "promoted": tuple(promoted), "predicted": predicted, "cosine": cosine,
                            "cosine_calibration": on_fit, "int8_mac_share": int8,
-                           "estimated_cycles": result.report["totals"]["estimated_cycles"]})
+                           "estimated_cycles": totals.estimated_cycles})
             progress(f"mixed precision, round {k + 1}: cosine {cosine:.5f} held out ({on_fit:.5f} on the "
                      f"calibration samples), int8 MACs {100 * int8:.1f} %", 1, 1)
             if best is None or kept_before(rounds[-1], best[0], options.min_cosine):
@@ -235,5 +237,4 @@ def compile_buckets(model: Path, target: str, output: Path, options: CompileOpti
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return CompileResult(bundle=output, manifest=results[-1].manifest,
-                         report={"buckets": {b.name: r.report for b, r in zip(buckets, results)}})
+    return CompileResult.of_buckets(output, results[-1].manifest, {b.name: r.report for b, r in zip(buckets, results)})

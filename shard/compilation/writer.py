@@ -22,10 +22,11 @@ from shard.graph import graph_tensors, sha256_file, tensor_spec
 from shard.options import CompileOptions
 from shard.passes import PassContext
 from shard.passes.partition import npu_seconds_per_mac
-from shard.passes.tile_attention import confirm_tiles
+from shard.passes.tile_attention import confirm_tiles, tiled
 from shard.runtime import random_inputs
 from shard.runtime.host import load_tables, run_host, step_files, step_inputs
 from shard.runtime.scheduler import predict_stream
+from shard.summary import fp8_nodes, rewrite_delta
 from shard.targets import ShardBuild, ShardJob, Target
 from shard.targets.chips import board_handoff
 
@@ -56,7 +57,7 @@ class BundleWriter:
         ctx = self.ctx
         cores = len(chosen) if self.tgt.stage_streams else self.profile.cores   # GPU: a stream per stage
         specs = keep_files(folder, self.tgt, chosen, cores, self.build, self.edge_shapes, self.jobs, self.builds)
-        fp8 = {c["node"] for c in ctx.reports.get("fp8_linears", {}).get("changes", [])}
+        fp8 = fp8_nodes(ctx.reports)
         for spec in specs if fp8 else []:   # what build-engines checks each engine runs in FP8
             spec.build_options = {**spec.build_options, "fp8_nodes": sorted(fp8 & set(spec.source_nodes))}
         for spec in specs:  # edges scale_sandwich holds divided by a power of two (verify feeds them so)
@@ -198,12 +199,11 @@ def relocate_weights(path: Path, built_from: dict[str, str]) -> None:
 def confirm_tiles_in_logs(tgt: Target, reports: dict, jobs: list[ShardJob], undone: set[str]) -> None:
     """Read the kept shard builds' layer tables: did the attention tiles stay apart? (Tilings undone
     in favour of an unrewritten shard have nothing to confirm.)"""
-    changes = [c for c in reports.get("tile_attention", {}).get("changes", []) if c["node"] not in undone]
-    if not changes:
+    if not tiled(reports, undone):
         return
     names = [name for job in jobs if job.log.exists() for name in tgt.layer_names(job.log)]
     if names:  # targets without a layer table (cpu) have nothing to confirm
-        confirm_tiles(changes, names)
+        confirm_tiles(reports, names, undone)
 
 
 def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild], seconds: dict) -> dict:
@@ -260,9 +260,3 @@ def npu_prediction(manifest: Manifest, rows: list[dict], profile) -> dict | None
                          vendor_handoff_s=handoff.between(manifest.inputs, manifest.outputs))
     return predicted
 
-
-def rewrite_delta(passes: dict) -> int:
-    """Cycles the rewrites saved, each measured by building its region before and after alone.
-    The whole model before the passes is then the built shards' sum plus this."""
-    return sum((c.get("before_cycles") or 0) - (c.get("after_cycles") or 0)
-               for report in passes.values() for c in report.get("changes", []) if "before_cycles" in c)

@@ -15,6 +15,7 @@ the profile's softmax row limit for its key length; off leaves attention alone.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -291,13 +292,16 @@ def tile_attention(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     return graph, report
 
 
-def confirm_tiles(changes: list[dict], layer_names: list[str]) -> None:
+def tiled(reports: dict, undone: set[str]) -> list[dict]:
+    """The attentions this pass tiled (its changes in a compile's pass reports), less those `undone`."""
+    return [c for c in (reports.get("tile_attention") or {}).get("changes", []) if c["node"] not in undone]
+
+
+def confirm_tiles(reports: dict, layer_names: list[str], undone: set[str] = frozenset()) -> None:
     """After the build: how many tiles of each attention the vendor's layer table still shows as
     layers of their own (fused back, they would share one layer); recorded in each change."""
-    import re
-
     text = "\n".join(layer_names)
-    for change in changes:
+    for change in tiled(reports, undone):
         found = set(re.findall(re.escape(change["node"] + TILE_MARK) + r"(\d+)/", text))
         change["tiles_in_layer_table"] = len(found)
         change["tiles_survived"] = len(found) == change["query_tiles"]
