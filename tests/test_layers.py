@@ -209,3 +209,15 @@ def test_reports_are_read_through_their_typed_records():
              for hit in key_reads(path, ("report", "reports"))]
     reads += [hit for path in sorted((ROOT / "compilation").rglob("*.py")) for hit in key_reads(path, ("ctx.reports",))]
     assert not reads, "reports read by key:\n" + "\n".join(reads)
+
+
+def test_the_readme_is_short_lists_and_short_cells():
+    """The README says what each command does in short (table cells of at most 400 characters, list items
+    of at most 200); what each option does is in docs/COMMANDS.md, which every command's entry links to."""
+    readme = (ROOT.parent / "README.md").read_text()
+    cells = [cell for line in readme.splitlines() if line.startswith("|") for cell in line.split("|")]
+    items = [line for line in readme.splitlines() if line.startswith("- ")]
+    assert cells and items and max(map(len, cells)) <= 400 and max(map(len, items)) <= 200
+    commands = (ROOT.parent / "docs" / "COMMANDS.md").read_text()
+    for anchor in set(re.findall(r"docs/COMMANDS\.md#([a-z-]+)", readme)):
+        assert f"\n## {anchor.replace('-', ' ')}" in commands.lower(), anchor
