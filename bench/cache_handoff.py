@@ -110,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     shape = (args.layers, args.kv_heads, args.capacity, args.head_dim)
     if args.bundle:
-        from shard.runtime.generate import read_generative
+        from shard.runtime.generative_bundle import read_generative
 
         s = read_generative(args.bundle)
         shape = (s.layers, s.kv_heads, s.capacities[0], s.head_dim)

@@ -85,7 +85,7 @@ def main() -> None:
         started = time.perf_counter()   # again, each next image seen while the one before decodes
         overlapped = list(session.generate_each(requests, max_new_tokens=args.new, chat=True, stop=set()))
         ahead = time.perf_counter() - started
-        looks = [vision_times(session, session.encode(PROMPTS[0], True, r["images"])[1]) for r in requests[::2]]
+        looks = [vision_times(session, session.prompts.encode(PROMPTS[0], True, r["images"])[1]) for r in requests[::2]]
         same, ties, agree, cosines = 0, 0, [], []
         for request, out, again in zip(requests, outs, overlapped):
             image, prompt = request["images"][0], request["prompt"]
@@ -98,7 +98,7 @@ def main() -> None:
                 ids = encoded["input_ids"][0].tolist() + theirs
                 want = model(input_ids=torch.tensor([ids]), pixel_values=encoded["pixel_values"],
                              pixel_attention_mask=encoded["pixel_attention_mask"]).logits[0, len(out.prompt) - 1:].numpy()
-            got = session.logits(ids, session.encode(prompt, True, [image])[1], len(out.prompt) - 1)   # teacher-forced
+            got = session.logits(ids, session.prompts.encode(prompt, True, [image])[1], len(out.prompt) - 1)   # teacher-forced
             agree += [int(np.argmax(g) == np.argmax(w)) for g, w in zip(got, want)]
             cosines += [compare("logits", w, g).cosine for g, w in zip(got, want)]
             same += out.tokens == theirs == again.tokens

@@ -329,7 +329,7 @@ def verify_generative(bundle: str | Path, reference: str | Path, prompts=PROMPTS
         checks = []
         for k, prompt in enumerate(prompts):
             progress(f"prompts ({session.backend})", k, len(prompts))
-            ids, _ = session.encode(prompt, chat=True)
+            ids, _ = session.prompts.encode(prompt, chat=True)
             check = check_prompt(session.run, session.table, session.cache, session.spec.chunk, model, ids, new, forced,
                                  session.spec.decode_width)
             check.prompt = prompt

@@ -19,7 +19,8 @@ from shard.compilation.generative import compile_generative, vision_time
 from shard.errors import RunError, ShardError
 from shard.runtime import load
 from shard.runtime.executors import held_nhwc
-from shard.runtime.generate import Cache, GenerativeSession, read_generative, sampler, step_mask, teacher_forced
+from shard.runtime.generate import Cache, GenerativeSession, sampler, step_mask, teacher_forced
+from shard.runtime.generative_bundle import read_generative
 from shard.summary import Predicted
 from shard.verifier import parting
 
@@ -408,7 +409,7 @@ def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(che
         assert not held_nhwc(session.cache().keys[0]) and session.cache().keys[0].dtype == np.float32
         held = Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim, np.float16,
                            buckets=tuple(s.capacities[1:]), nhwc=True)
-        np.testing.assert_array_equal(teacher_forced(session.run, held, session.embed(ids), 0, s.chunk), got)
+        np.testing.assert_array_equal(teacher_forced(session.run, held, session.prompts.embed(ids), 0, s.chunk), got)
         assert held.capacity == 32 and all(a.dtype == np.float16 and held_nhwc(a) for a in held.keys + held.values)
 
 
@@ -507,7 +508,7 @@ def test_every_file_of_the_tokenizer_is_held_to_its_recorded_hash(checkpoint, cp
 
 def test_a_tokenizer_asking_for_code_of_its_own_is_refused_even_with_its_hash(cpu_bundle, tmp_path):
     from shard.errors import BundleError
-    from shard.runtime.generate import GENERATIVE, check_files, record_files
+    from shard.runtime.generative_bundle import GENERATIVE, check_files, record_files
 
     copy = tmp_path / "lm.shard"
     shutil.copytree(cpu_bundle.bundle, copy)

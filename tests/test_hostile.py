@@ -22,7 +22,7 @@ def reseal(bundle: Path, template: str) -> None:
     """The bundle as a compile from a checkpoint with this chat template would write it: the template,
     its hash and the spec's digest."""
     from shard.bundle import sealed_digest
-    from shard.runtime.generate import GENERATIVE, record_files
+    from shard.runtime.generative_bundle import GENERATIVE, record_files
 
     (bundle / "tokenizer" / "chat_template.jinja").write_text(template)
     data = json.loads((bundle / GENERATIVE).read_text())
@@ -91,7 +91,7 @@ def test_every_hostile_case_ends_in_one_line(checkpoint, cpu_bundle, tmp_path): 
 def test_an_image_whose_header_declares_20000_by_20000_is_one_line(tmp_path):
     from PIL import Image
 
-    from shard.runtime.generate import read_image
+    from shard.runtime.prompts import read_image
 
     path = tmp_path / "bomb.png"
     Image.new("RGB", (8, 8)).save(path)

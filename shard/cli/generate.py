@@ -12,7 +12,8 @@ from shard.cli.common import console, err, parse_ids
 from shard.errors import ShardError
 from shard.options import check_seconds
 from shard.output_files import check_output_file
-from shard.runtime.generate import GenerativeSession, is_generative
+from shard.runtime.generate import GenerativeSession
+from shard.runtime.generative_bundle import is_generative
 
 app = typer.Typer(add_completion=False)
 

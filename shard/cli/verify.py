@@ -17,7 +17,7 @@ from shard.compare import lowest, worst_of
 from shard.errors import ShardError
 from shard.output_files import check_output_file
 from shard.runtime.buckets import is_bucketed, read_buckets
-from shard.runtime.generate import is_generative
+from shard.runtime.generative_bundle import is_generative
 from shard.verifier import PROMPTS, verify_bundle, verify_generative
 
 app = typer.Typer(add_completion=False)

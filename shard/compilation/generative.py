@@ -25,8 +25,9 @@ from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.profile import load_profile
-from shard.runtime.generate import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
-                                    refuse_custom_code, time_row_writes)
+from shard.runtime.generate import time_row_writes
+from shard.runtime.generative_bundle import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
+                                             refuse_custom_code)
 from shard.runtime.scheduler import predict_stream
 from shard.summary import Predicted, predicted_of, shards_of
 from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shard.runtime.buckets import BucketedSession, is_bucketed
-from shard.runtime.generate import GenerativeSession, is_generative
+from shard.runtime.generate import GenerativeSession
+from shard.runtime.generative_bundle import is_generative
 from shard.runtime.session import (STAGE_BACKENDS, OnDevice, Session, ShardTiming, default_backend, frame_inputs,
                                    random_inputs)
 

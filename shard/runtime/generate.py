@@ -10,43 +10,30 @@ images, imported when a prompt is text or has an image).
 session per width, or a bundle per program) and names its outputs: logits, key.i, value.i; `table`
 is the token embeddings (shard.zoo.decoder.embedding_table), looked up here on the host.
 
-A generative bundle holds one ordinary bundle per step width, and the model's tokenizer:
-
-    lm.shard/generative.json   the cache's shape, each program's folder and width, the stop tokens
-    lm.shard/prefill/          the step of N tokens (the prompt, N at a time)
-    lm.shard/decode/           the step of 1 token
-                               (prefill-C/, decode-C/ per capacity C where several: the cache
-                               starts in the smallest and moves up as the context grows)
-    lm.shard/step/             compile --one-step: in their place, the step of N tokens for the
-                               prompt and the answer alike (one copy of the weights; step-C/ per C)
-    lm.shard/tokenizer/        the model's own tokenizer and chat template (read with transformers;
-                               a VLM's processor)
-    lm.shard/embeddings.npy    the token embeddings, looked up on the host for every step
-    lm.shard/vision/           a VLM's image -> image features program
+A generative bundle holds one ordinary bundle per step width, and the model's tokenizer (its format:
+shard.runtime.generative_bundle; its prompts: shard.runtime.prompts).
 
 GenerativeSession opens it: shard.load("lm.shard").generate("What is ...?", chat=True).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import math
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from shard.bundle import read_manifest, read_versioned, sealed_digest
-from shard.errors import BundleError, RunError, ShardError
-from shard.runtime.executors import held_nhwc, to_host
+from shard.bundle import read_manifest
+from shard.errors import RunError
+from shard.runtime.executors import TRAITS, held_nhwc, to_host
 from shard.runtime.executors.rknn_held import Held, native_view
-from shard.runtime.session import STAGE_BACKENDS, OnDevice, Session, default_backend
+from shard.runtime.generative_bundle import EMBEDDINGS, check_files, load_checked, read_generative
+from shard.runtime.prompts import Prompts, Sight
+from shard.runtime.session import OnDevice, Session, default_backend
 
 # The mask's "not seen": exp(-1e4) is 0 in fp32 and fp16 alike, and -1e4 itself stays inside fp16's range.
 MASKED = np.float32(-1e4)
@@ -282,190 +269,6 @@ def generate(run: Step, table: np.ndarray, prompt: np.ndarray, cache: Cache, max
         logits = advance(run, cache, table[tokens[-1:]], decode)
 
 
-GENERATIVE = "generative.json"
-EMBEDDINGS = "embeddings.npy"
-TOKENIZER = "tokenizer"
-# 2: a step of more than one token returns its last real token's logits (PICK); 3: every file of the
-# tokenizer folder recorded beside the embeddings (a replaced tokenizer.json changed the text, exit 0)
-SCHEMA_VERSION = 3
-MAX_PIXELS = 8192 * 8192   # an image's pixels at most (the processor shrinks it to a few hundred a side)
-CUSTOM_CODE = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json", "config.json")
-
-
-def record_files(bundle: Path) -> dict[str, list]:
-    """{path in the bundle: [bytes, sha256]} of the embeddings and every file of the tokenizer folder,
-    as generative.json records them."""
-    names = [EMBEDDINGS] + sorted(p.relative_to(bundle).as_posix() for p in (bundle / TOKENIZER).rglob("*")
-                                  if p.is_file())
-    return {name: [len(data), hashlib.sha256(data).hexdigest()] for name in names
-            for data in [(bundle / name).read_bytes()]}
-
-
-def check_files(bundle: Path, files: dict) -> None:
-    """Every file generative.json records, as recorded (the embeddings: by load_checked, which reads
-    them); nothing in the tokenizer folder it does not record, no link, no code of its own."""
-    folder = bundle / TOKENIZER
-    if folder.is_symlink() or not folder.is_dir():
-        raise BundleError(f"{folder}: missing, or not a folder of the bundle; recompile the model")
-    found = set()
-    for root, dirs, names in os.walk(folder):
-        for name in dirs + names:
-            path = Path(root) / name
-            if path.is_symlink():
-                raise BundleError(f"{path}: a link, not a file the compile wrote; recompile the model")
-            if path.is_file():
-                found.add(path.relative_to(bundle).as_posix())
-    unrecorded = sorted(found - set(files))
-    if unrecorded:
-        raise BundleError(f"{bundle / unrecorded[0]}: not a file the compile wrote (generative.json records no "
-                          f"hash of it); recompile the model")
-    for name in files:
-        if name != EMBEDDINGS:   # read once, by load_checked
-            read_checked(bundle, files, name)
-    refuse_custom_code(folder)
-
-
-def refuse_custom_code(tokenizer: Path) -> None:
-    """A tokenizer folder whose configs ask for code of their own (auto_map) is refused: transformers
-    would offer to run Python shipped with it."""
-    for name in CUSTOM_CODE:
-        config = tokenizer / name
-        if config.is_file() and "auto_map" in json.loads(config.read_text() or "{}"):
-            raise BundleError(f"{config}: asks for code of its own (auto_map), which shard never runs; "
-                              f"recompile from a checkpoint whose tokenizer is transformers' own")
-
-
-def read_checked(bundle: Path, files: dict, name: str) -> bytes:
-    """A file of the bundle, refused unless its size and sha256 are those generative.json records."""
-    path = bundle / name
-    try:
-        size, digest = files[name]
-        data = path.read_bytes()
-    except (KeyError, TypeError, ValueError):
-        raise BundleError(f"{path}: generative.json records no size and sha256 for it; recompile the model") from None
-    except OSError as exc:
-        raise BundleError(f"{path}: unreadable ({exc.strerror}); recompile the model") from None
-    if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-        raise BundleError(f"{path}: not the file the compile wrote ({len(data)} bytes, sha256 "
-                          f"{hashlib.sha256(data).hexdigest()[:12]}; recorded {size} bytes, {str(digest)[:12]})")
-    return data
-
-
-def load_checked(bundle: Path, files: dict, name: str) -> np.ndarray:
-    """A numpy file of the bundle, refused unless its size and sha256 are those generative.json records."""
-    return np.load(io.BytesIO(read_checked(bundle, files, name)))
-
-
-def read_image(image):
-    """A PIL image, from a path or as given."""
-    if not isinstance(image, (str, Path)):
-        return image
-    from PIL import Image
-
-    try:
-        with Image.open(image) as opened:
-            if opened.width * opened.height > MAX_PIXELS:   # a header may declare 20000 x 20000
-                raise RunError(f"{image}: {opened.width} x {opened.height} pixels, more than an image shard reads "
-                               f"({MAX_PIXELS} at most); shrink it first")
-            return opened.convert("RGB")
-    except (OSError, Image.DecompressionBombError, ValueError) as exc:
-        raise RunError(f"{image}: not an image this can read ({exc})") from None
-
-
-@dataclass
-class Program:
-    name: str       # its folder in the bundle: an ordinary bundle
-    width: int      # new tokens a step
-    capacity: int   # the cache's tokens it reads
-
-
-@dataclass
-class GenerativeSpec:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    capacity: int                  # the cache's largest: prompt and answer together
-    vocab: int
-    programs: list[Program]        # per capacity, smallest first: the widest prefills, width 1 decodes
-    stop: list[int]                # tokens that end an answer
-    source: dict = field(default_factory=dict)   # the checkpoint: file name, sha256
-    files: dict = field(default_factory=dict)    # {"embeddings.npy" and each tokenizer/ file: [bytes, sha256]}
-    vision: dict | None = None     # a VLM's: its program's folder, its image token, the image's side
-    schema_version: int = SCHEMA_VERSION
-    digest: str = ""   # the sha256 of this spec's JSON with digest empty: a changed byte shows (as a manifest's)
-
-    def to_json(self) -> str:
-        """The spec as written, sealed first."""
-        self.digest = self.own_digest()
-        return json.dumps(asdict(self), indent=2) + "\n"
-
-    def own_digest(self) -> str:
-        return sealed_digest(asdict(self))
-
-    @property
-    def chunk(self) -> int:
-        return max(p.width for p in self.programs)
-
-    @property
-    def decode_width(self) -> int:
-        """The width of the step each answer token goes through: 1, or the prompt's where the bundle
-        has one program per capacity (compile --one-step)."""
-        return 1 if any(p.width == 1 for p in self.programs) else self.chunk
-
-    @property
-    def capacities(self) -> list[int]:
-        return sorted({p.capacity for p in self.programs})
-
-
-def is_generative(bundle: str | Path) -> bool:
-    return (Path(bundle) / GENERATIVE).is_file()
-
-
-def read_generative(bundle: str | Path) -> GenerativeSpec:
-    path = Path(bundle) / GENERATIVE
-    spec = read_versioned(path, SCHEMA_VERSION, "generative",
-                          lambda data: GenerativeSpec(**{**data, "programs": [Program(**p) for p in data["programs"]]}))
-    wrong = spec_error(spec) or (None if spec.digest == spec.own_digest() else
-                                 "its digest differs: it was changed after the compile wrote it")
-    if wrong:
-        raise BundleError(f"{path}: malformed generative spec ({wrong}); recompile the model")
-    for name in [p.name for p in spec.programs] + ([spec.vision["program"]] if spec.vision else []):
-        folder = Path(bundle) / name
-        if folder.is_symlink() or not folder.resolve().is_relative_to(Path(bundle).resolve()):
-            raise BundleError(f"{path}: program {name!r} is not a folder of the bundle")
-    have = {(p.width, p.capacity) for p in spec.programs}
-    missing = [f"{w} at {c}" for c in spec.capacities for w in {spec.decode_width, spec.chunk} if (w, c) not in have]
-    if not spec.programs or missing:
-        raise BundleError(f"{path}: no program of width {', '.join(missing) or 1} to run steps with")
-    return spec
-
-
-def spec_error(spec: GenerativeSpec) -> str | None:
-    """What in a generative spec is not of its schema's types and ranges (None: nothing)."""
-    count = lambda v: type(v) is int and v > 0  # noqa: E731 - bool is no count
-    plain = lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v  # noqa: E731
-    for field_name in ("layers", "kv_heads", "head_dim", "capacity", "vocab"):
-        if not count(getattr(spec, field_name)):
-            return f"{field_name} {getattr(spec, field_name)!r}: expected a positive whole number"
-    if not isinstance(spec.stop, list) or not all(type(t) is int and 0 <= t < spec.vocab for t in spec.stop):
-        return f"stop {spec.stop!r}: expected a list of token ids"
-    if not isinstance(spec.files, dict) or not isinstance(spec.source, dict):
-        return "files and source: expected objects"
-    for p in spec.programs:
-        if not (plain(p.name) and count(p.width) and count(p.capacity) and p.width <= p.capacity <= spec.capacity):
-            return f"program {p.name!r}: expected a folder name, a width and a capacity within the cache's"
-    if spec.vision is not None and not (isinstance(spec.vision, dict) and plain(spec.vision.get("program"))
-                                        and type(spec.vision.get("image_token")) is int):
-        return f"vision {spec.vision!r}: expected its program's folder and its image token"
-    return None
-
-
-@dataclass
-class Sight:
-    features: list[np.ndarray]   # per square of an image (the processor may split one), [tokens, hidden]
-    seconds: list[float]         # per square, the time its features took after the one before's
-
-
 @dataclass
 class Generation:
     prompt: list[int]                 # the prompt's token ids, chat template applied
@@ -517,14 +320,14 @@ class GenerativeSession:
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         self.vision = None
         manifests = [read_manifest(self.bundle / program.name) for program in self.spec.programs]
-        backend = session_args.get("backend") or default_backend(manifests[0])
-        self.device = "cuda" if backend in STAGE_BACKENDS else None   # where the cache lives
+        self.traits = TRAITS[session_args.get("backend") or default_backend(manifests[0])]
+        self.device = self.traits.device   # where the cache lives
         entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
         writes = {name: (f"past_{name}", "position_ids") for name in entries} if in_place else {}
-        # on the board, an fp16 cache held in NPU memory that every step reads in place (rknn_held)
+        # where inputs can be bound once (the board), an fp16 cache held where every step reads it (rknn_held)
         self.halves = all(shard.precision == "fp16" for m in manifests for shard in m.shards)
         self.held = OnDevice(held=frozenset(f"past_{name}" for name in entries), memory=Held()) \
-            if held and backend == "board" and self.halves else None
+            if held and self.traits.binds_inputs and self.halves else None
         try:
             for program in self.spec.programs:   # a decode step writes at its one position, inside the cache
                 kept = OnDevice(entries, writes if program.width == 1 else {}) if self.device else \
@@ -539,8 +342,8 @@ class GenerativeSession:
                                  {t.name for t in s.manifest.inputs}]   # an ONNX decoder's steps
         check_files(self.bundle, self.spec.files)
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
+        self.prompts = Prompts(self.bundle, self.spec, self.table)
         self.backend = next(iter(self.sessions.values())).backend
-        self._processor = None
         self.steps: list[tuple[int, float]] = []
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -565,10 +368,10 @@ class GenerativeSession:
         if self.device or self.held:   # the decode step's own input memory, which it reads without a copy
             keys, values = self.stored(s.capacities[0])
             return Cache(keys, values, buckets=tuple(s.capacities[1:]), storage=self.stored)
-        board = self.backend == "board"
+        converts = self.traits.converts_inputs
         return Cache.empty(s.layers, s.kv_heads, s.capacities[0], s.head_dim,
-                           np.float16 if board and self.halves else np.float32, buckets=tuple(s.capacities[1:]),
-                           nhwc=board)
+                           np.float16 if converts and self.halves else np.float32, buckets=tuple(s.capacities[1:]),
+                           nhwc=converts)
 
     def stored(self, capacity: int) -> tuple[list, list]:
         """The keys and values of a cache of `capacity` on the GPU: each the decode step's own input
@@ -580,64 +383,6 @@ class GenerativeSession:
         names = [[f"past_{kind}.{i}" for i in range(s.layers)] for kind in ("key", "value")]
         return tuple([buffers[n] if n in buffers else zeros(shape, np.float32, self.device) for n in kind]
                      for kind in names)
-
-    @property
-    def processor(self):
-        """The model's own tokenizer (a VLM's processor: its tokenizer and image processor), from the
-        bundle (transformers)."""
-        if self._processor is None:
-            try:
-                import transformers
-            except ImportError:
-                raise RunError("text prompts need transformers (pip install transformers); or give token ids") from None
-            kind = transformers.AutoProcessor if self.spec.vision else transformers.AutoTokenizer
-            # the bundle's own files, checked when it was opened: never the Hub, never code of its own
-            self._processor = kind.from_pretrained(self.bundle / TOKENIZER, local_files_only=True,
-                                                   trust_remote_code=False)
-        return self._processor
-
-    @property
-    def tokenizer(self):
-        return getattr(self.processor, "tokenizer", self.processor)
-
-    def encode(self, prompt: str | list[int], chat: bool = False, images: list | None = None
-               ) -> tuple[list[int], np.ndarray | None]:
-        """The prompt's token ids (the chat template applied if `chat`) and, for a VLM given images
-        (PIL images or paths), their pixel values [images, 3, S, S] (the processor's)."""
-        if images and not self.spec.vision:
-            raise RunError(f"{self.bundle} is a text-only model's bundle: it takes no image")
-        if not isinstance(prompt, str):
-            return [int(t) for t in prompt], None
-        try:
-            return self.tokenized(prompt, chat, images)
-        except ShardError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the model's tokenizer and chat template (jinja2) raise their own
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            raise RunError(f"{self.bundle / TOKENIZER}: the model's tokenizer or chat template failed on the prompt "
-                           f"({type(exc).__name__}: {first})") from None
-
-    def tokenized(self, prompt: str, chat: bool, images: list | None) -> tuple[list[int], np.ndarray | None]:
-        if not images:
-            if chat:
-                return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                               add_generation_prompt=True, return_dict=False)), None
-            return list(self.tokenizer(prompt)["input_ids"]), None
-        images = [read_image(image) for image in images]
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        text = (self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-                if chat else "<image>" * len(images) + prompt)
-        encoded = self.processor(text=text, images=[images], return_tensors="np")
-        return [int(t) for t in encoded["input_ids"][0]], np.asarray(encoded["pixel_values"][0], np.float32)
-
-    def check_room(self, ids: list[int]) -> None:
-        """A prompt past the largest cache stops in one line before its images go through the vision
-        program."""
-        capacity = max(self.spec.capacities)
-        if len(ids) > capacity:
-            seen = ids.count(self.spec.vision["image_token"]) if self.spec.vision else 0
-            raise RunError(f"the prompt is {len(ids)} tokens" + (f" ({seen} of them image features)" if seen else "")
-                           + f", past the cache's capacity of {capacity} (compile with a larger --max-context)")
 
     def look(self, pixels: np.ndarray | None) -> Sight:
         """The images' features from the vision program: one pass per square where the processor split
@@ -654,21 +399,6 @@ class GenerativeSession:
             last = now
         return sight
 
-    def embed(self, ids: list[int], sight: Sight | None = None) -> np.ndarray:
-        """The prompt's rows for the decoder: each token's embedding, each image token's place taken by
-        the image features in order."""
-        if not ids or max(ids) >= self.spec.vocab or min(ids) < 0:
-            raise RunError(f"a prompt of 1 or more token ids below the vocabulary's {self.spec.vocab}; got {ids[:8]}")
-        rows = np.array(self.table[ids], np.float32)
-        if not sight or not sight.features:
-            return rows
-        features = np.concatenate(sight.features)
-        places = np.flatnonzero(np.asarray(ids) == self.spec.vision["image_token"])
-        if len(places) != len(features):
-            raise RunError(f"the prompt holds {len(places)} image tokens for {len(features)} image features")
-        rows[places] = features
-        return rows
-
     def generate(self, prompt: str | list[int], max_new_tokens: int = 32, chat: bool = False, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, stop: set[int] | None = None, images: list | None = None,
                  on_text: Callable[[str], None] | None = None, sight: Future | None = None,
@@ -677,11 +407,11 @@ class GenerativeSession:
         VLM, its images: greedy at temperature 0, else sampled (seeded); until a stop token or
         max_new_tokens. on_text gets the text as it grows, piece by piece. `sight`: the images'
         features under way elsewhere, and `encoded` the prompt's encode() already made (generate_each)."""
-        ids, pixels = encoded or self.encode(prompt, chat, images)
-        self.check_room(ids)
+        ids, pixels = encoded or self.prompts.encode(prompt, chat, images)
+        self.prompts.check_room(ids)
         choose = sampler(temperature, top_p, seed)
         seen = sight.result() if sight else self.look(pixels)
-        rows = self.embed(ids, seen)
+        rows = self.prompts.embed(ids, seen)
         self.steps = [(0, seconds) for seconds in seen.seconds]
         shown: list[str] = [""]
         tokens: list[int] = []
@@ -689,7 +419,7 @@ class GenerativeSession:
         def on_token(token: int) -> None:
             tokens.append(token)
             if on_text:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                text = self.prompts.tokenizer.decode(tokens, skip_special_tokens=True)
                 if text.startswith(shown[0]) and len(text) > len(shown[0]):
                     on_text(text[len(shown[0]):])
                     shown[0] = text
@@ -699,7 +429,7 @@ class GenerativeSession:
         room = capacity - len(ids) + 1   # the last new token is not fed back: it takes no entry
         out = generate(self.run, self.table, rows, self.cache(), min(max_new_tokens, room), self.spec.chunk, stops,
                        choose, on_token, self.spec.decode_width)
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
+        text = self.prompts.tokenizer.decode(out, skip_special_tokens=True) if isinstance(prompt, str) else ""
         full = capacity if len(out) == room < max_new_tokens and out[-1] not in stops else None
         return Generation(ids, out, text, list(self.steps), -(-len(ids) // self.spec.chunk), full)
 
@@ -709,9 +439,9 @@ class GenerativeSession:
         image is seen while this one decodes (each program has its own executors; on the simulator
         its own process). Tokenizing stays on this thread."""
         requests = [{**common, **r} for r in requests]
-        encoded = [self.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
+        encoded = [self.prompts.encode(r["prompt"], r.get("chat", False), r.get("images")) for r in requests]
         for ids, _ in encoded:
-            self.check_room(ids)
+            self.prompts.check_room(ids)
         with ThreadPoolExecutor(1) as pool:
             sights = [pool.submit(self.look, pixels) for _, pixels in encoded]
             for request, sight, done in zip(requests, sights, encoded):
@@ -720,7 +450,7 @@ class GenerativeSession:
     def logits(self, ids: list[int], pixels: np.ndarray | None = None, start: int = 0) -> np.ndarray:
         """Teacher-forced: the logits of every position from `start` on, [len(ids) - start, vocab]: the
         ids up to `start` prefilled, then one a step as an answer's tokens go."""
-        return teacher_forced(self.run, self.cache(), self.embed(list(ids), self.look(pixels)), start,
+        return teacher_forced(self.run, self.cache(), self.prompts.embed(list(ids), self.look(pixels)), start,
                               self.spec.chunk, self.spec.decode_width)
 
     def close(self) -> None:

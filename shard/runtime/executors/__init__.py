@@ -26,6 +26,22 @@ NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32
 
 
 @dataclass(frozen=True)
+class Traits:
+    """What a backend's executors do with what they are handed: the runtime places a decoder's cache by
+    these (shard.runtime.generate), never by the backend's name."""
+
+    device: str | None = None       # where its tensors stay between runs ("cuda"), else the host
+    binds_inputs: bool = False      # an input can be bound once where the device reads it (OnDevice.held)
+    converts_inputs: bool = False   # converts each input's type and layout on the host at every run, so an
+    #                                 input handed over as float16 NHWC memory saves it that (rknn-toolkit-lite2
+    #                                 on the board; the simulator measured no faster: bench/cache_handoff.py)
+
+
+TRAITS = {"cpu": Traits(), "sim": Traits(), "board": Traits(binds_inputs=True, converts_inputs=True),
+          "cuda": Traits(device="cuda"), "tensorrt": Traits(device="cuda")}
+
+
+@dataclass(frozen=True)
 class OnDevice:
     """What a backend keeps where its device reads it (shard.runtime.generate's cache lives there). A GPU
     backend: the outputs handed back as torch tensors there rather than in numpy (`outputs`), and those
@@ -55,7 +71,7 @@ def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: d
     inputs the board holds in NPU memory (then rknn_held, the board's C API, makes them)."""
     if backend not in MODULES:
         raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
-    held = backend == "board" and on_device.held   # the board's C API, where inputs are held in NPU memory
+    held = TRAITS[backend].binds_inputs and on_device.held   # the board's C API, where inputs are held in NPU memory
     module = importlib.import_module(f"{__name__}.{'rknn_held' if held else MODULES[backend]}")
     return module.make(bundle, manifest, placements, on_device) if backend in STAGE_BACKENDS or held else \
         module.make(bundle, manifest, placements)
