@@ -18,7 +18,7 @@ from shard.runtime.scheduler import exit_now_if_stuck
 # command -> the module of this package that holds it (its `app`)
 COMMANDS = {"compile": "compile", "run": "run", "generate": "generate", "verify": "verify", "inspect": "inspect",
             "pack": "pack", "build-engines": "pack", "probe": "probe", "cache": "cache", "toolkit": "toolkit",
-            "zoo": "zoo"}
+            "zoo": "zoo", "act": "act"}
 
 
 class Commands(TyperGroup):

@@ -12,9 +12,11 @@ from shard.cli.common import (FIDELITY_HELP, MIN_COSINE_HELP, RAY_HELP, bucket_t
                               parse_ids, parse_shape, parse_value, progress_bar)
 from shard.compilation import compile_model
 from shard.compilation.generative import compile_generative, is_causal_lm
+from shard.compilation.vla import compile_vla
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.buckets import read_buckets
+from shard.runtime.vla import is_vla
 from shard.summary import (SpeedRow, StageSummary, Summary, image_room_lines, shards_table, speed_lines, speed_table,
                            stage_lines, stage_table, staged, summary_lines)
 from shard.targets.chips import DEFAULT_TARGET, targets_help
@@ -152,6 +154,8 @@ def compile_one_command(model: Path, target: str, output: Path | None, options, 
 
     if is_causal_lm(model):
         return compile_decoder(model, target, output, options, steps)
+    if is_vla(model):
+        return compile_vla_command(model, target, output, options)
     with progress_bar() as progress:
         result = compile_model(model, target, output, options, progress)
     print_compile_result(result)
@@ -194,6 +198,16 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
                                      rows[0]):
             console.print(line)
     console.print(f"bundle: {result.bundle}")
+
+
+def compile_vla_command(model: Path, target: str, output: Path | None, options) -> None:
+    """A VLA folder (`shard zoo export pi0`): a bundle of its vision, prefix and denoising-step programs."""
+    with progress_bar() as progress:
+        result = compile_vla(model, target, output or model.with_suffix(".shard"), options, progress)
+    for name, report in result.reports.items():
+        console.rule(f"program {name}")
+        print_compile_report(report)
+    console.print(f"bundle: {result.bundle} (run it: shard act {result.bundle})")
 
 
 def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:

@@ -18,7 +18,8 @@ from shard.never_worse import BASELINES
 from shard.options import CompileOptions, check_seconds
 from shard.passes import fusion_barrier, tile_attention
 from shard.runtime.buckets import is_bucketed, read_buckets
-from shard.runtime.generate import is_generative, read_generative
+from shard.runtime.generative_bundle import is_generative, read_generative
+from shard.runtime.vla import PROGRAMS as VLA_PROGRAMS, is_vla, read_vla
 
 
 def scratch_folders(output: Path) -> tuple[Path, Path]:
@@ -70,8 +71,8 @@ def check_output_path(output: Path, model: Path | None = None) -> None:
 
 def not_a_bundle(folder: Path) -> str | None:
     """Why `folder` is not a bundle shard wrote (None where it is): a manifest sealed by its own digest
-    with every file it names in place, or a decoder's or buckets' spec whose every program or bucket
-    folder is such a bundle. A file merely named manifest.json (a web app's) is not enough."""
+    with every file it names in place, or a decoder's, a VLA's or buckets' spec whose every program or
+    bucket folder is such a bundle. A file merely named manifest.json (a web app's) is not enough."""
     if not folder.is_dir():
         return "not a folder"
     try:
@@ -83,6 +84,9 @@ def not_a_bundle(folder: Path) -> str | None:
             parts = [p.name for p in spec.programs] + ([spec.vision["program"]] if spec.vision else [])
         elif is_bucketed(folder):
             parts = [b.name for b in read_buckets(folder).buckets]
+        elif is_vla(folder):
+            read_vla(folder)
+            parts = list(VLA_PROGRAMS)
         else:
             return f"no {MANIFEST}"
     except ShardError as exc:

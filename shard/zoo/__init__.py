@@ -67,11 +67,17 @@ MODELS = {m.name: m for m in (
 )}
 
 
+# vision-language-action models (shard.zoo.vla, which imports torch): `shard zoo export NAME -o FOLDER`
+VLAS = {"pi0": "Pi0's shapes: SigLIP-so400m/14 at 224 for each of 3 cameras, a Gemma-2B-shaped prefix, a "
+               "Gemma-300M-shaped action expert, 10 Euler steps to 50 actions of 32 (a folder of 3 programs)",
+        "pi0-few": "pi0's architecture with 2 layers of everything and small widths (seconds; the CPU test's)"}
+
+
 def get_model(name: str) -> ZooModel:
     try:
         return MODELS[name]
     except KeyError:
-        raise ShardError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}") from None
+        raise ShardError(f"unknown zoo model {name!r}; known: {', '.join([*MODELS, *VLAS])}") from None
 
 
 def export_model(name: str, output: str | Path, layers: int | None = None, image_size: int | None = None,

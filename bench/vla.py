@@ -1,0 +1,174 @@
+"""A VLA's prefix-then-denoise loop on the GPU (shard.zoo.vla's Pi0 shapes, seeded weights): shard's
+bundle on the cuda backend against what a PyTorch user runs instead, every side in the same run on the
+same GPU, the same observation and noise in, the same action chunk out (numpy to numpy).
+
+    python bench/vla.py [--depth 18] [--steps 10] [--repeats 10] [--work DIR]
+
+1. The model in fp32 on the GPU: the reference action chunk.
+2. PyTorch in fp16 (the same weights, .half()): "eager" (sample_actions as written), "eager graph"
+   (the whole loop captured as one CUDA graph, its inputs in static buffers), and torch.compile of the
+   loop, default and mode="reduce-overhead" (its own CUDA graphs).
+3. shard: the model exported (shard.zoo.vla.export_vla), compiled for --target thor (each program one
+   fp16 stage), run by VlaSession on the cuda backend (each stage a CUDA graph, the prefix's keys and
+   values written once into the step's own buffers, the actions kept on the GPU between steps).
+
+Each side: the median host-to-host time of one observation over --repeats runs (after warm runs),
+its GPU time alone (CUDA events around the same work, inputs already on the GPU), and the action
+chunk's cosine, max abs diff and MSE against the fp32 reference. Ours also prints vision, prefix and
+the steps apart, beside Thor's published Pi0.5 breakdown (vision 17 ms, prefix 54 ms, 10 steps 102
+ms: FACTS-thor.md). Ends with
+    RESULT depth=.. steps=.. ours_ms=.. vs_eager=.. vs_best_compile=.. gpu_vs_best_compile=.. cosine=..
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shard.compilation.vla import compile_vla
+from shard.runtime.vla import VlaSession
+from shard.zoo.vla import CONFIGS, build_vla, export_vla, observation, with_depth
+
+
+def figures(got: np.ndarray, want: np.ndarray) -> dict:
+    got, want = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    return {"cosine": float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)),
+            "max_abs": float(np.abs(got - want).max()), "mse": float(np.mean((got - want) ** 2)),
+            "scale": float(np.mean(want ** 2))}
+
+
+def timed(run, repeats: int) -> float:
+    """The median seconds of run() over `repeats` calls, after two warm ones."""
+    run(), run()
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def gpu_seconds(run, repeats: int) -> float:
+    """CUDA events around `repeats` calls of run() (its work queued, the inputs on the GPU already)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def pytorch_sides(model, obs: dict, steps: int, repeats: int) -> dict:
+    """fp16 PyTorch: eager, the loop as one CUDA graph, torch.compile (default, reduce-overhead)."""
+    half = model.half().cuda()
+    pinned = {k: torch.from_numpy(v).pin_memory() for k, v in obs.items()}
+    static = {k: v.to("cuda", dtype=torch.float16 if v.dtype == torch.float32 else v.dtype) for k, v in pinned.items()}
+    out_host = torch.empty(static["noise"].shape, dtype=torch.float32).pin_memory()
+
+    def loop():
+        return half.sample_actions(static["pixel_values"], static["tokens"], static["state"], static["noise"], steps)
+
+    def host_to_host(forward):
+        def run():
+            for k, v in pinned.items():
+                static[k].copy_(v, non_blocking=True)
+            out_host.copy_(forward(), non_blocking=True)
+            torch.cuda.synchronize()
+            return out_host.numpy().copy()
+        return run
+
+    sides = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        loop()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            loop()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = loop()
+    forms = {"eager": loop, "eager graph": lambda: (graph.replay(), captured)[1]}
+    for mode in ("default", "reduce-overhead"):
+        compiled = torch.compile(half.sample_actions, mode=None if mode == "default" else mode)
+        forms[f"compile {mode}"] = (lambda c: lambda: c(static["pixel_values"], static["tokens"], static["state"],
+                                                       static["noise"], steps).clone())(compiled)
+    for name, forward in forms.items():
+        started = time.perf_counter()
+        run = host_to_host(forward)
+        actions = run()
+        sides[name] = {"host_s": timed(run, repeats), "gpu_s": gpu_seconds(forward, repeats), "actions": actions,
+                       "warm_s": time.perf_counter() - started}
+        print(f"{name}: {1e3 * sides[name]['host_s']:.2f} ms host to host, {1e3 * sides[name]['gpu_s']:.2f} ms GPU",
+              flush=True)
+    return sides
+
+
+def ours(bundle: Path, obs: dict, steps: int, repeats: int) -> dict:
+    with VlaSession(bundle, backend="cuda") as session:
+        act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
+        actions = act().actions
+        host = timed(act, repeats)
+        parts = [act().seconds for _ in range(repeats)]
+        gpu = gpu_seconds(act, repeats)
+    split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    print(f"shard: {1e3 * host:.2f} ms host to host, {1e3 * gpu:.2f} ms GPU; "
+          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in split.items()), flush=True)
+    return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="pi0", choices=sorted(CONFIGS))
+    parser.add_argument("--depth", type=int, default=None, help="layers of the prefix and the expert (default: all)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--work", default=None)
+    args = parser.parse_args()
+    config = CONFIGS[args.model] if args.depth is None else with_depth(CONFIGS[args.model], args.depth)
+    work = Path(args.work or tempfile.mkdtemp(prefix="vla-"))
+    obs = observation(config)
+    t0 = time.perf_counter()
+    export_vla(args.model, work / "pi0.vla", depth=args.depth)
+    print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    compile_vla(work / "pi0.vla", "thor", work / "pi0.shard")
+    print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    model = build_vla(config).cuda()
+    with torch.no_grad():
+        inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
+        reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
+    sides = pytorch_sides(model, obs, args.steps, args.repeats)
+    del model
+    torch.cuda.empty_cache()
+    sides["shard"] = ours(work / "pi0.shard", obs, args.steps, args.repeats)
+    for name, side in sides.items():
+        f = figures(side["actions"], reference)
+        side.update(f)
+        print(f"{name}: actions against fp32: cosine {f['cosine']:.6f}, max abs {f['max_abs']:.4f}, "
+              f"MSE {f['mse']:.2e} of a scale {f['scale']:.3f}")
+    best = min((s for n, s in sides.items() if n.startswith("compile")), key=lambda s: s["host_s"])
+    best_gpu = min(s["gpu_s"] for n, s in sides.items() if n.startswith("compile"))
+    mine = sides["shard"]
+    print(f"RESULT depth={config.prefix.depth} steps={args.steps} ours_ms={1e3 * mine['host_s']:.2f} "
+          f"vs_eager={sides['eager']['host_s'] / mine['host_s']:.3f} "
+          f"vs_eager_graph={sides['eager graph']['host_s'] / mine['host_s']:.3f} "
+          f"vs_best_compile={best['host_s'] / mine['host_s']:.3f} gpu_vs_best_compile={best_gpu / mine['gpu_s']:.3f} "
+          f"cosine={mine['cosine']:.6f} parts_ms=" + ",".join(f"{k}:{1e3 * v:.2f}" for k, v in mine["parts"].items()))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "vla.txt").write_text(repr({n: {k: v for k, v in s.items() if k != "actions"}
+                                                             for n, s in sides.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""A VLA (a folder of its three programs as ONNX, its embedding table and vla.json: `shard zoo export
+pi0`) into a bundle (shard.runtime.vla): each program compiled as any model is, one pipeline stage each
+on a GPU target (the steps run one after another: stages could never overlap, and each hand-off
+between them costs the host), the embedding table and the spec beside them, each file recorded by
+its sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shard.compilation.cached import compile_one_model
+from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
+from shard.compilation.state import Progress
+from shard.errors import ShardError
+from shard.options import CompileOptions
+from shard.runtime.generative_bundle import EMBEDDINGS
+from shard.runtime.vla import PROGRAMS, VLA, VlaSpec, read_vla
+from shard.targets.chips import GPU_TARGETS
+
+
+@dataclass
+class VlaResult:
+    bundle: Path
+    spec: VlaSpec
+    reports: dict[str, dict]   # each program's compile report
+
+
+def compile_vla(source: Path, target: str, output: Path, options: CompileOptions | None = None,
+                progress: Progress = lambda *a: None) -> VlaResult:
+    """The VLA folder at `source` into a bundle at `output`; nothing left there on failure."""
+    options = options or CompileOptions()
+    check_options(options)
+    spec = read_vla(source)
+    missing = [name for name in (*[f"{p}/{p}.onnx" for p in PROGRAMS], EMBEDDINGS) if not (source / name).is_file()]
+    if missing:
+        raise ShardError(f"{source}: a VLA folder holds {', '.join(missing)}; none there (shard zoo export pi0)")
+    check_output_path(output, source)
+    if target in GPU_TARGETS and not options.shards:
+        options = replace(options, shards=1)
+    staging = staging_folder(output)
+    try:
+        reports = {}
+        for name in PROGRAMS:
+            step = lambda what, *a, name=name: progress(f"{name}: {what}", *a)  # noqa: E731
+            reports[name] = compile_one_model(source / name / f"{name}.onnx", target, staging / name, options,
+                                              step).report
+        shutil.copyfile(source / EMBEDDINGS, staging / EMBEDDINGS)
+        data = (staging / EMBEDDINGS).read_bytes()
+        spec = replace(spec, files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]})
+        (staging / VLA).write_text(spec.to_json())
+        replace_dir(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return VlaResult(output, spec, reports)

@@ -1,0 +1,185 @@
+"""A vision-language-action bundle (a VLA's prefix-then-denoise loop: shard.zoo.vla) and VlaSession,
+which runs it: an observation (each camera's pixels, the prompt's token ids, the robot's state) in,
+a chunk of actions out.
+
+    pi0.shard/vla.json         the shapes, each program's folder, the files it records by sha256
+    pi0.shard/vision/          pixel_values [cameras, 3, S, S] -> image_features [cameras, patches, width]
+    pi0.shard/prefix/          prefix_embeds [1, P, width] -> key.i, value.i, each layer's keys and values
+    pi0.shard/step/            x_t, time, state, key.i, value.i -> velocity: one Euler step's
+    pi0.shard/embeddings.npy   the prompt's token embeddings, looked up on the host
+
+The prefix runs once per observation; its keys and values go into the step program's own input
+buffers where its backend keeps tensors on a device (executors.TRAITS: the GPU), and the step runs
+`steps` times against them, the action chunk kept on the device between steps. numpy only, and the
+executor's library.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shard.bundle import read_versioned, sealed_digest
+from shard.errors import BundleError, RunError
+from shard.runtime.executors import TRAITS, to_host
+from shard.runtime.generative_bundle import EMBEDDINGS, load_checked, read_checked
+from shard.runtime.session import OnDevice, Session
+
+VLA = "vla.json"
+SCHEMA_VERSION = 1
+PROGRAMS = ("vision", "prefix", "step")
+
+
+@dataclass
+class VlaSpec:
+    name: str              # the zoo model it came from
+    seed: int
+    cameras: int
+    image_size: int
+    text_tokens: int
+    width: int             # the prefix's
+    layers: int            # the prefix's (each one key and value the step reads)
+    kv_heads: int
+    head_dim: int
+    prefix_tokens: int
+    horizon: int
+    actions: int
+    vocab: int
+    files: dict = field(default_factory=dict)   # {"embeddings.npy": [bytes, sha256]} in a bundle
+    schema_version: int = SCHEMA_VERSION
+    digest: str = ""
+
+    @classmethod
+    def of(cls, config, name: str, seed: int) -> VlaSpec:
+        """The spec of a zoo VlaConfig."""
+        return cls(name=name, seed=seed, cameras=config.cameras, image_size=config.image_size,
+                   text_tokens=config.text_tokens, width=config.prefix.width, layers=config.prefix.depth,
+                   kv_heads=config.prefix.kv_heads, head_dim=config.prefix.head_dim,
+                   prefix_tokens=config.prefix_tokens, horizon=config.horizon, actions=config.actions,
+                   vocab=config.vocab)
+
+    def to_json(self) -> str:
+        self.digest = sealed_digest(asdict(self))
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    @property
+    def cache_names(self) -> list[str]:
+        return [f"{kind}.{i}" for i in range(self.layers) for kind in ("key", "value")]
+
+
+def is_vla(path: str | Path) -> bool:
+    return (Path(path) / VLA).is_file()
+
+
+def read_vla(folder: str | Path) -> VlaSpec:
+    path = Path(folder) / VLA
+    spec = read_versioned(path, SCHEMA_VERSION, "vla", lambda data: VlaSpec(**data))
+    if spec.digest != sealed_digest(asdict(spec)):
+        raise BundleError(f"{path}: its digest differs: it was changed after it was written")
+    for name in PROGRAMS:
+        if not (Path(folder) / name).is_dir() or (Path(folder) / name).is_symlink():
+            raise BundleError(f"{path}: no {name} program folder beside it")
+    return spec
+
+
+@dataclass
+class Act:
+    actions: np.ndarray                     # [1, horizon, actions]
+    seconds: dict[str, float]               # vision, prefix, steps: each part's time, host to host
+
+
+class VlaSession:
+    """A VLA bundle ready to run: a Session per program, the prefix's keys and values in the step's own
+    input buffers where the backend keeps tensors on a device."""
+
+    def __init__(self, bundle: str | Path, backend: str | None = None, **session_args):
+        self.bundle = Path(bundle)
+        self.spec = read_vla(self.bundle)
+        self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
+        for name in self.spec.files:
+            read_checked(self.bundle, self.spec.files, name)
+        first = Session(self.bundle / "vision", backend, **session_args)
+        self.traits = TRAITS[first.backend]
+        self.device = self.traits.device
+        kept = (lambda names: OnDevice(outputs=frozenset(names))) if self.device else (lambda names: OnDevice())
+        self.sessions = {"vision": first}
+        try:
+            self.sessions["prefix"] = Session(self.bundle / "prefix", first.backend, **session_args,
+                                              on_device=kept(self.spec.cache_names))
+            self.sessions["step"] = Session(self.bundle / "step", first.backend, **session_args,
+                                            on_device=kept(["velocity"]))
+        except BaseException:
+            self.close()
+            raise
+        self.backend = first.backend
+        self.cache = self.sessions["step"].input_buffers() if self.device else {}
+
+    def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
+            steps: int = 10, seed: int = 0) -> Act:
+        """An action chunk for one observation: `steps` Euler steps from `noise` (seeded normal where
+        none is given), t from 1 to 0."""
+        s = self.spec
+        tokens = np.asarray(tokens).reshape(-1)
+        if steps < 1 or len(tokens) != s.text_tokens or tokens.min() < 0 or tokens.max() >= s.vocab:
+            raise RunError(f"an observation takes {s.text_tokens} token ids below {s.vocab} and steps >= 1; "
+                           f"got {len(tokens)} ids and {steps} steps")
+        if noise is None:
+            noise = np.random.default_rng(seed).standard_normal((1, s.horizon, s.actions)).astype(np.float32)
+        timer = Timer(self.device)
+        features = self.sessions["vision"].run({"pixel_values": np.asarray(pixel_values, np.float32)})["image_features"]
+        timer.mark("vision")
+        text = self.table[tokens] * np.float32(math.sqrt(s.width))
+        embeds = np.concatenate([to_host(features).reshape(1, -1, s.width), text[None]], axis=1)
+        cache = self.sessions["prefix"].run({"prefix_embeds": embeds})
+        for name, buffer in self.cache.items():   # once: each step reads them where they are
+            buffer.copy_(cache[name].reshape(buffer.shape))
+        cache = {**cache, **self.cache}
+        timer.mark("prefix")
+        x, dt = self.on_device(noise), -1.0 / steps
+        state = np.asarray(state, np.float32).reshape(1, s.actions)
+        for k in range(steps):
+            now = np.full((1,), 1.0 + k * dt, np.float32)
+            velocity = self.sessions["step"].run({"x_t": x, "time": now, "state": state, **cache})["velocity"]
+            x = x + dt * velocity
+        actions = to_host(x)
+        timer.mark("steps")
+        return Act(actions, timer.seconds)
+
+    def on_device(self, array: np.ndarray):
+        if self.device is None:
+            return array
+        import torch
+
+        return torch.from_numpy(array).to(self.device)
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
+
+    def __enter__(self) -> VlaSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Timer:
+    """Seconds between marks, host to host (the device synchronized at each mark where there is one)."""
+
+    def __init__(self, device: str | None):
+        self.device, self.last, self.seconds = device, time.perf_counter(), {}
+
+    def mark(self, name: str) -> None:
+        if self.device:
+            import torch
+
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now

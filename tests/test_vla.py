@@ -1,0 +1,95 @@
+"""A VLA's prefix-then-denoise loop (shard.zoo.vla: Pi0's architecture, a few layers): exported as three
+programs, compiled for the GPU target, run by VlaSession on the CPU against the model in torch fp32."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import shard_cli
+from shard.bundle import read_manifest
+from shard.compilation.vla import compile_vla
+from shard.errors import BundleError, ShardError
+from shard.runtime.vla import VLA, VlaSession
+from shard.zoo.vla import FEW, build_vla, cache_names, export_vla, observation
+
+
+def torch_actions(model, obs: dict, steps: int = 10) -> np.ndarray:
+    return model.sample_actions(*(torch.from_numpy(obs[k]) for k in ("pixel_values", "tokens", "state", "noise")),
+                                steps=steps).numpy()
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vla")
+    export_vla("pi0-few", folder / "few.vla")
+    return compile_vla(folder / "few.vla", "thor", folder / "few.shard")
+
+
+def test_the_bundle_acts_as_the_model_in_fp32(bundle):
+    """10 Euler steps on the bundle (every program fp16 inside, onnxruntime) give the fp32 model's action
+    chunk; a changed image, state or step count changes it as it changes the model's."""
+    model, obs = build_vla(FEW), observation(FEW)
+    with VlaSession(bundle.bundle, backend="cpu") as session:
+        run = lambda o, steps=10: session.act(o["pixel_values"], o["tokens"], o["state"], o["noise"], steps).actions  # noqa: E731
+        got = run(obs)
+        assert got.shape == (1, FEW.horizon, FEW.actions) and cosine(got, torch_actions(model, obs)) >= 0.999
+        for changed in ({**obs, "pixel_values": obs["pixel_values"][::-1].copy()}, {**obs, "state": -4 * obs["state"]}):
+            want = torch_actions(model, changed)
+            assert cosine(want, torch_actions(model, obs)) < 0.999   # the change matters to the model
+            assert cosine(run(changed), want) >= 0.999
+        assert cosine(run(obs, 3), torch_actions(model, obs, 3)) >= 0.999
+        parts = session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"]).seconds
+        assert set(parts) == {"vision", "prefix", "steps"} and all(v > 0 for v in parts.values())
+        with pytest.raises(ShardError, match="token ids"):
+            session.act(obs["pixel_values"], obs["tokens"][:3], obs["state"])
+
+
+def test_the_programs_take_the_prefix_cache_once_and_the_step_reads_it(bundle):
+    """The prefix program returns each layer's keys and values and nothing else (its last layer's
+    MLP, which no output reads, is gone); the step takes them with the noisy actions, the time and
+    the state."""
+    names = cache_names(FEW.prefix.depth)
+    prefix, step = (read_manifest(bundle.bundle / p) for p in ("prefix", "step"))
+    assert [t.name for t in prefix.outputs] == names
+    assert [t.name for t in step.inputs] == ["x_t", "time", "state", *names]
+    assert [t.shape for t in step.inputs[3:]] == [[1, 1, FEW.prefix_tokens, FEW.prefix.head_dim]] * len(names)
+    assert bundle.spec.prefix_tokens == FEW.cameras * FEW.patches + FEW.text_tokens
+
+
+def test_a_changed_bundle_is_refused(bundle, tmp_path):
+    copy = tmp_path / "copy.shard"
+    shutil.copytree(bundle.bundle, copy)
+    table = np.load(copy / "embeddings.npy")
+    np.save(copy / "embeddings.npy", table + 1)
+    with pytest.raises(BundleError, match="not the file the compile wrote"):
+        VlaSession(copy, backend="cpu")
+    spec = json.loads((copy / VLA).read_text())
+    (copy / VLA).write_text(json.dumps({**spec, "horizon": spec["horizon"] + 1}))
+    with pytest.raises(BundleError, match="digest"):
+        VlaSession(copy, backend="cpu")
+
+
+def test_the_cli_exports_compiles_and_acts(tmp_path):
+    res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
+    assert res.returncode == 0, res.stderr
+    res = shard_cli("compile", tmp_path / "few.vla", "--target", "thor", "-o", tmp_path / "few.shard")
+    assert res.returncode == 0 and "program step" in res.stdout, res.stderr
+    res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--steps", "4", "--save", tmp_path / "a.npy")
+    assert res.returncode == 0 and "steps" in res.stdout, res.stderr
+    assert np.load(tmp_path / "a.npy").shape == (1, FEW.horizon, FEW.actions)
+    np.savez(tmp_path / "obs.npz", pixel_values=np.zeros((1, 3, 8, 8), np.float32))
+    res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "obs.npz")
+    assert res.returncode == 1 and "pixel_values of shape" in res.stderr and "Traceback" not in res.stderr
+    res = shard_cli("act", tmp_path / "few.vla" / "vision")
+    assert res.returncode == 1 and "not a VLA bundle" in res.stderr
+    res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
+    assert res.returncode == 1 and "not empty" in res.stderr
