@@ -117,7 +117,8 @@ class VlaSession:
             self.close()
             raise
         self.backend = first.backend
-        self.cache = self.sessions["step"].input_buffers() if self.device else {}
+        buffers = self.sessions["step"].input_buffers() if self.device else {}
+        self.cache = {name: buffers[name] for name in self.spec.cache_names if name in buffers}
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
             steps: int = 10, seed: int = 0) -> Act:
