@@ -221,3 +221,18 @@ def test_the_readme_is_short_lists_and_short_cells():
     commands = (ROOT.parent / "docs" / "COMMANDS.md").read_text()
     for anchor in set(re.findall(r"docs/COMMANDS\.md#([a-z-]+)", readme)):
         assert f"\n## {anchor.replace('-', ' ')}" in commands.lower(), anchor
+
+
+def test_the_passes_and_the_executors_keep_to_their_sides():
+    """The passes import nothing of the runtime but the host steps' op table they move ops into
+    (shard.runtime.host_ops); what runs a replica faster (torch on the GPU) the target hands them
+    (PassContext.replica). The runtime's executors import nothing of the compiler: of shard.targets,
+    only the toolkit's client (the simulator runs in its worker)."""
+    graph = import_graph()
+    crossing = [f"{a} -> {b}" for a, b in graph.edges
+                if a.startswith("shard.passes") and b.startswith("shard.runtime") and b != "shard.runtime.host_ops"
+                and b != "shard.runtime"]   # importing host_ops runs the runtime package's __init__ first
+    crossing += [f"{a} -> {b}" for a, b in graph.edges if a.startswith("shard.runtime.executors")
+                 and b.startswith(("shard.passes", "shard.compilation", "shard.probes", "shard.targets.rknn.target",
+                                   "shard.targets.gpu", "shard.targets.registry"))]
+    assert not crossing, "\n".join(crossing)

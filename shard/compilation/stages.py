@@ -385,6 +385,7 @@ def run_passes(graph: gs.Graph, tgt, profile, options: CompileOptions, progress:
     try:
         ops = tgt.pass_toolkit(profile, options)
         ctx = PassContext(profile=profile, options=options, ops=ops, shards_for_memory=tgt.shards_for_memory,
+                          replica=tgt.replica_runner,
                           legality=Legality(profile, ops and OneOpBuilds(ops)) if profile.limits else None)
         graph = run_pipeline(graph, ctx, options.disable, on_pass=lambda name: progress(f"passes: {name}", 0, 1),
                              dump_after=options.dump_after, until=until, snapshot=snapshot, pipeline=tgt.pipeline)

@@ -55,3 +55,6 @@ class PassContext:
     # The shards a model of so many weight bytes needs for its builds, `jobs` at once, to fit in memory
     # (Target.shards_for_memory; 0: its builds do not grow with their weights).
     shards_for_memory: Callable[[int, int], int] = lambda weight_bytes, jobs: 0
+    # (model, outputs) -> a runner of fp8_linears' gated replica faster than onnxruntime (the GPU target's:
+    # torch on the GPU), or None (Target.replica_runner)
+    replica: Callable[[onnx.ModelProto, list[str]], Callable | None] = lambda model, outputs: None

@@ -31,6 +31,7 @@ first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 from __future__ import annotations
 
 import json
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -41,14 +42,12 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from shard.cache_folder import entry_file, store_entry
 from shard.calibration import (calibration_samples, collect_stats, content_key, lifted, ort_session, run_each,
                                stats_cache)
-from shard.errors import ModelError, RunError
+from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
 from shard.macs import estimate_macs
 from shard.passes.context import PassContext
 from shard.precision import (GATES, SAFETY, by_frame, gated_quantize, gated_weight, gates_input, is_linear,
                              next_count, next_prefix, single_errors, weight_axis, worst_cosine)
-from shard.runtime.executors.gpu import require_cuda
-from shard.runtime.executors.torch_graph import TorchGraph
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0 ** -6
@@ -133,7 +132,8 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
         search = {**json.loads(found_entry.read_text()), "cached": True}
     else:
-        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine, frames)
+        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine, frames,
+                            ctx.replica)
         if key:
             store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
     del model, weights
@@ -157,17 +157,18 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 
 
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
-               weights: dict, target: float, frames: int = 1) -> dict:
+               weights: dict, target: float, frames: int = 1, faster: Callable | None = None) -> dict:
     """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the
     samples search_samples checks on against every gate off, as many as next_count asks (in torch on
     the GPU where there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
     graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round). Each
-    of a sample's `frames` frames (a `--batch` compile's) is checked on its own (by_frame).
+    of a sample's `frames` frames (a `--batch` compile's) is checked on its own (by_frame). `faster`:
+    the target's own runner of the replica (PassContext.replica), where it has one for this graph.
     {"ranking", "rounds", "kept" (None where no round holds `target`), "rounds_on"}. The graph is left
     as it came."""
     (check, ranked), outputs = search_samples(samples), [t.name for t in graph.outputs]
     replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
-    runner = replica_runner(replica, outputs)
+    runner = (faster and faster(replica, outputs)) or ort_runner(replica, outputs)
     del replica
     ranking = rank_fp8(found, lambda gates: by_frame(runner(gates, [ranked]), frames), outputs)
 
@@ -260,31 +261,15 @@ def fp8_replica(graph: gs.Graph, stats: dict, found: list) -> gs.Graph:
     return graph.toposort()
 
 
-def replica_runner(model: onnx.ModelProto, outputs: list[str]):
-    """(gates, samples) -> [the model's outputs, for each sample], with `.where` naming what runs it:
-    torch on the GPU where there is one, else, or where an op has no torch form, onnxruntime."""
-    try:
-        torch = require_cuda()
-        graph = TorchGraph(model, "cuda", "fp8 ranking", fuse=False)
-    except RunError:
-        session = ort_session(model, optimize=False)
-        names = [i.name for i in session.get_inputs() if i.name != GATES]
+def ort_runner(model: onnx.ModelProto, outputs: list[str]):
+    """(gates, samples) -> [the model's outputs, for each sample] in onnxruntime; `.where` says so."""
+    session = ort_session(model, optimize=False)
+    names = [i.name for i in session.get_inputs() if i.name != GATES]
 
-        def on_cpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
-            return [session.run(outputs, {**{n: s[n] for n in names}, GATES: gates}) for s in samples]
-        on_cpu.where = "onnxruntime"
-        return on_cpu
-
-    picked = [graph.outputs.index(o) for o in outputs]
-
-    def on_gpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
-        with torch.no_grad():
-            gated = torch.from_numpy(gates).to("cuda")
-            got = [graph(*(torch.from_numpy(np.ascontiguousarray(s[n])).to("cuda") for n in graph.inputs[:-1]), gated)
-                   for s in samples]
-        return [[g[k].float().cpu().numpy() for k in picked] for g in got]
-    on_gpu.where = "torch on the GPU"
-    return on_gpu
+    def on_cpu(gates: np.ndarray, samples: list[dict]) -> list[list[np.ndarray]]:
+        return [session.run(outputs, {**{n: s[n] for n in names}, GATES: gates}) for s in samples]
+    on_cpu.where = "onnxruntime"
+    return on_cpu
 
 
 def restore(graph: gs.Graph, found: list, kept: dict) -> None:

@@ -134,6 +134,10 @@ class Target:
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""
         return None
 
+    def replica_runner(self, model, outputs: list[str]):
+        """A faster runner than onnxruntime of fp8_linears' gated replica (PassContext.replica), or None."""
+        return None
+
 
 class Builds(Protocol):
     """Builds under way. `submit` may be called at any time, also while earlier jobs build (the vendor

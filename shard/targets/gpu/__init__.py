@@ -14,6 +14,7 @@ from __future__ import annotations
 from shard.passes import canonicalize, fp8_linears, strong_types
 from shard.targets import Target
 from shard.targets.gpu import stages
+from shard.targets.gpu.replica import torch_runner
 
 # Its passes, in order: strongly typed stages of equal predicted time.
 PIPELINE = (canonicalize.canonicalize, strong_types.strong_types, fp8_linears.fp8_linears, stages.stages)
@@ -36,6 +37,10 @@ class GpuTarget(Target):
 
     def __init__(self, name: str):
         self.name = name
+
+    def replica_runner(self, model, outputs: list[str]):
+        """fp8_linears' replica in torch on the GPU, where this machine has one."""
+        return torch_runner(model, outputs)
 
     def build_options(self, options) -> dict:
         """The engine recipe every stage shares: a strongly typed network (what TensorRT 11 requires and
