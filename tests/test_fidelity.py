@@ -11,7 +11,7 @@ from conftest import mlp_chain, run_ort
 import shard
 from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.calibration import random_samples
-from shard.compilation.choice import simulator_worst
+from shard.compilation.choice import bundle_worst
 from shard.compilation.state import FIDELITY_SAMPLES
 from shard.compilation.fidelity import (Chains, Runs, Side, composed_worst, digest, groups, reference_outputs,
                                         run_in_order)
@@ -64,7 +64,7 @@ def test_shard_by_shard_makes_what_a_session_makes(bundle):
             for side in sides:   # the same bundle twice: one build per shard served both, bit for bit
                 for name, value in made.items():
                     np.testing.assert_array_equal(side.frames[k][name], value)
-    assert worst[0].cosine == pytest.approx(simulator_worst(path, model, samples).cosine, abs=1e-7)
+    assert worst[0].cosine == pytest.approx(bundle_worst(path, model, samples).cosine, abs=1e-7)
     assert worst[0].cosine > 0.999
 
 

@@ -48,11 +48,11 @@ def test_int8_bundle_keeps_its_samples_and_verifies_on_the_simulator(tmp_path, s
     assert out.returncode == 0 and "2 samples from test.npz" in out.stdout, out.stdout + out.stderr
     # groups of samples in one simulator session (mixed precision's held-out and fitted samples) measure
     # as each group alone does
-    from shard.compilation.choice import simulator_cosine, simulator_cosines
+    from shard.compilation.choice import bundle_cosine_of, bundle_cosines
 
     samples = [{"x": x} for x in np.load(calib)["x"]]
-    apart = [simulator_cosine(tmp_path / "m.shard", model, group) for group in (samples[:1], samples[1:])]
-    assert simulator_cosines(tmp_path / "m.shard", model, samples[:1], samples[1:]) == apart
+    apart = [bundle_cosine_of(tmp_path / "m.shard", model, group) for group in (samples[:1], samples[1:])]
+    assert bundle_cosines(tmp_path / "m.shard", model, samples[:1], samples[1:]) == apart
     assert apart[0] != apart[1]   # the groups' own worst, not one worst over both
 
 

@@ -25,6 +25,7 @@ from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line
                                per_axis, prune_host_steps, verdict)
 from shard.passes import PassContext
 from shard.passes.partition import ShardPlan
+from shard.runtime import default_backend
 from shard.targets import ShardBuild
 from shard.verifier import verify_bundle
 
@@ -73,16 +74,23 @@ def host_steps(ctx: PassContext, chosen: list, builds: dict[str, ShardBuild], ve
                             outputs={t.name for t in ctx.model_outputs})
 
 
-def simulator_worst(bundle: Path, model: Path, samples: list | None = None) -> Comparison:
-    """The bundle's worst output against onnxruntime on the simulator (the samples, or one seeded
-    input); a NaN is the worst. The shards are not checked alone: nothing here reads it."""
-    return worst_of(verify_bundle(bundle, model, backend="sim", samples=samples, shards=False).outputs)
+def bundle_worst(bundle: Path, model: Path, samples: list | None = None) -> Comparison:
+    """The bundle's worst output against onnxruntime on its target's own runtime here (checked_on: a
+    vendor target's simulator; the samples, or one seeded input); a NaN is the worst. The shards are
+    not checked alone: nothing here reads it."""
+    return worst_of(verify_bundle(bundle, model, backend=checked_on(bundle), samples=samples, shards=False).outputs)
+
+
+def checked_on(bundle: Path) -> str:
+    """The backend a compile checks a bundle on: its target's first (the vendor's simulator on a Rockchip
+    chip: what runs the NPU's own numbers here)."""
+    return default_backend(read_manifest(bundle))
 
 
 def first_overflow(bundle: Path, model: Path, samples: list) -> str | None:
     """The first shard output (in the bundle's order) holding a NaN or an Inf on the simulator where
     onnxruntime's has none: each shard fed the reference's tensors, else end to end; None if none does."""
-    report = verify_bundle(bundle, model, backend="sim", samples=samples)
+    report = verify_bundle(bundle, model, backend=checked_on(bundle), samples=samples)
     for alone, seen in ((True, report.shards), (False, report.chained)):
         for shard, comparisons in seen.items():
             for c in comparisons:
@@ -91,16 +99,16 @@ def first_overflow(bundle: Path, model: Path, samples: list) -> str | None:
     return None
 
 
-def simulator_cosine(bundle: Path, model: Path, samples: list | None = None) -> float:
-    """simulator_worst's cosine."""
-    return simulator_worst(bundle, model, samples).cosine
+def bundle_cosine_of(bundle: Path, model: Path, samples: list | None = None) -> float:
+    """bundle_worst's cosine."""
+    return bundle_worst(bundle, model, samples).cosine
 
 
-def simulator_cosines(bundle: Path, model: Path, *groups: list[dict]) -> list[float]:
+def bundle_cosines(bundle: Path, model: Path, *groups: list[dict]) -> list[float]:
     """The worst output cosine of a bundle against onnxruntime on the simulator over each group of
     samples, all run in one simulator session (setting one up builds every shard for the simulator),
     the shards not checked alone. A NaN is the worst."""
-    report = verify_bundle(bundle, model, backend="sim", samples=[s for group in groups for s in group],
+    report = verify_bundle(bundle, model, backend=checked_on(bundle), samples=[s for group in groups for s in group],
                            shards=False)
     per_sample = [worst_of(comparisons) for comparisons in report.samples]
     bounds = np.cumsum([0, *map(len, groups)])

@@ -70,7 +70,7 @@ def composed_worst(bundles: list[Path], model: Path, samples: list[dict[str, np.
                    simulator: OneShardAtATime, progress: Progress = lambda *a: None,
                    runs: Runs | None = None) -> list[Comparison]:
     """Each bundle's worst output against onnxruntime on the simulator over `samples` (a NaN is the
-    worst), as simulator_worst gives it, shard by shard; `runs`: the shards' runs made before."""
+    worst), as bundle_worst gives it, shard by shard; `runs`: the shards' runs made before."""
     # first: onnxruntime's memory is given back before the simulator's workers take theirs
     manifests = [read_manifest(bundle) for bundle in bundles]
     references = reference_outputs(model, manifests[0], samples)

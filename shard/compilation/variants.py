@@ -14,7 +14,7 @@ import numpy as np
 
 from shard.bundle import read_manifest
 from shard.calibration import compile_samples
-from shard.compilation.choice import simulator_cosine, simulator_cosines
+from shard.compilation.choice import bundle_cosine_of, bundle_cosines
 from shard.compilation.stages import compile_one
 from shard.compilation.staging import replace_dir, staging_folder
 from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
@@ -169,7 +169,7 @@ def measure_round(model: Path, target: str, work: Path, folds: list, fitted: lis
         result = compile_one(model, target, work.with_name(f"{work.name}-fold{f}.shard"),
                              replace(options, promote=tuple(promoted)), progress)
         # every sample held out (what --min-cosine holds on) and a few it was fitted on, in one session
-        cosines = simulator_cosines(result.bundle, model, *([held] if held is fit else [held, fit[:FIDELITY_SAMPLES]]))
+        cosines = bundle_cosines(result.bundle, model, *([held] if held is fit else [held, fit[:FIDELITY_SAMPLES]]))
         held_out.append(cosines[0])
         on_fit.append(cosines[-1])
         if first is None:
@@ -199,7 +199,7 @@ def mixed_report(model: Path, target: str, work: Path, options: CompileOptions, 
         every = replace(options, calib=str(save_samples(work / "all.npz", samples)), check_fidelity=False,
                         promote=kept["promoted"])
         result = compile_one(model, target, work / "all.shard", every, progress)
-        mixed.update(kept=kept["round"], bundle_cosine=simulator_cosine(result.bundle, model, samples))
+        mixed.update(kept=kept["round"], bundle_cosine=bundle_cosine_of(result.bundle, model, samples))
     else:
         mixed["kept"] = kept["round"]
     result.bundle.rename(work / "kept.shard")
