@@ -282,8 +282,8 @@ class Vision(nn.Module):
 def export_programs(model: Pi0, folder: Path, opset: int = 19) -> dict[str, Path]:
     """The three programs as ONNX files, each in a folder of its own (its weights beside it where it is
     past protobuf's 2 GB): folder/vision/vision.onnx, prefix/prefix.onnx, step/step.onnx; fp32, every
-    shape fixed; opset 19, the GPU target's own (the version converter would have to hold a 7.5 GB prefix in one
-    message). {name: path}."""
+    shape fixed; opset 19, the GPU target's own (the version converter would have to hold the 7.5 GB
+    prefix in one message). {name: path}."""
     c, folder = model.config, Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     names = cache_names(c.prefix.depth)
