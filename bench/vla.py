@@ -12,6 +12,10 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
    fp16 stage), run by VlaSession on the cuda backend (each stage a CUDA graph, the prefix's keys and
    values written once into the step's own buffers, the actions kept on the GPU between steps).
 
+The whole run takes longer than one 10-minute device call on an H200 (export 4 min, compile 2 min,
+torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in --work (a warm
+machine keeps it), and --sides picks the PyTorch sides.
+
 Each side: the median host-to-host time of one observation over --repeats runs (after warm runs),
 its GPU time alone (CUDA events around the same work, inputs already on the GPU), and the action
 chunk's cosine, max abs diff and MSE against the fp32 reference. Ours also prints vision, prefix and
@@ -68,7 +72,10 @@ def gpu_seconds(run, repeats: int) -> float:
     return start.elapsed_time(end) / 1e3 / repeats
 
 
-def pytorch_sides(model, obs: dict, steps: int, repeats: int) -> dict:
+SIDES = ("eager", "eager graph", "compile default", "compile reduce-overhead")
+
+
+def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) -> dict:
     """fp16 PyTorch: eager, the loop as one CUDA graph, torch.compile (default, reduce-overhead)."""
     half = model.half().cuda()
     pinned = {k: torch.from_numpy(v).pin_memory() for k, v in obs.items()}
@@ -94,7 +101,7 @@ def pytorch_sides(model, obs: dict, steps: int, repeats: int) -> dict:
 
     forms = {"eager": lambda: loop, "eager graph": lambda: captured_loop(loop),   # name -> what makes its forward
              "compile default": lambda: compiled(None), "compile reduce-overhead": lambda: compiled("reduce-overhead")}
-    for name, make in forms.items():
+    for name, make in ((n, m) for n, m in forms.items() if n in asked):
         started = time.perf_counter()
         try:
             forward = make()
@@ -144,24 +151,30 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=None, help="layers of the prefix and the expert (default: all)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--work", default=None)
+    parser.add_argument("--work", default=None, help="where the VLA folder and the bundle go; with --reuse, read back")
+    parser.add_argument("--reuse", action="store_true", help="the bundle already in --work: no export, no compile")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
     args = parser.parse_args()
+    sides_asked = [s for s in args.sides.split(",") if s]
+    if set(sides_asked) - set(SIDES) or (args.reuse and not args.work):
+        parser.error(f"--sides: of {', '.join(SIDES)}; --reuse needs --work")
     config = CONFIGS[args.model] if args.depth is None else with_depth(CONFIGS[args.model], args.depth)
     work = Path(args.work or tempfile.mkdtemp(prefix="vla-"))
     obs = observation(config)
-    t0 = time.perf_counter()
-    export_vla(args.model, work / "pi0.vla", depth=args.depth)
-    print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
-    t0 = time.perf_counter()
-    compile_vla(work / "pi0.vla", "thor", work / "pi0.shard")
-    print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    if not args.reuse:
+        t0 = time.perf_counter()
+        export_vla(args.model, work / "pi0.vla", depth=args.depth)
+        print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
+        t0 = time.perf_counter()
+        compile_vla(work / "pi0.vla", "thor", work / "pi0.shard")
+        print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     mine = ours(work / "pi0.shard", obs, args.steps, args.repeats)   # first: the figure this bench is for
     model = build_vla(config).cuda()
     with torch.no_grad():
         inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
         reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
     print(f"shard: actions against fp32: {figures(mine['actions'], reference)}", flush=True)
-    sides = {**pytorch_sides(model, obs, args.steps, args.repeats), "shard": mine}
+    sides = {**pytorch_sides(model, obs, args.steps, args.repeats, sides_asked), "shard": mine}
     for name, side in sides.items():
         f = figures(side["actions"], reference)
         side.update(f)
