@@ -27,7 +27,7 @@ import numpy as np
 from shard.bundle import read_versioned, sealed_digest
 from shard.errors import BundleError, RunError
 from shard.runtime.executors import TRAITS, to_host
-from shard.runtime.generative_bundle import EMBEDDINGS, load_checked, read_checked
+from shard.runtime.generative_bundle import EMBEDDINGS, load_checked
 from shard.runtime.session import OnDevice, Session
 
 VLA = "vla.json"
@@ -69,7 +69,12 @@ class VlaSpec:
 
     @property
     def cache_names(self) -> list[str]:
-        return [f"{kind}.{i}" for i in range(self.layers) for kind in ("key", "value")]
+        return cache_names(self.layers)
+
+
+def cache_names(layers: int) -> list[str]:
+    """The prefix's outputs and the step's inputs: each layer's keys, then its values."""
+    return [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
 
 
 def is_vla(path: str | Path) -> bool:
@@ -100,9 +105,7 @@ class VlaSession:
     def __init__(self, bundle: str | Path, backend: str | None = None, **session_args):
         self.bundle = Path(bundle)
         self.spec = read_vla(self.bundle)
-        self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)
-        for name in self.spec.files:
-            read_checked(self.bundle, self.spec.files, name)
+        self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)   # the one file it records
         first = Session(self.bundle / "vision", backend, **session_args)
         self.traits = TRAITS[first.backend]
         self.device = self.traits.device

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
-from shard.runtime.vla import VLA, VlaSpec
+from shard.runtime.vla import VLA, VlaSpec, cache_names
 
 
 @dataclass(frozen=True)
@@ -245,10 +245,6 @@ def observation(config: VlaConfig, seed: int = 0) -> dict[str, np.ndarray]:
             "tokens": rng.integers(0, config.vocab, config.text_tokens).astype(np.int64),
             "state": rng.standard_normal((1, config.actions)).astype(np.float32),
             "noise": rng.standard_normal((1, config.horizon, config.actions)).astype(np.float32)}
-
-
-def cache_names(layers: int) -> list[str]:
-    return [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
 
 
 class Prefix(nn.Module):
