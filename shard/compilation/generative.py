@@ -156,7 +156,8 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         handoff = board_handoff(target, load_profile(target, options.profile).facts)
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging, handoff)
         (staging / GENERATIVE).write_text(spec.to_json())
-        (staging / "report.json").write_text(json.dumps({"predicted": predicted, "chunk": why and asdict(why)}, indent=2) + "\n")
+        report = {"predicted": predicted, "chunk": why and asdict(why)}
+        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
