@@ -89,7 +89,11 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     np.savez(tmp_path / "obs.npz", pixel_values=np.zeros((1, 3, 8, 8), np.float32))
     res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "obs.npz")
     assert res.returncode == 1 and "pixel_values of shape" in res.stderr and "Traceback" not in res.stderr
+    res = shard_cli("compile", tmp_path / "few.vla", "--target", "rk3588", "-o", tmp_path / "rk.shard")
+    assert res.returncode == 1 and "a VLA compiles for the GPU targets" in res.stderr and not (tmp_path / "rk.shard").exists()
     res = shard_cli("act", tmp_path / "few.vla" / "vision")
     assert res.returncode == 1 and "not a VLA bundle" in res.stderr
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
-    assert res.returncode == 1 and "not empty" in res.stderr
+    assert res.returncode == 1 and "not an empty folder" in res.stderr
+    res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "a.npy")   # a file
+    assert res.returncode == 1 and "not an empty folder" in res.stderr and "Traceback" not in res.stderr

@@ -57,8 +57,8 @@ def export_vla_folder(name: str, output: Path, layers: int | None, seed: int) ->
     """A VLA: its three programs, embedding table and vla.json into the folder `output`."""
     from shard.zoo.vla import export_vla  # torch and transformers: only for this
 
-    if output.exists() and any(output.iterdir()):
-        raise ShardError(f"{output} exists and is not empty; a VLA is exported into a folder of its own")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ShardError(f"{output} exists and is not an empty folder; a VLA is exported into a folder of its own")
     if layers is not None and layers < 1:
         raise ShardError(f"--layers {layers}: at least 1")
     with err.status(f"exporting {name}"), warnings.catch_warnings():

@@ -33,6 +33,9 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
     """The VLA folder at `source` into a bundle at `output`; nothing left there on failure."""
     options = options or CompileOptions()
     check_options(options)
+    if target not in (*GPU_TARGETS, "cpu"):
+        raise ShardError(f"--target {target}: a VLA compiles for the GPU targets ({', '.join(GPU_TARGETS)}) or cpu; "
+                         f"its denoising loop on an NPU is not built yet")
     spec = read_vla(source)
     missing = [name for name in (*[f"{p}/{p}.onnx" for p in PROGRAMS], EMBEDDINGS) if not (source / name).is_file()]
     if missing:
