@@ -11,7 +11,7 @@ import typer
 from shard.cli.common import console
 from shard.errors import ShardError
 from shard.output_files import check_output_file
-from shard.runtime.vla import VlaSession, is_vla
+from shard.runtime.vla import VlaSession, is_vla, seeded_observation
 
 app = typer.Typer(add_completion=False)
 
@@ -54,11 +54,7 @@ def act_command(
 def read_observation(path: Path | None, spec, seed: int) -> dict[str, np.ndarray]:
     """The observation in `path`, each array checked against the bundle's shapes; seeded without one."""
     if path is None:
-        rng = np.random.default_rng(seed)
-        side = spec.image_size
-        return {"pixel_values": rng.uniform(-1, 1, (spec.cameras, 3, side, side)).astype(np.float32),
-                "tokens": rng.integers(0, spec.vocab, spec.text_tokens),
-                "state": rng.standard_normal((1, spec.actions))}
+        return seeded_observation(spec, seed)
     try:
         with np.load(path) as data:
             obs = {k: data[k] for k in data.files}

@@ -6,7 +6,6 @@ its sha256."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +15,7 @@ from shard.compilation.staging import check_options, check_output_path, replace_
 from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
-from shard.runtime.generative_bundle import EMBEDDINGS
+from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.vla import PROGRAMS, VLA, VlaSpec, read_vla
 from shard.targets.chips import GPU_TARGETS
 
@@ -51,8 +50,7 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
             reports[name] = compile_one_model(source / name / f"{name}.onnx", target, staging / name, options,
                                               step).report
         shutil.copyfile(source / EMBEDDINGS, staging / EMBEDDINGS)
-        data = (staging / EMBEDDINGS).read_bytes()
-        spec = replace(spec, files={EMBEDDINGS: [len(data), hashlib.sha256(data).hexdigest()]})
+        spec = replace(spec, files=record_files(staging))   # the table's size and sha256
         (staging / VLA).write_text(spec.to_json())
         replace_dir(staging, output)
     finally:

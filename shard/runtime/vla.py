@@ -77,6 +77,16 @@ def cache_names(layers: int) -> list[str]:
     return [f"{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
 
 
+def seeded_observation(spec: VlaSpec, seed: int = 0) -> dict[str, np.ndarray]:
+    """A seeded observation and its noise: each camera's pixels in [-1, 1], prompt ids, a state."""
+    rng = np.random.default_rng(seed)
+    side = spec.image_size
+    return {"pixel_values": rng.uniform(-1, 1, (spec.cameras, 3, side, side)).astype(np.float32),
+            "tokens": rng.integers(0, spec.vocab, spec.text_tokens).astype(np.int64),
+            "state": rng.standard_normal((1, spec.actions)).astype(np.float32),
+            "noise": rng.standard_normal((1, spec.horizon, spec.actions)).astype(np.float32)}
+
+
 def is_vla(path: str | Path) -> bool:
     return (Path(path) / VLA).is_file()
 
@@ -107,15 +117,12 @@ class VlaSession:
         self.spec = read_vla(self.bundle)
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)   # the one file it records
         first = Session(self.bundle / "vision", backend, **session_args)
-        self.traits = TRAITS[first.backend]
-        self.device = self.traits.device
-        kept = (lambda names: OnDevice(outputs=frozenset(names))) if self.device else (lambda names: OnDevice())
+        self.device = TRAITS[first.backend].device   # where the cache and the actions stay, if anywhere
         self.sessions = {"vision": first}
         try:
-            self.sessions["prefix"] = Session(self.bundle / "prefix", first.backend, **session_args,
-                                              on_device=kept(self.spec.cache_names))
-            self.sessions["step"] = Session(self.bundle / "step", first.backend, **session_args,
-                                            on_device=kept(["velocity"]))
+            for name, kept in (("prefix", self.spec.cache_names), ("step", ["velocity"])):
+                self.sessions[name] = Session(self.bundle / name, first.backend, **session_args,
+                                              on_device=OnDevice(outputs=frozenset(kept if self.device else ())))
         except BaseException:
             self.close()
             raise

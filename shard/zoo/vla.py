@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
-from shard.runtime.vla import VLA, VlaSpec, cache_names
+from shard.runtime.vla import VLA, VlaSpec, cache_names, seeded_observation
 
 
 @dataclass(frozen=True)
@@ -238,13 +238,8 @@ def build_vla(config: VlaConfig = PI0, seed: int = 0) -> Pi0:
 
 
 def observation(config: VlaConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """A seeded observation and noise: each camera's pixels in [-1, 1], prompt ids, a state."""
-    rng = np.random.default_rng(seed)
-    side = config.image_size
-    return {"pixel_values": rng.uniform(-1, 1, (config.cameras, 3, side, side)).astype(np.float32),
-            "tokens": rng.integers(0, config.vocab, config.text_tokens).astype(np.int64),
-            "state": rng.standard_normal((1, config.actions)).astype(np.float32),
-            "noise": rng.standard_normal((1, config.horizon, config.actions)).astype(np.float32)}
+    """The seeded observation and noise a bundle of this config takes (shard.runtime.vla.seeded_observation)."""
+    return seeded_observation(VlaSpec.of(config, "", seed), seed)
 
 
 class Prefix(nn.Module):

@@ -21,7 +21,6 @@ from shard.errors import TargetError
 # backend -> the module of this package that runs it; each exports make(bundle, manifest, placements)
 MODULES = {"cpu": "cpu", "sim": "rknn_sim", "board": "rknn_board", "cuda": "cuda", "tensorrt": "tensorrt"}
 BACKENDS = tuple(MODULES)
-STAGE_BACKENDS = ("cuda", "tensorrt")   # a stream per pipeline stage: each stage loaded once, on its stream
 NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32 input goes as it is (as_float16)
 
 
@@ -39,6 +38,8 @@ class Traits:
 
 TRAITS = {"cpu": Traits(), "sim": Traits(), "board": Traits(binds_inputs=True, converts_inputs=True),
           "cuda": Traits(device="cuda"), "tensorrt": Traits(device="cuda")}
+# a stream per pipeline stage, each stage loaded once on its stream: the backends that keep tensors on a device
+STAGE_BACKENDS = tuple(name for name, traits in TRAITS.items() if traits.device)
 
 
 @dataclass(frozen=True)
