@@ -25,8 +25,12 @@ $(BIN)/shard: pyproject.toml
 toolkit: $(BIN)/shard
 	$(BIN)/shard toolkit install $(TARGET)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its module's fixtures
+# built once); the toolkit's builds use a core each, so more processes than cores buy little.
+TEST_WORKERS ?= 2
+
 test: toolkit
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 demo: toolkit
 	mkdir -p build

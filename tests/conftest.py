@@ -21,8 +21,10 @@ def pytest_configure(config):
     import tempfile
 
     config.shard_saved_env = {k: os.environ.get(k) for k in ("TMPDIR", "SHARD_BUILD_CACHE", "PYTEST_DEBUG_TEMPROOT")}
+    # Under pytest-xdist (`make test` runs two workers) each worker is a run of its own, its folder beside
+    # the others' rather than inside the controller's: a Ray session's socket path must stay under 108 bytes.
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-    root = tempfile.mkdtemp(prefix="shard-test-")
+    root = tempfile.mkdtemp(prefix="shard-test-", dir=os.environ["PYTEST_DEBUG_TEMPROOT"])
     os.environ["TMPDIR"] = tempfile.tempdir = root
     os.environ["SHARD_BUILD_CACHE"] = os.path.join(root, "builds")
 
