@@ -21,6 +21,25 @@ T = TypeVar("T")
 SCHEMA_VERSION = 6
 MANIFEST = "manifest.json"
 
+# The ONNX ops an "onnx" host step may hold (the runtime runs each in numpy: shard.runtime.host_ops,
+# whose table a test holds to this one); compile moves only these to the host (shard.passes.host_edges).
+HOST_ONNX_OPS = frozenset({
+    "Cast", "Not", "And", "Or", "Xor", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Where",
+    "Add", "Sub", "Mul", "Div", "Neg", "Cos", "Sin", "Min", "Max", "Unsqueeze", "Squeeze", "Reshape", "Expand",
+    "CumSum", "Flatten", "Slice", "Concat", "Transpose", "Gather", "GatherElements", "ArgMax", "ArgMin",
+    "ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "Clip", "Softmax", "LogSoftmax"})
+
+
+def step_inputs(step: dict) -> list[str]:
+    """The tensors a host step reads (its own constants aside)."""
+    names = step.get("inputs") or [step["input"]]
+    return [n for n in names if n not in step.get("constants", {})]
+
+
+def step_outputs(step: dict) -> list[str]:
+    """The tensors a host step makes."""
+    return step.get("outputs") or [step["output"]]
+
 
 @dataclass
 class TensorSpec:

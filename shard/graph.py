@@ -16,10 +16,6 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 from shard.bundle import TensorSpec
 from shard.errors import ModelError
 
-# rknn-toolkit2 2.5.0 loads opset <= 19 and the IR versions its onnx 1.18 reads.
-TOOLKIT_MAX_OPSET = 19
-
-
 def load_model(path: str | Path) -> onnx.ModelProto:
     """Read an ONNX file (external data included) or raise ModelError saying why not."""
     path = Path(path)
@@ -316,14 +312,16 @@ def infer_shapes(graph: gs.Graph) -> gs.Graph:
     return graph
 
 
-def to_toolkit_model(graph: gs.Graph, opset: int) -> onnx.ModelProto:
-    """Export a graph as a model the vendor toolkit loads (opset <= 19, matching IR version)."""
+def as_model(graph: gs.Graph, max_opset: int | None = None) -> onnx.ModelProto:
+    """A graph as a model, at the lowest IR version its opsets allow (what an older onnx reads) and, where
+    `max_opset` is given (Target.max_opset: the newest its compiler loads), lowered to it by the onnx
+    version converter."""
     model = gs.export_onnx(graph, do_type_check=False)
-    if opset > TOOLKIT_MAX_OPSET:
+    if max_opset is not None and graph.opset > max_opset:
         try:
-            model = onnx.version_converter.convert_version(model, TOOLKIT_MAX_OPSET)
+            model = onnx.version_converter.convert_version(model, max_opset)
         except Exception as exc:
-            raise ModelError(f"cannot lower opset {opset} to {TOOLKIT_MAX_OPSET} for the toolkit: {exc}") from None
+            raise ModelError(f"cannot lower opset {graph.opset} to {max_opset} for the target's compiler: {exc}") from None
     model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
     return model
 
@@ -401,3 +399,30 @@ def give_back_freed() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+def relayout(model: onnx.ModelProto, inputs: dict[str, list[int]], outputs: dict[str, list[int]]) -> onnx.ModelProto:
+    """The model with the named inputs and outputs in the given shapes, each reshaped inside to the
+    model's own (a target's layout of its edges: Target.edge_layouts)."""
+    graph = gs.import_onnx(model)
+    for tensor in graph.inputs:
+        if tensor.name in inputs:
+            logical = gs.Variable(f"{tensor.name}__logical", dtype=tensor.dtype, shape=list(tensor.shape))
+            replace_uses(tensor, logical)
+            graph.nodes.append(reshape_node(tensor, logical, list(tensor.shape)))
+            tensor.shape = list(inputs[tensor.name])
+    for tensor in graph.outputs:
+        if tensor.name in outputs and tensor.inputs:
+            logical = gs.Variable(f"{tensor.name}__logical", dtype=tensor.dtype, shape=list(tensor.shape))
+            replace_uses(tensor, logical)
+            producer = tensor.inputs[0]
+            producer.outputs[producer.outputs.index(tensor)] = logical
+            graph.nodes.append(reshape_node(logical, tensor, list(outputs[tensor.name])))
+            tensor.shape = list(outputs[tensor.name])
+    result = gs.export_onnx(toposort(graph), do_type_check=False)
+    result.ir_version = model.ir_version
+    return result
+
+
+def reshape_node(src: gs.Tensor, dst: gs.Tensor, shape: list[int]) -> gs.Node:
+    target = gs.Constant(f"{dst.name}__shape", np.array(shape, np.int64))
+    return gs.Node("Reshape", f"{dst.name}__reshape", inputs=[src, target], outputs=[dst])

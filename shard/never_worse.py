@@ -21,9 +21,9 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from shard.bundle import step_inputs, step_outputs
 from shard.macs import estimate_macs
 from shard.passes.partition import ShardPlan
-from shard.runtime.host import step_inputs, step_outputs
 from shard.targets.chips import Handoff
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a

@@ -13,6 +13,19 @@ SCHEMA_VERSION = 1
 
 
 @dataclass
+class Point:
+    """One probed size (or one model a pass asked about): did it build clean, and if not, how it
+    failed (its class: shard.targets.rknn.classify) and the line that says so."""
+
+    size: int
+    ok: bool
+    failure: str | None = None
+    evidence: str = ""
+    figures: dict = field(default_factory=dict)   # e.g. estimated cycles, MACs, cosine
+    cached: bool = False
+
+
+@dataclass
 class Limit:
     """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
 

@@ -23,8 +23,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from shard.bundle import step_inputs, step_outputs
 from shard.errors import ShardError
-from shard.runtime.host import step_inputs, step_outputs
 
 SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one line
 SHOWN_CHANGES = 4   # runs of a pass's changes printed one by one; the rest in one line

@@ -1,4 +1,4 @@
-"""shard.edges: a shard's edges in the vendor's 4-D layout, the model's own shapes reshaped inside."""
+"""shard.graph.relayout: a shard's edges in the vendor's 4-D layout, the model's own shapes reshaped inside."""
 
 import numpy as np
 import onnx
@@ -8,7 +8,7 @@ from onnx import helper, numpy_helper
 
 import shard
 from shard.options import CompileOptions
-from shard.edges import relayout
+from shard.graph import relayout
 
 
 def linear_model():

@@ -224,15 +224,24 @@ def test_the_readme_is_short_lists_and_short_cells():
 
 
 def test_the_passes_and_the_executors_keep_to_their_sides():
-    """The passes import nothing of the runtime but the host steps' op table they move ops into
-    (shard.runtime.host_ops); what runs a replica faster (torch on the GPU) the target hands them
-    (PassContext.replica). The runtime's executors import nothing of the compiler: of shard.targets,
-    only the toolkit's client (the simulator runs in its worker)."""
+    """The passes import nothing of the runtime: the ops a host step may hold are the bundle format's
+    (shard.bundle.HOST_ONNX_OPS), and what runs a replica faster (torch on the GPU) the target hands
+    them (PassContext.replica). The runtime's executors import nothing of the compiler: of
+    shard.targets, only the toolkit's client (the simulator runs in its worker)."""
     graph = import_graph()
-    crossing = [f"{a} -> {b}" for a, b in graph.edges
-                if a.startswith("shard.passes") and b.startswith("shard.runtime") and b != "shard.runtime.host_ops"
-                and b != "shard.runtime"]   # importing host_ops runs the runtime package's __init__ first
+    crossing = [f"{a} -> {b}" for a, b in graph.edges if a.startswith("shard.passes") and b.startswith("shard.runtime")]
     crossing += [f"{a} -> {b}" for a, b in graph.edges if a.startswith("shard.runtime.executors")
                  and b.startswith(("shard.passes", "shard.compilation", "shard.probes", "shard.targets.rknn.target",
                                    "shard.targets.gpu", "shard.targets.registry"))]
     assert not crossing, "\n".join(crossing)
+
+
+def test_the_compiler_reaches_the_vendor_through_the_target():
+    """Outside shard/targets/, only the command line (`shard toolkit`, the probe cache, runs on a board's
+    node) and the runtime's own executors of the toolkit import shard.targets.rknn: the compile, the
+    passes and the probe ask the Target (edge layouts, opsets, the probe's toolkit)."""
+    graph = import_graph()
+    side_doors = [f"{a} -> {b}" for a, b in graph.edges if b.startswith("shard.targets.rknn")
+                  and not a.startswith(("shard.targets", "shard.cli.", "shard.runtime.executors.rknn_"))]
+    assert graph.has_edge("shard.runtime.executors.rknn_sim", "shard.targets.rknn.simulate")
+    assert not side_doors, "\n".join(side_doors)

@@ -364,7 +364,7 @@ class LogsErrorLines:
         self.width, self.line = width, line
 
     def build(self, model):
-        from shard.targets.rknn.classify import Point
+        from shard.profile import Point
 
         wide = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value > self.width
         return Point(0, False, "error", f"1 error lines, first: E RKNN: {self.line}") if wide else Point(0, True)

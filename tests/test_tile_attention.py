@@ -178,7 +178,7 @@ class CleanBelow:
         self.rows, self.cols, self.builds = rows, cols, 0
 
     def build(self, model):
-        from shard.targets.rknn.classify import Point
+        from shard.profile import Point
 
         self.builds += 1
         dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}

@@ -16,8 +16,7 @@ import onnx_graphsurgeon as gs
 from shard.bundle import Manifest, read_manifest
 from shard.calibration import calibration_samples, domain_samples
 from shard.compare import Comparison, worst_of
-from shard.compilation.state import FIDELITY_SAMPLES, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE
-from shard.edges import SUFFIX as EDGES
+from shard.compilation.state import FIDELITY_SAMPLES, RELAID, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE
 from shard.errors import CompileError
 from shard.graph import tensor_spec
 from shard.macs import estimate_macs
@@ -253,7 +252,7 @@ def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[s
     """{build: its relaid build} where the relaid one is better on the measured axes, and why."""
     better, choices = {}, []
     for job, _ in relaid:
-        first = job.name[: -len(EDGES)]
+        first = job.name[: -len(RELAID)]
         ours, theirs = Figures.of([builds[job.name]]), Figures.of([builds[first]])
         keep = verdict(ours, theirs, axes) == "better"
         if keep:

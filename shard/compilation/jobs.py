@@ -13,9 +13,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.calibration import calibration_samples, run_each
-from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
-from shard.edges import SUFFIX as EDGES, relayout
-from shard.graph import release_weights, save_onnx, tensor_spec, to_toolkit_model
+from shard.compilation.state import RELAID, UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.graph import as_model, relayout, release_weights, save_onnx, tensor_spec
 from shard.passes import PassContext
 from shard.precision import float16_names
 from shard.runtime.host import run_host
@@ -112,7 +111,7 @@ def write_jobs(staging: Path, logs: Path, tgt, plans: list, originals: list, ops
             if version is not None:
                 sub = gs.Graph(nodes=version.nodes, inputs=version.inputs, outputs=version.outputs, opset=opset,
                                name=plan.name)
-                yield write_job(staging, logs, tgt, name, to_toolkit_model(sub, opset), datasets, version.nodes)
+                yield write_job(staging, logs, tgt, name, as_model(sub, tgt.max_opset), datasets, version.nodes)
         if release:
             release_weights(*release, still_read=[v.nodes for later in versions[k + 1:] for v in later])
 
@@ -155,5 +154,5 @@ def relayout_jobs(staging: Path, logs: Path, tgt, chosen: list, datasets: Datase
                                            {t.name: [int(d) for d in t.shape] for t in plan.outputs})
         if inputs or outputs:
             model = relayout(onnx.load(str(staging / "shards" / f"{built}.onnx")), inputs, outputs)
-            relaid.append((write_job(staging, logs, tgt, f"{built}{EDGES}", model, datasets), inputs))
+            relaid.append((write_job(staging, logs, tgt, f"{built}{RELAID}", model, datasets), inputs))
     return relaid

@@ -300,9 +300,10 @@ def write_bundle(c: Compilation) -> None:
                             f"is not made here: {c.why}; --vendor-alone whole makes it), which keeps every cut")
     if c.baseline:
         link_builds(c.staging / "shards", c.vendor_dir / "shards", [b for b, _ in c.baseline], c.tgt.artifact_suffix)
-    c.writer = BundleWriter(c.target, c.tgt, c.profile, c.build, ctx, c.graph, c.source, c.options, c.logs,
-                            c.builds, c.choices, {job.name: shapes for job, shapes in c.relaid}, c.started,
-                            dict(c.seconds), c.versus, {job.name: job for job in c.jobs})
+    c.writer = BundleWriter(target=c.target, tgt=c.tgt, profile=c.profile, build=c.build, ctx=ctx, graph=c.graph,
+                            source=c.source, options=c.options, logs=c.logs, builds=c.builds, choices=c.choices,
+                            edge_shapes={job.name: shapes for job, shapes in c.relaid}, started=c.started,
+                            seconds=dict(c.seconds), versus=c.versus, jobs={job.name: job for job in c.jobs})
     kept = {name for name, _ in c.chosen}
     undone = {node for choice in c.choices for node in choice["dropped_nodes"]}
     confirm_tiles_in_logs(c.tgt, ctx.reports, [job for job in c.jobs if job.name in kept], undone)

@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard import __version__
-from shard.bundle import MANIFEST, Manifest, ShardSpec, record_files
+from shard.bundle import MANIFEST, Manifest, ShardSpec, record_files, step_inputs
 from shard.cache_folder import link_or_copy
 from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE
 from shard.errors import ModelError
@@ -23,8 +23,9 @@ from shard.options import CompileOptions
 from shard.passes import PassContext
 from shard.passes.partition import npu_seconds_per_mac
 from shard.passes.tile_attention import confirm_tiles, tiled
+from shard.profile import Profile
 from shard.runtime import random_inputs
-from shard.runtime.host import load_tables, run_host, step_files, step_inputs
+from shard.runtime.host import load_tables, run_host, step_files
 from shard.runtime.scheduler import predict_stream
 from shard.summary import fp8_nodes, rewrite_delta
 from shard.targets import ShardBuild, ShardJob, Target
@@ -36,8 +37,8 @@ class BundleWriter:
     """What a finished compile knows; `write` puts a bundle of some of its builds into a folder."""
 
     target: str
-    tgt: object
-    profile: object
+    tgt: Target
+    profile: Profile
     build: dict
     ctx: PassContext
     graph: gs.Graph

@@ -4,7 +4,7 @@ its function's name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import onnx
@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 
 from shard.options import CompileOptions
 from shard.passes.fit import Legality
-from shard.profile import Profile
+from shard.profile import Point, Profile
 
 if TYPE_CHECKING:   # partition makes the plans and reads this module
     from shard.passes.partition import ShardPlan
@@ -24,9 +24,9 @@ class VendorBuilds(Protocol):
     """What the passes may ask of a vendor target while they run: small builds, kept by content
     (shard.targets.rknn.ops.ToolkitOps). A build's point says `ok`, its `failure` and its `figures`."""
 
-    def build(self, model: onnx.ModelProto, macs: int | None = None, build: dict | None = None) -> Any: ...
+    def build(self, model: onnx.ModelProto, macs: int | None = None, build: dict | None = None) -> Point: ...
 
-    def cost(self, point: Any, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
+    def cost(self, point: Point, cycles_per_kb: float | None = None) -> tuple[int, int, float | None]:
         """(total cycles, the part costed by bytes, DDR cycles per KB) of a build."""
         ...
 

@@ -20,9 +20,9 @@ import re
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from shard.bundle import HOST_ONNX_OPS
 from shard.graph import tensor_spec
 from shard.passes.context import PassContext
-from shard.runtime.host_ops import OPS as HOST_ONNX_OPS
 
 PRE_OPS = ("Slice", "Reshape", "Transpose")
 POST_OPS = ("Concat", "Reshape", "Transpose", "Mul", "Softmax", "LogSoftmax")

@@ -71,7 +71,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.calibration import calibration_samples, graph_stats, run_each, stats_cache
-from shard.graph import dtype_name, is_static, small_model, tensor_spec, to_toolkit_model
+from shard.graph import as_model, dtype_name, is_static, small_model, tensor_spec
 from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec, Verdict
 from shard.passes.host_edges import integer_derived
@@ -814,7 +814,7 @@ def value_context(p_shape: list[int], v_shape: list[int], per_head: bool) -> onn
                      inputs=[p, x], outputs=[y], opset=17)
     if per_head:
         split_heads(graph, product, before, after)
-    return to_toolkit_model(graph.cleanup().toposort(), 17)
+    return as_model(graph.cleanup().toposort())
 
 
 def rewrite_value_products(graph: gs.Graph, legality) -> list[dict]:

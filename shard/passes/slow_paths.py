@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from shard.graph import to_toolkit_model
+from shard.graph import as_model
 from shard.passes.context import PassContext
 from shard.passes.fit import OpSpec
 
@@ -144,7 +144,7 @@ def region_model(node: gs.Node, k: int):
     out = node.outputs[0]
     alone = gs.Variable("out", dtype=out.dtype, shape=list(out.shape))
     nodes, patches = npu_part(node, k, alone)
-    return to_toolkit_model(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17), 17)
+    return as_model(gs.Graph(nodes=nodes, inputs=[patches], outputs=[alone], opset=17))
 
 
 def slow_paths(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:

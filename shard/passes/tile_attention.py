@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from shard.graph import to_toolkit_model
+from shard.graph import as_model
 from shard.passes.context import PassContext
 from shard.passes.fit import HARD_FAILURES, lone_error
 from shard.passes.legalize import bounds
@@ -225,7 +225,7 @@ def region_model(att: Attention, rows: int | None = None, cols: int | None = Non
         prev = node.outputs[0]
     p = add("Softmax", [s], shape, axis=-1)
     g.outputs = [add("MatMul", [p, tensors["v"]], shape[:-1] + [int(att.out.shape[-1])])]
-    return to_toolkit_model(g, g.opset)
+    return as_model(g)
 
 
 def forced_rows(ctx: PassContext, s_len: int, t_len: int) -> int:

@@ -21,11 +21,8 @@ from shard.probes.families import Family, conv, conv_macs, limit_name, select
 from shard.probes.handoff import measure_handoff
 from shard.probes.search import Boundary, Point, find_boundary, sweep
 from shard.profile import Limit, Profile, load_profile
-from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
 from shard.targets.chips import CHIPS, chip_facts
-from shard.targets.rknn.ops import ToolkitOps
-from shard.targets.rknn.remote import board_inference, board_timing
-from shard.targets.rknn.target import RknnTarget
+from shard.targets.registry import get_target
 
 DEFAULT_SLOW_FACTOR = 4.0
 BUILD_TIMEOUT_S = 300.0
@@ -40,17 +37,6 @@ class Search:
     @property
     def name(self) -> str:
         return limit_name(self.family, self.setting)
-
-
-def board_runners(target: str, on_board: bool, ray: str | None, timeout: float) -> tuple:
-    """(run once, time) of a clean point on a board of the chip: on a node of the Ray cluster that owns
-    one, or here (rknn-toolkit-lite2, checked before the first build); (None, None) off the board."""
-    if on_board and ray:
-        return board_inference(ray, target, timeout), board_timing(ray, target, timeout)
-    if on_board:
-        import_rknnlite()
-        return infer_once, time_inference
-    return None, None
 
 
 def run_search(ops, search: Search, max_size: int | None, note: Callable[[str], None]) -> None:
@@ -84,13 +70,13 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     the fp16 range (numeric) families."""
     if target not in CHIPS:
         raise TargetError(f"`shard probe` probes the Rockchip chips ({', '.join(CHIPS)}) and cuda; not {target!r}")
-    tgt = RknnTarget(target)
+    tgt = get_target(target)
     chosen = select(families)
-    board, timer = board_runners(target, on_board, ray, timeout)
     base = base or starting_profile(target)
-
-    ops = ToolkitOps(target, base, tgt.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor, board, ray)
-    searches = [Search(f, s) for f in chosen for s in f.settings if tgt.chip.fp16 or not f.numeric]
+    fp16 = "fp16" in tgt.precisions
+    ops = tgt.probe_toolkit(base, jobs=jobs, timeout=timeout, cache_dir=cache_dir, read_cache=read_cache,
+                           slow_factor=slow_factor, on_board=on_board, ray=ray)
+    searches = [Search(f, s) for f in chosen for s in f.settings if fp16 or not f.numeric]
     finished: list[str] = []
     lock = threading.Lock()
 
@@ -103,9 +89,9 @@ def probe(target: str, families: list[str] | None = None, jobs: int = 2, max_siz
     failed = True
     try:
         measured = measure_rates(ops, tgt, progress)   # the `slow` class is judged against these
-        if timer is not None and tgt.chip.fp16:   # the board's own hand-off (shard.targets.chips.Handoff)
+        if on_board and fp16:   # the board's own hand-off (shard.targets.chips.Handoff)
             progress("rates", 0, 1, note="hand-off on the board")
-            measured.update(measure_handoff(lambda model: ops.time_on_board(model, timer), ops.toolkit))
+            measured.update(measure_handoff(ops.time_on_board, ops.toolkit))
         ops.prober.use_rates(measured)
         progress("probe", 0, len(searches), note="")
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as executor:
@@ -157,13 +143,13 @@ QUANTIZED_DTYPES = ("w8a8", "w8a16", "w16a16i_dfp", "w4a16")   # what toolkit 2.
 RATES_VERSION = 1
 
 
-def measure_rates(ops, tgt: RknnTarget, progress: Callable[..., None]) -> dict:
+def measure_rates(ops, tgt, progress: Callable[..., None]) -> dict:
     """Facts the probe measures about the chip itself: `macs_per_cycle_fp16` / `_int8` (peak estimated
     rate, with the Conv that reached it) and `quantized_dtypes` (what a quantized build accepts)."""
     int8 = tgt.build_for(tgt.build_options(None), "int8") if "int8" in tgt.precisions else None
     quantized = [(dtype, {**int8, "config": {**int8["config"], "quantized_dtype": dtype}})
                  for dtype in QUANTIZED_DTYPES] if int8 else []
-    precisions = ([("fp16", tgt.build_options(None))] if tgt.chip.fp16 else []) + ([("int8", int8)] if int8 else [])
+    precisions = ([("fp16", tgt.build_options(None))] if "fp16" in tgt.precisions else []) + ([("int8", int8)] if int8 else [])
     total, done = len(precisions) * len(PEAK_CONVS) + len(quantized), 0
     facts: dict = {}
     for precision, build in precisions:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from shard.targets.rknn.classify import Point
+from shard.profile import Point
 
 
 @dataclass

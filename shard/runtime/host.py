@@ -23,20 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from shard.bundle import step_inputs, step_outputs
 from shard.errors import BundleError
 from shard.runtime.host_ops import run_onnx_step
 
 HOST_OPS = ("slice", "concat", "reshape", "transpose", "onnx")
-
-
-def step_inputs(step: dict) -> list[str]:
-    """The tensors a step reads (its own constants aside)."""
-    names = step.get("inputs") or [step["input"]]
-    return [n for n in names if n not in step.get("constants", {})]
-
-
-def step_outputs(step: dict) -> list[str]:
-    return step.get("outputs") or [step["output"]]
 
 
 def check_dataflow(manifest) -> None:

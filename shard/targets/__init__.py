@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from shard.bundle import file_record
+from shard.errors import TargetError
 
 
 class SampleRuns(Protocol):
@@ -83,6 +84,7 @@ class Target:
     precisions: tuple[str, ...] = ("fp32",)   # what its shards can be built in, default first
     pipeline: tuple[Callable, ...] = ()      # its passes, in order (shard.passes.NPU_PIPELINE, ...)
     min_opset = 0                    # the opset its shard files are lifted to, at least
+    max_opset: int | None = None     # and lowered to, at most (the newest its compiler loads)
     stage_streams = False            # shard k runs on stream ("core") k: a pipeline of stages (GPU)
     build_note = "the shard ONNX file is what runs"   # the build log of a target that builds nothing here
 
@@ -113,7 +115,7 @@ class Target:
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
                      ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """From a shard's build log: the inputs and outputs the compiler reshaped into its own layout
-        on the CPU, with that layout's shape (shard.edges). None here: any shape runs as it is."""
+        on the CPU, with that layout's shape (the shard is built again so: shard.graph.relayout). None here: any shape runs as it is."""
         return {}, {}
 
     def build_bytes(self, weight_bytes: int) -> int:
@@ -133,6 +135,13 @@ class Target:
     def pass_toolkit(self, profile, options):
         """Small cached builds the passes may ask for (legality of one op, cost of a region), or None."""
         return None
+
+    def probe_toolkit(self, base, jobs: int, timeout: float, cache_dir: Path | None = None, read_cache: bool = True,
+                      slow_factor: float | None = None, on_board: bool = False, ray: str | None = None):
+        """What `shard probe` builds its families with (shard.probes.runner), starting from the profile
+        `base`: `jobs` builds at once, each point cached; on_board, each clean point also run on a board
+        of the chip (here, or on a node of the `ray` cluster that owns one)."""
+        raise TargetError(f"{self.name}: `shard probe` learns the limits of targets with a vendor compiler")
 
     def replica_runner(self, model, outputs: list[str]):
         """A faster runner than onnxruntime of fp8_linears' gated replica (PassContext.replica), or None."""

@@ -20,10 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from shard.bundle import Manifest, ShardSpec
+from shard.bundle import Manifest, ShardSpec, step_inputs, step_outputs
 from shard.errors import RunError
 from shard.runtime.executors import OnDevice, edge_input, to_host
-from shard.runtime.host import step_inputs, step_outputs
 
 Stage = Callable[[list], list]   # fixed input buffers -> output tensors (the same buffers every call)
 

@@ -30,6 +30,7 @@ class GpuTarget(Target):
     precisions = ("fp16", "fp8")
     pipeline = PIPELINE
     min_opset = MIN_OPSET
+    max_opset = MIN_OPSET      # its stage files at opset 19, as its executors and engines were measured on
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
     # compiling needs no TensorRT (check_environment, toolchain: none); building engines does
     build_note = ("stage ONNX written; its TensorRT engine is built on the device by `shard build-engines` "

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from shard.cache_folder import mark_folder
-from shard.targets.rknn.classify import Point
+from shard.profile import Point
 
 POINTS = "*/*/*/v*-*.json"   # a point's file below the cache folder: toolkit/target/limit/v{version}-{size}.json
 

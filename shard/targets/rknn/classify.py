@@ -13,24 +13,11 @@ Failure classes, the first that applies:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from shard.profile import Point
 from shard.targets.rknn.log import BuildDiagnostics
 from shard.targets.rknn.worker import build_failure
 
 MIN_COSINE = 0.999
-
-
-@dataclass
-class Point:
-    """One probed size: did it pass, and if not, how it failed (class) and the line that says so."""
-
-    size: int
-    ok: bool
-    failure: str | None = None
-    evidence: str = ""
-    figures: dict = field(default_factory=dict)   # e.g. estimated cycles, MACs, cosine
-    cached: bool = False
 
 
 def classify_build(size: int, answer: dict, diag: BuildDiagnostics, macs: int | None = None,

@@ -24,9 +24,9 @@ from shard.calibration import random_samples, run_each
 from shard.compare import compare
 from shard.errors import RunError, TargetError
 from shard.graph import value_spec
-from shard.profile import Profile
+from shard.profile import Point, Profile
 from shard.targets.rknn.cache import PointCache, default_cache_dir
-from shard.targets.rknn.classify import Point, classify_build, classify_numeric
+from shard.targets.rknn.classify import classify_build, classify_numeric
 from shard.targets.rknn.env import installed_label
 from shard.targets.rknn.log import HOST_OPS, Layer, parse_build_log, unestimated_cost
 from shard.targets.rknn.remote import worker_pool
@@ -43,8 +43,9 @@ class ToolkitOps:
 
     def __init__(self, target: str, profile: Profile, build: dict, jobs: int = 1, timeout: float = 300.0,
                  cache_dir: Path | None = None, read_cache: bool = True, slow_factor: float | None = None,
-                 board=None, ray: str | None = None):
+                 board=None, ray: str | None = None, timer=None):
         self.toolkit = installed_label(target)
+        self.timer = timer   # the artifact and inputs to seconds on a board (time_on_board), where there is one
         self.cache = PointCache(cache_dir or default_cache_dir(), self.toolkit, target, read=read_cache)
         self.scratch = scratch.folder("ops")
         # The folder also goes with this object: a compile stopped while this starts leaves none.
@@ -75,10 +76,10 @@ class ToolkitOps:
             self.cache.put(MODELS, MODELS_VERSION, point, size=digest)
         return point
 
-    def time_on_board(self, model: onnx.ModelProto, timer) -> float:
+    def time_on_board(self, model: onnx.ModelProto, timer=None) -> float:
         """`model` built with the probe's options, which must build clean, then `timer` (the artifact and
         inputs to seconds on the board: rknn_board.time_inference or its Ray form)."""
-        point = self.prober.run_model(model, f"timed-{model.graph.name}", timer=timer)
+        point = self.prober.run_model(model, f"timed-{model.graph.name}", timer=timer or self.timer)
         if not point.ok:
             raise TargetError(f"{model.graph.name} did not build clean: {point.evidence}")
         return point.figures["board_seconds"]

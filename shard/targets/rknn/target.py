@@ -12,6 +12,7 @@ from typing import Callable
 
 from shard.passes import NPU_PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
+from shard.runtime.executors.rknn_board import import_rknnlite, infer_once, time_inference
 from shard.targets import ShardBuild, ShardJob, Target
 from shard.targets.build_cache import BuildCache
 from shard.targets.chips import CHIPS
@@ -19,7 +20,7 @@ from shard.targets.rknn.env import find_python, installed_label
 from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
 from shard.targets.rknn.memory import build_bytes, onnx_weight_bytes, shards_for_memory, worker_build_bytes
 from shard.targets.rknn.ops import ToolkitOps
-from shard.targets.rknn.remote import worker_pool
+from shard.targets.rknn.remote import board_inference, board_timing, worker_pool
 from shard.targets.rknn.simulate import ShardByShard, runs_where_built
 from shard.targets.rknn.worker import ToolkitWorker, WorkerFailed, build_failure, build_request
 
@@ -33,6 +34,7 @@ class RknnTarget(Target):
     vendor = True
     pipeline = NPU_PIPELINE
     min_opset = MIN_OPSET
+    max_opset = 19         # rknn-toolkit2 2.5.0 loads opset <= 19 (and the IR versions its onnx 1.18 reads)
     stage_streams = False
 
     def __init__(self, chip: str):
@@ -73,7 +75,12 @@ class RknnTarget(Target):
 
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
                      ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
-        """Edges the vendor reshaped on the CPU, with the 4-D shape it wanted (shard.edges)."""
+        """Edges the vendor reshaped on the CPU, with the 4-D shape it wanted. rknn-toolkit2 computes in
+        a 4-D layout: a graph input or output of another shape (a [4,10] linear input, a [3,2,5]
+        activation) goes through a Reshape it runs on the CPU beside the Input/OutputOperator (30 of
+        the onnx package's pytorch conformance models), where the same reshape is a free view in
+        numpy. Its layer table says which edges and to what shape; compile builds the shard again
+        with those edges so (shard.graph.relayout) and keeps it where better (shard.never_worse)."""
         return edge_reshapes(parse_build_log(log.read_text(errors="replace")).layers, inputs, outputs)
 
     def build_bytes(self, weight_bytes: int) -> int:
@@ -92,9 +99,26 @@ class RknnTarget(Target):
         return ToolkitOps(self.name, profile, self.build_options(options), jobs=1,
                           timeout=min(options.timeout, ONE_OP_TIMEOUT), ray=options.ray)
 
+    def probe_toolkit(self, base, jobs: int, timeout: float, cache_dir: Path | None = None, read_cache: bool = True,
+                      slow_factor: float | None = None, on_board: bool = False, ray: str | None = None) -> ToolkitOps:
+        board, timer = board_runners(self.name, on_board, ray, timeout)
+        return ToolkitOps(self.name, base, self.build_options(None), jobs, timeout, cache_dir, read_cache, slow_factor,
+                          board, ray, timer)
+
     def builds(self, workers: int, timeout: float, cache: Path | None, log_dir: Path,
                ray: str | None = None) -> ToolkitBuilds:
         return ToolkitBuilds(self, workers, timeout, cache, log_dir, ray)
+
+
+def board_runners(chip: str, on_board: bool, ray: str | None, timeout: float) -> tuple:
+    """(run once, time) of a clean point on a board of the chip: on a node of the Ray cluster that owns
+    one, or here (rknn-toolkit-lite2, checked before the first build); (None, None) off the board."""
+    if on_board and ray:
+        return board_inference(ray, chip, timeout), board_timing(ray, chip, timeout)
+    if on_board:
+        import_rknnlite()
+        return infer_once, time_inference
+    return None, None
 
 
 class ToolkitBuilds:
