@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from shard.bundle import step_inputs, step_outputs
 from shard.macs import estimate_macs
-from shard.passes.partition import ShardPlan
+from shard.passes.context import ShardPlan
 from shard.targets.chips import Handoff
 
 # The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a

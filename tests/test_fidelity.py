@@ -12,9 +12,9 @@ import shard
 from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.calibration import random_samples
 from shard.compilation.choice import bundle_worst
-from shard.compilation.state import FIDELITY_SAMPLES
 from shard.compilation.fidelity import (Chains, Runs, Side, composed_worst, digest, groups, reference_outputs,
                                         run_in_order)
+from shard.compilation.names import FIDELITY_SAMPLES
 from shard.errors import RunError
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs

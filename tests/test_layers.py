@@ -1,4 +1,4 @@
-"""The layers of shard/ as its imports draw them: no import loop crosses from one subpackage (or
+"""The layers of shard/ as its imports draw them: no import loop, and none crosses from one subpackage (or
 top-level module) into another, counting the imports made inside functions and the package
 __init__ that every import of a submodule runs first; no Rockchip chip is named outside
 shard/targets/."""
@@ -70,11 +70,13 @@ def crossing_loops(graph: nx.DiGraph) -> list[str]:
     return crossing
 
 
-def test_no_import_loop_crosses_a_subpackage():
+def test_no_import_loop_crosses_a_subpackage_or_stays_inside_one():
     graph = import_graph()
     assert graph.number_of_nodes() > 50 and graph.has_edge("shard.compilation.stages", "shard.passes")
     loops = crossing_loops(graph)
     assert not loops, "import loops across subpackages:\n" + "\n".join(loops)
+    inside = [sorted(loop) for loop in nx.strongly_connected_components(graph) if len(loop) > 1]
+    assert not inside, f"import loops (type-checking imports count too): {inside}"
 
 
 def test_the_check_finds_a_loop_made_in_a_function_or_through_a_package(tmp_path, monkeypatch):

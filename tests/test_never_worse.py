@@ -145,7 +145,7 @@ def test_shards_joined_by_an_edge_held_scaled_keep_the_same_version():
     # 11 (scale_sandwich's range rescale). Chosen shard by shard, the unrewritten shard before the final
     # norm handed the residual at full scale to the rewritten norm: cosine 0.620 on the simulator.
     from shard.compilation.choice import bound_groups, choose_versions
-    from shard.compilation.state import UNREWRITTEN
+    from shard.compilation.names import UNREWRITTEN
     from shard.passes.partition import ShardPlan
     from shard.targets import ShardBuild
 
@@ -170,7 +170,7 @@ def test_a_cut_pays_its_hand_offs_beside_the_vendors_one_graph():
     # Each graph run on the board has its inputs set and outputs got on the host; two shards of the
     # same cycles as the vendor's one graph hand their [1, 1024, 768] edge off twice more, and are worse.
     from shard.compilation.choice import against_vendor_alone
-    from shard.compilation.state import VENDOR_ALONE
+    from shard.compilation.names import VENDOR_ALONE
     from shard.never_worse import handoff_cycles
     from shard.passes.partition import ShardPlan
     from shard.targets import ShardBuild

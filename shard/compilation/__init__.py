@@ -17,8 +17,9 @@ from pathlib import Path
 from shard.compilation.batching import batched
 from shard.compilation.cached import compile_one_model, default_output
 from shard.compilation.generative import compile_generative, is_causal_lm
+from shard.compilation.names import Progress
 from shard.compilation.staging import check_options
-from shard.compilation.state import CompileResult, Progress
+from shard.compilation.state import CompileResult
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.targets.chips import DEFAULT_TARGET

@@ -15,8 +15,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 
+from shard.compilation.names import Progress
 from shard.compilation.stages import run_passes
-from shard.compilation.state import Progress
 from shard.errors import ModelError, ShardError
 from shard.graph import load_model, quiet_graphsurgeon
 from shard.summary import stages_of

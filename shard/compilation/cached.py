@@ -12,8 +12,9 @@ from pathlib import Path
 from shard import bundle_cache
 from shard.bundle import check_files, read_manifest
 from shard.cache_folder import default_cache_dir, mark_folder
+from shard.compilation.names import Progress
 from shard.compilation.staging import check_output_path, replace_dir, staging_folder
-from shard.compilation.state import CompileResult, Progress
+from shard.compilation.state import CompileResult
 from shard.compilation.variants import compile_uncached
 from shard.errors import ShardError
 from shard.options import CompileOptions

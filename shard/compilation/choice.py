@@ -16,14 +16,14 @@ import onnx_graphsurgeon as gs
 from shard.bundle import Manifest, read_manifest
 from shard.calibration import calibration_samples, domain_samples
 from shard.compare import Comparison, worst_of
-from shard.compilation.state import FIDELITY_SAMPLES, RELAID, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE
+from shard.compilation.names import FIDELITY_SAMPLES, RELAID, SHARD_BY_SHARD, UNREWRITTEN, VENDOR_ALONE
 from shard.errors import CompileError
 from shard.graph import tensor_spec
 from shard.macs import estimate_macs
 from shard.never_worse import (AXES, HARD_AXES, LABELS, Figures, comparison_line, fidelity_verdict, no_handoffs,
                                per_axis, prune_host_steps, verdict)
 from shard.passes import PassContext
-from shard.passes.partition import ShardPlan
+from shard.passes.context import ShardPlan
 from shard.runtime import default_backend
 from shard.targets import ShardBuild
 from shard.verifier import verify_bundle

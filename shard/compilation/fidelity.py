@@ -35,7 +35,7 @@ import onnx
 from shard.bundle import Manifest, ShardSpec, TensorSpec, read_manifest
 from shard.cache_folder import entry_file, store_entry
 from shard.compare import Comparison, worst_of
-from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.compilation.names import UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.graph import give_back_freed, tensor_spec, value_spec
 from shard.runtime import frame_inputs
 from shard.runtime.executors import npu_inputs, outputs_by_name

@@ -20,8 +20,8 @@ import numpy as np
 from shard import scratch
 from shard.bundle import read_manifest
 from shard.compilation.cached import compile_one_model
+from shard.compilation.names import Progress
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
-from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.profile import load_profile

@@ -13,7 +13,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from shard.calibration import calibration_samples, run_each
-from shard.compilation.state import RELAID, UNREWRITTEN, VENDOR_ALONE, Progress
+from shard.compilation.names import RELAID, UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.graph import as_model, relayout, release_weights, save_onnx, tensor_spec
 from shard.passes import PassContext
 from shard.precision import float16_names

@@ -24,9 +24,9 @@ from shard.compilation.choice import (against_unrewritten, against_vendor_alone,
 from shard.compilation.fidelity import Chains, Runs, composed_worst
 from shard.compilation.jobs import (Datasets, data_inputs, quantization_values, relayout_jobs, vendor_alone_job,
                                     write_jobs, write_vendor_alone)
+from shard.compilation.names import FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, UNREWRITTEN, VENDOR_ALONE, Progress
 from shard.compilation.staging import replace_dir, scratch_folders
-from shard.compilation.state import (FIDELITY_SAMPLES, LOW_FIDELITY, QUANTIZED, UNREWRITTEN, VENDOR_ALONE, Compilation,
-                                     CompileResult, Progress)
+from shard.compilation.state import Compilation, CompileResult
 from shard.compilation.writer import BundleWriter, confirm_tiles_in_logs, link_builds
 from shard.errors import CompileError, ShardError
 from shard.graph import default_opset, fix_input_values, load_model, own_values, quiet_graphsurgeon, sha256_file

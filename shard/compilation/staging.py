@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shard import scratch
 from shard.bundle import MANIFEST, read_manifest
-from shard.compilation.state import PRECISIONS
+from shard.compilation.names import PRECISIONS
 from shard.errors import ShardError
 from shard.never_worse import BASELINES
 from shard.options import CompileOptions, check_seconds

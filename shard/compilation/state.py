@@ -1,37 +1,27 @@
-"""The state of one compile (Compilation) and the names its stages share."""
+"""The state of one compile (Compilation) and what it returns (CompileResult)."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import onnx
 import onnx_graphsurgeon as gs
 
 from shard.bundle import Manifest
 from shard.compare import Comparison
+from shard.compilation.fidelity import BuildRuns, Chains
+from shard.compilation.jobs import Datasets
+from shard.compilation.names import Progress
+from shard.compilation.writer import BundleWriter
 from shard.options import CompileOptions
 from shard.passes import PassContext
-from shard.passes.partition import ShardPlan
+from shard.passes.context import ShardPlan
 from shard.profile import Profile
 from shard.targets import Builds, ShardBuild, ShardJob, Target
 
-if TYPE_CHECKING:   # the stages' rooms, which read this module's names
-    from shard.compilation.fidelity import BuildRuns, Chains
-    from shard.compilation.jobs import Datasets
-    from shard.compilation.writer import BundleWriter
-
-Progress = Callable[[str, int, int], None]  # (step, done, total)
-PRECISIONS = ("fp16", "int8", "mixed", "fp8")
-QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
-VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
-SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made
-UNREWRITTEN = ".unrewritten"      # a shard's twin without the passes' rewrites
-RELAID = ".edges"                 # a shard built with its edges in the target's layout (Target.edge_layouts)
-FIDELITY_SAMPLES = 4              # calibration samples the quantized bundle and the vendor's are compared on
-LOW_FIDELITY = 0.99               # a quantized bundle below this simulator cosine gets a warning
 
 
 @dataclass

@@ -15,9 +15,10 @@ import numpy as np
 from shard.bundle import read_manifest
 from shard.calibration import compile_samples
 from shard.compilation.choice import bundle_cosine_of, bundle_cosines
+from shard.compilation.names import FIDELITY_SAMPLES, Progress
 from shard.compilation.stages import compile_one
 from shard.compilation.staging import replace_dir, staging_folder
-from shard.compilation.state import FIDELITY_SAMPLES, CompileResult, Progress
+from shard.compilation.state import CompileResult
 from shard.graph import fix_input_values, load_model, value_spec
 from shard.never_worse import fix_input_shapes
 from shard.options import CompileOptions

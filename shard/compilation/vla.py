@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shard.compilation.cached import compile_one_model
+from shard.compilation.names import Progress
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
-from shard.compilation.state import Progress
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files

@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from shard import __version__
 from shard.bundle import MANIFEST, Manifest, ShardSpec, record_files, step_inputs
 from shard.cache_folder import link_or_copy
-from shard.compilation.state import UNREWRITTEN, VENDOR_ALONE
+from shard.compilation.names import UNREWRITTEN, VENDOR_ALONE
 from shard.errors import ModelError
 from shard.graph import graph_tensors, sha256_file, tensor_spec
 from shard.options import CompileOptions

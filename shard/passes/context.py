@@ -4,7 +4,7 @@ its function's name."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import onnx
@@ -14,10 +14,20 @@ from shard.options import CompileOptions
 from shard.passes.fit import Legality
 from shard.profile import Point, Profile
 
-if TYPE_CHECKING:   # partition makes the plans and reads this module
-    from shard.passes.partition import ShardPlan
-
 PassFn = Callable[[gs.Graph, "PassContext"], tuple[gs.Graph, dict]]
+
+
+@dataclass
+class ShardPlan:
+    """One shard as partition cut it: its nodes, the tensors it takes and gives, its MACs, and the
+    model's nodes it came from."""
+
+    name: str
+    nodes: list[gs.Node]
+    inputs: list[gs.Variable]
+    outputs: list[gs.Variable]
+    macs: int
+    source_nodes: list[str] = field(default_factory=list)
 
 
 class VendorBuilds(Protocol):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
@@ -12,22 +11,12 @@ import onnx_graphsurgeon as gs
 from shard.errors import ModelError
 from shard.graph import constants, is_static, nbytes
 from shard.macs import estimate_macs
-from shard.passes.context import PassContext
+from shard.passes.context import PassContext, ShardPlan
 from shard.passes.fused import fused_regions
 
 
 MIN_SHARD_MACS = 100_000_000  # about 0.2 ms of one core at its fp16 peak (512 MACs a cycle, 1 GHz)
 JOB_MARGIN = 0.25             # a shard's predicted NPU time stays under this share of the driver's job limit
-
-
-@dataclass
-class ShardPlan:
-    name: str
-    nodes: list[gs.Node]
-    inputs: list[gs.Variable]
-    outputs: list[gs.Variable]
-    macs: int
-    source_nodes: list[str] = field(default_factory=list)
 
 
 def build_dataflow(graph: gs.Graph) -> nx.DiGraph:
