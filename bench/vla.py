@@ -132,8 +132,22 @@ def captured_loop(loop):
     return lambda: (graph.replay(), captured)[1]
 
 
+def stage_forms(session: VlaSession) -> str:
+    """Each program's stages: the form kept, each form's replay, and why a form was passed over."""
+    lines = []
+    for program, s in session.sessions.items():
+        for executor in s.executors.values():
+            for stage, prepared in executor.prepared.items():
+                timed_forms = ", ".join(f"{form} {1e3 * t:.3f} ms" for form, t in executor.form_seconds.get(stage, {}).items())
+                over = executor.passed_over.get(stage)
+                lines.append(f"  {program}/{stage}: kept {prepared.form} ({timed_forms or 'not timed'})"
+                             + (f"; passed over: {over}" if over else ""))
+    return "\n".join(lines)
+
+
 def ours(bundle: Path, obs: dict, steps: int, repeats: int) -> dict:
     with VlaSession(bundle, backend="cuda") as session:
+        print("stage forms:\n" + stage_forms(session), flush=True)
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
         actions = act().actions
         host = timed(act, repeats)

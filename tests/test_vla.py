@@ -53,6 +53,21 @@ def test_the_bundle_acts_as_the_model_in_fp32(bundle):
             session.act(obs["pixel_values"], obs["tokens"][:3], obs["state"])
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuda backend's CUDA graphs)")
+def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_one_by_one(bundle):
+    """On the cuda backend the steps run as one captured loop: the same action chunk, bit for bit, as the
+    step program run step by step, and the fp32 model's; a second step count captures its own loop."""
+    model, obs = build_vla(FEW), observation(FEW)
+    with VlaSession(bundle.bundle, backend="cuda") as session:
+        run = lambda steps: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps).actions  # noqa: E731
+        looped, looped3 = run(10), run(3)
+        assert session.loops[10] is not None and session.loops[3] is not None
+        session.loops.update({10: None, 3: None})   # the steps one by one, each a run of the step program
+        np.testing.assert_array_equal(looped, run(10))
+        np.testing.assert_array_equal(looped3, run(3))
+    assert cosine(looped, torch_actions(model, obs)) >= 0.999
+
 def test_the_programs_take_the_prefix_cache_once_and_the_step_reads_it(bundle):
     """The prefix program returns each layer's keys and values and nothing else (its last layer's
     MLP, which no output reads, is gone); the step takes them with the noisy actions, the time and

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.bundle import read_versioned, sealed_digest
+from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError
 from shard.runtime.executors import TRAITS, to_host
 from shard.runtime.generative_bundle import EMBEDDINGS, load_checked
-from shard.runtime.session import OnDevice, Session
+from shard.runtime.session import OnDevice, Session, default_backend
 
 VLA = "vla.json"
 SCHEMA_VERSION = 1
@@ -109,26 +109,30 @@ class Act:
 
 
 class VlaSession:
-    """A VLA bundle ready to run: a Session per program, the prefix's keys and values in the step's own
-    input buffers where the backend keeps tensors on a device."""
+    """A VLA bundle ready to run: a Session per program. Where the backend keeps tensors on a device (the
+    GPU), the images' features stay there and are joined to the prompt's embeddings in the prefix's own
+    input buffer, the prefix's keys and values are copied once into the step's own input buffers, and
+    the denoising steps run as one CUDA graph (the step's stage captured `steps` times, the action chunk
+    updated in place between them): no host work between the steps."""
 
     def __init__(self, bundle: str | Path, backend: str | None = None, **session_args):
         self.bundle = Path(bundle)
         self.spec = read_vla(self.bundle)
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)   # the one file it records
-        first = Session(self.bundle / "vision", backend, **session_args)
-        self.device = TRAITS[first.backend].device   # where the cache and the actions stay, if anywhere
-        self.sessions = {"vision": first}
+        self.backend = backend or default_backend(read_manifest(self.bundle / "vision"))
+        self.device = TRAITS[self.backend].device if self.backend in TRAITS else None   # where tensors stay
+        kept = {"vision": ["image_features"], "prefix": self.spec.cache_names, "step": ["velocity"]}
+        self.sessions: dict[str, Session] = {}
         try:
-            for name, kept in (("prefix", self.spec.cache_names), ("step", ["velocity"])):
-                self.sessions[name] = Session(self.bundle / name, first.backend, **session_args,
-                                              on_device=OnDevice(outputs=frozenset(kept if self.device else ())))
+            for name in PROGRAMS:
+                self.sessions[name] = Session(self.bundle / name, self.backend, **session_args,
+                                              on_device=OnDevice(outputs=frozenset(kept[name] if self.device else ())))
         except BaseException:
             self.close()
             raise
-        self.backend = first.backend
-        buffers = self.sessions["step"].input_buffers() if self.device else {}
-        self.cache = {name: buffers[name] for name in self.spec.cache_names if name in buffers}
+        self.buffers = {name: self.sessions[name].input_buffers() if self.device else {} for name in ("prefix", "step")}
+        self.cache = {name: self.buffers["step"][name] for name in self.spec.cache_names if name in self.buffers["step"]}
+        self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
             steps: int = 10, seed: int = 0) -> Act:
@@ -145,21 +149,70 @@ class VlaSession:
         features = self.sessions["vision"].run({"pixel_values": np.asarray(pixel_values, np.float32)})["image_features"]
         timer.mark("vision")
         text = self.table[tokens] * np.float32(math.sqrt(s.width))
-        embeds = np.concatenate([to_host(features).reshape(1, -1, s.width), text[None]], axis=1)
-        cache = self.sessions["prefix"].run({"prefix_embeds": embeds})
+        cache = self.sessions["prefix"].run({"prefix_embeds": self.prefix_embeds(features, text)})
         for name, buffer in self.cache.items():   # once: each step reads them where they are
             buffer.copy_(cache[name].reshape(buffer.shape))
         cache = {**cache, **self.cache}
         timer.mark("prefix")
-        x, dt = self.on_device(noise), -1.0 / steps
         state = np.asarray(state, np.float32).reshape(1, s.actions)
+        loop = self.loop(steps) if "x_t" in self.buffers["step"] else None
+        if loop is None:
+            actions = self.steps_one_by_one(noise, state, cache, steps)
+        else:
+            graph, chunk = loop
+            chunk.copy_(self.on_device(noise))
+            self.buffers["step"]["state"].copy_(self.on_device(state).reshape(self.buffers["step"]["state"].shape))
+            graph.replay()
+            actions = to_host(chunk)
+        timer.mark("steps")
+        return Act(actions, timer.seconds)
+
+    def prefix_embeds(self, features, text: np.ndarray):
+        """The prefix's input: the images' features, then the prompt's embeddings; on a device, written in
+        place into the prefix's own input buffer (the features never leave it)."""
+        buffer = self.buffers["prefix"].get("prefix_embeds")
+        if buffer is None:
+            return np.concatenate([to_host(features).reshape(1, -1, self.spec.width), text[None]], axis=1)
+        image = features.numel() // self.spec.width
+        buffer[0, :image].copy_(features.reshape(image, self.spec.width))
+        buffer[0, image:].copy_(self.on_device(text))
+        return buffer
+
+    def steps_one_by_one(self, noise: np.ndarray, state: np.ndarray, cache: dict, steps: int) -> np.ndarray:
+        """The Euler steps as a loop over the step program's runs (a backend without CUDA graphs)."""
+        x, dt = self.on_device(noise), -1.0 / steps
         for k in range(steps):
             now = np.full((1,), 1.0 + k * dt, np.float32)
             velocity = self.sessions["step"].run({"x_t": x, "time": now, "state": state, **cache})["velocity"]
             x = x + dt * velocity
-        actions = to_host(x)
-        timer.mark("steps")
-        return Act(actions, timer.seconds)
+        return to_host(x)
+
+    def loop(self, steps: int) -> tuple | None:
+        """The denoising loop of `steps` steps as one CUDA graph on the step's stream, and the action chunk
+        it updates (float32, as the steps one by one keep it): before step k its time is set and the
+        chunk copied into the step's x_t; after it, dt times its velocity is added to the chunk."""
+        if steps not in self.loops:
+            import torch
+
+            session = self.sessions["step"]
+            executors = list({id(e): e for e in session.executors.values()}.values())
+            if len(session.manifest.shards) != 1 or not hasattr(executors[0], "capture_loop"):
+                self.loops[steps] = None   # a step of several stages: run one by one
+                return None
+            (executor,), (stage,) = executors, session.manifest.shards
+            names = [t.name for t in stage.inputs]
+            x, now = names.index("x_t"), names.index("time")
+            chunk, dt = torch.zeros((1, self.spec.horizon, self.spec.actions), device=self.device), -1.0 / steps
+
+            def before(k: int, inputs: list) -> None:
+                inputs[now].fill_(float(np.float32(1.0 + k * dt)))   # as a step run one by one is handed it
+                inputs[x].copy_(chunk.reshape(inputs[x].shape))
+
+            def after(k: int, inputs: list, outputs: list) -> None:
+                chunk.add_((dt * outputs[0]).reshape(chunk.shape))
+            graph = executor.capture_loop(stage.name, steps, before, after)
+            self.loops[steps] = (graph, chunk) if graph is not None else None
+        return self.loops[steps]
 
     def on_device(self, array: np.ndarray):
         if self.device is None:
@@ -172,6 +225,7 @@ class VlaSession:
         for session in self.sessions.values():
             session.close()
         self.sessions.clear()
+        self.loops.clear()
 
     def __enter__(self) -> VlaSession:
         return self

@@ -91,6 +91,7 @@ class StreamExecutor:
         self.prepared: dict[str, Prepared] = {}
         self.lock = threading.Lock()   # a run on the caller's thread (Scheduler.run_here) and a core's never overlap
         self.passed_over: dict[str, str] = {}   # stage -> why a faster form of it could not be used
+        self.form_seconds: dict[str, dict[str, float]] = {}   # stage -> {form: one replay}, where timed
         for shard in shards:
             self.prepared[shard.name] = self._prepare(shard, make_stage, graphs and self.cuda)
 
@@ -119,6 +120,7 @@ class StreamExecutor:
             prepared.form, prepared.written = form, written_names
             if len(forms) > 1 and prepared.graph is not None:
                 prepared.seconds = replay_seconds(torch, prepared.graph, self.stream)
+                self.form_seconds.setdefault(shard.name, {})[form] = prepared.seconds
             if best is None or (prepared.seconds or 0) < (best.seconds or 0):
                 best = prepared
         return best
@@ -155,6 +157,29 @@ class StreamExecutor:
         with torch.no_grad(), torch.cuda.graph(graph, stream=self.stream):
             outputs = stage(inputs)
         return Prepared(inputs, outputs, stage, graph, host)
+
+    def capture_loop(self, stage: str, steps: int, before: Callable[[int, list], None],
+                     after: Callable[[int, list, list], None]):
+        """The stage run `steps` times as one CUDA graph, `before(k, inputs)` and `after(k, inputs, outputs)`
+        around run k on its stream, each writing in place on fixed buffers (a denoising loop: the step's
+        time and input set before it, its velocity added to the action chunk after). No host work and
+        no synchronization between the runs. Returns the graph (replay() runs the loop), or None where
+        the stage is not captured."""
+        prepared, torch = self.prepared[stage], self.torch
+        if prepared.graph is None:
+            return None
+
+        def loop():
+            for k in range(steps):
+                before(k, prepared.inputs)
+                after(k, prepared.inputs, prepared.stage(prepared.inputs))
+        with torch.no_grad(), self._on_stream():
+            loop()   # the loop's own ops warmed before capture
+        self.stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with self.lock, torch.no_grad(), torch.cuda.graph(graph, stream=self.stream):
+            loop()
+        return graph
 
     def _on_stream(self):
         import contextlib
