@@ -1,9 +1,9 @@
 """compile_model: ONNX in, bundle out.
 
-A compile is a short list of named stages over one Compilation (stages.py); around it, the bundle
-cache (cached.py: a model compiled the same way again comes back from it), and the variants that run it more
-than once (variants.py: a bundle per bucket of input shapes, the rounds of mixed precision). The
-rooms: jobs.py writes what the vendor builds, choice.py keeps the better build and stands the whole
+A compile is a short list of named stages, each handing its record to the next (stages.py, state.py);
+around it, the bundle cache (cached.py: a model compiled the same way again comes back from it), and the
+variants that run it more than once (variants.py: a bundle per bucket of input shapes, the rounds of mixed
+precision). The rooms: jobs.py writes what the vendor builds, choice.py keeps the better build and stands the whole
 beside the vendor alone, writer.py writes the bundle, staging.py keeps a failed compile from leaving
 anything at the output, generative.py compiles a decoder's checkpoint as several programs, each
 through cached.py.

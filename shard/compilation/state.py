@@ -1,4 +1,5 @@
-"""The state of one compile (Compilation) and what it returns (CompileResult)."""
+"""What one compile hands from stage to stage (shard.compilation.stages): each stage's own record,
+made by it and read by the stages after it, and what the compile returns (CompileResult)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from shard.profile import Profile
 from shard.targets import Builds, ShardBuild, ShardJob, Target
 
 
-
 @dataclass
 class CompileResult:
     bundle: Path
@@ -42,11 +42,10 @@ class CompileResult:
         return self.report.get("buckets", {})
 
 
-@dataclass
-class Compilation:
-    """What one compile knows, filled in stage by stage (shard.compilation.stages): set by start,
-    load, start_vendor_alone, rewrite, build_shards, choose, stand_beside_vendor, write_bundle and
-    check_fidelity, in that order."""
+
+@dataclass(frozen=True)
+class Setup:
+    """start(): the target and its profile checked against the options, and where the bundle is written."""
 
     model: Path
     target: str
@@ -59,66 +58,78 @@ class Compilation:
     logs: Path                       # every build's log, outside it: a failure keeps those it names
     started: float
     quantized: bool
-    # load: the model, and how the vendor alone stands beside it
-    proto: onnx.ModelProto | None = None
-    source: dict = field(default_factory=dict)
-    build: dict = field(default_factory=dict)         # the toolkit options every shard builds with
-    vendor_build: dict = field(default_factory=dict)  # the vendor alone's: without the passes' config
-    cache: Path | None = None        # the build cache's folder (None: --no-cache)
-    whole: bool = False              # the vendor alone's build of the whole model is made
-    per_shard: bool = False          # else, stood beside shard by shard (each shard's unrewritten build)
-    why: str = ""                    # why the whole build is or is not made
-    chains: Chains | None = None     # the fidelity check's runs, made where each shard builds
-    # the vendor alone's build
-    builder: Builds | None = None
-    vendor_inputs: list | None = None
-    vendor_job: ShardJob | None = None
-    vendor_runs: BuildRuns | None = None   # its fidelity runs, made where it builds
-    stand_in: ShardBuild | None = None   # an earlier build's figures, the same model with other weights
-    early: list[Future] = field(default_factory=list)
-    # rewrite
-    graph: gs.Graph | None = None
-    ctx: PassContext | None = None
-    opset: int = 0
-    plans: list[ShardPlan] = field(default_factory=list)
-    canonical: gs.Graph | None = None    # the graph as the vendor would take it: each shard's twin
-    originals: list[ShardPlan | None] = field(default_factory=list)
-    values: dict | None = None           # quantized: every shard input's value on each sample
-    feeds: list | None = None
-    rank: Callable[[], dict] | None = None
-    samples: list[dict] = field(default_factory=list)   # what the fidelity check runs
-    seconds: dict = field(default_factory=dict)
-    # build_shards
-    datasets: Datasets | None = None
-    jobs: list[ShardJob] = field(default_factory=list)
-    done: list[ShardBuild] = field(default_factory=list)
-    builds: dict[str, ShardBuild] = field(default_factory=dict)
-    # choose, stand_beside_vendor
-    axes: tuple[str, ...] = ()
-    in_range: set[str] = field(default_factory=set)   # nodes scale_sandwich rescaled for fp16's range
-    relaid: list = field(default_factory=list)
-    own: list = field(default_factory=list)           # [(build, plan)]: each shard's better build
-    chosen: list = field(default_factory=list)        # what the bundle holds
-    choices: list[dict] = field(default_factory=list)
-    versus: dict | None = None
-    measure: bool = False                             # fidelity checked on the simulator
-    # write_bundle, check_fidelity
-    writer: BundleWriter | None = None
-    baseline: list | None = None
-    manifest: Manifest | None = None
-    report: dict = field(default_factory=dict)
-    kept: Comparison | None = None                    # the bundle's worst output on the simulator
+    temporary: list[Path] = field(default_factory=list)   # folders that go whatever ends the compile
 
     @property
     def vendor_dir(self) -> Path:
         """Where the vendor alone's bundle is written for the fidelity check."""
         return self.staging.with_name(f"{self.staging.name}-vendor")
 
-    def compile_jobs(self, batch: list[ShardJob], step: str, under_way: list = (), config: dict | None = None
-                     ) -> dict[str, ShardBuild]:
+
+@dataclass
+class Loaded:
+    """load(): the model as it came, and how the vendor alone will stand beside it."""
+
+    proto: onnx.ModelProto | None    # rewrite takes it, and lets it go
+    source: dict
+    build: dict                      # the toolkit options of the vendor alone's build, and the shards' base
+    cache: Path | None               # the build cache's folder (None: --no-cache)
+    whole: bool                      # the vendor alone's build of the whole model is made
+    per_shard: bool                  # else, stood beside shard by shard (each shard's unrewritten build)
+    why: str                         # why the whole build is or is not made
+    chains: Chains | None            # the fidelity check's runs, made where each shard builds
+
+
+@dataclass
+class VendorAlone:
+    """start_vendor_alone(): the vendor alone's build of the model as it came (quantized, its job is made
+    by build_shards, once the passes took the samples)."""
+
+    inputs: list | None = None
+    job: ShardJob | None = None
+    runs: BuildRuns | None = None          # its fidelity runs, made where it builds
+    stand_in: ShardBuild | None = None     # an earlier build's figures, the same model with other weights
+    early: list[Future] = field(default_factory=list)   # its build, under way through the passes
+
+
+@dataclass
+class Rewritten:
+    """rewrite(): the target's passes run and the graph partitioned."""
+
+    graph: gs.Graph
+    ctx: PassContext
+    opset: int
+    plans: list[ShardPlan]
+    canonical: gs.Graph | None           # the graph as the vendor would take it: each shard's twin
+    originals: list[ShardPlan | None]
+    passes_seconds: float
+    samples: list[dict] = field(default_factory=list)   # what the fidelity check runs
+    values: dict | None = None           # quantized: every shard input's value on each sample
+    feeds: list | None = None
+    rank: Callable[[], dict] | None = None   # mixed: mixed_ranking of its graph
+
+    @property
+    def reference(self) -> gs.Graph:
+        """The graph the vendor alone's plan and the fidelity samples are read from."""
+        return self.canonical or self.graph
+
+
+class BuildQueue:
+    """The compile's builds on the target's workers: every job it submitted, which its progress counts,
+    and every build done."""
+
+    def __init__(self, builder: Builds, progress: Progress):
+        self.builder, self.progress = builder, progress
+        self.jobs: list[ShardJob] = []
+        self.done: list[ShardBuild] = []
+
+    def submit(self, batch: list[ShardJob], config: dict, step: str) -> list[Future]:
+        return self.builder.submit(batch, config, self.on_done(step))
+
+    def wait(self, batch: list[ShardJob], step: str, config: dict, under_way: list = ()) -> dict[str, ShardBuild]:
         """Build `batch` (with the builds `under_way`) and wait for all: {name: build}."""
         self.progress(step, len(self.done), len(self.jobs))
-        submitted = self.builder.submit(batch, config or self.build, self.on_done(step))
+        submitted = self.submit(batch, config, step)
         return {b.name: b for b in self.builder.results([*under_way, *submitted])}
 
     def on_done(self, step: str) -> Callable[[ShardBuild], None]:
@@ -126,3 +137,45 @@ class Compilation:
             self.done.append(result)
             self.progress(step, len(self.done), len(self.jobs))
         return done_one
+
+
+@dataclass
+class Built:
+    """build_shards(): every build by name (choose and stand_beside_vendor add theirs), with the options
+    the shards were built with."""
+
+    builds: dict[str, ShardBuild]
+    build: dict                      # the vendor's options with the passes' toolkit config
+    datasets: Datasets | None        # quantized: each shard input's samples
+    seconds: dict                    # the passes' and the builds'
+
+
+@dataclass
+class Chosen:
+    """choose(): each shard's better build."""
+
+    axes: tuple[str, ...]
+    in_range: set[str]               # nodes scale_sandwich rescaled for fp16's range
+    relaid: list                     # [(job, its input shapes)]: builds with edges in the target's layout
+    own: list                        # [(build, plan)]: each shard's better build
+    choices: list[dict]
+
+
+@dataclass
+class Standing:
+    """stand_beside_vendor(): what the bundle holds, beside the vendor alone."""
+
+    chosen: list
+    versus: dict | None
+    measure: bool                    # fidelity checked on the simulator
+
+
+@dataclass
+class Written:
+    """write_bundle(), then check_fidelity(): the bundle in the staging folder."""
+
+    writer: BundleWriter
+    baseline: list | None            # the vendor alone's builds its fidelity is checked beside
+    manifest: Manifest
+    report: dict
+    kept: Comparison | None = None   # the bundle's worst output on the simulator
