@@ -138,7 +138,8 @@ def stage_forms(session: VlaSession) -> str:
     for program, s in session.sessions.items():
         for executor in s.executors.values():
             for stage, prepared in executor.prepared.items():
-                timed_forms = ", ".join(f"{form} {1e3 * t:.3f} ms" for form, t in executor.form_seconds.get(stage, {}).items())
+                timed = executor.form_seconds.get(stage, {})
+                timed_forms = ", ".join(f"{form} {1e3 * t:.3f} ms" for form, t in timed.items())
                 over = executor.passed_over.get(stage)
                 lines.append(f"  {program}/{stage}: kept {prepared.form} ({timed_forms or 'not timed'})"
                              + (f"; passed over: {over}" if over else ""))

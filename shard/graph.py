@@ -321,7 +321,8 @@ def as_model(graph: gs.Graph, max_opset: int | None = None) -> onnx.ModelProto:
         try:
             model = onnx.version_converter.convert_version(model, max_opset)
         except Exception as exc:
-            raise ModelError(f"cannot lower opset {graph.opset} to {max_opset} for the target's compiler: {exc}") from None
+            raise ModelError(f"cannot lower opset {graph.opset} to {max_opset} for the target's compiler: "
+                             f"{exc}") from None
     model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
     return model
 
@@ -399,6 +400,7 @@ def give_back_freed() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
 
 def relayout(model: onnx.ModelProto, inputs: dict[str, list[int]], outputs: dict[str, list[int]]) -> onnx.ModelProto:
     """The model with the named inputs and outputs in the given shapes, each reshaped inside to the

@@ -60,7 +60,8 @@ def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_o
     step program run step by step, and the fp32 model's; a second step count captures its own loop."""
     model, obs = build_vla(FEW), observation(FEW)
     with VlaSession(bundle.bundle, backend="cuda") as session:
-        run = lambda steps: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps).actions  # noqa: E731
+        def run(steps: int) -> np.ndarray:
+            return session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps).actions
         looped, looped3 = run(10), run(3)
         assert session.loops[10] is not None and session.loops[3] is not None
         session.loops.update({10: None, 3: None})   # the steps one by one, each a run of the step program

@@ -149,7 +149,8 @@ def measure_rates(ops, tgt, progress: Callable[..., None]) -> dict:
     int8 = tgt.build_for(tgt.build_options(None), "int8") if "int8" in tgt.precisions else None
     quantized = [(dtype, {**int8, "config": {**int8["config"], "quantized_dtype": dtype}})
                  for dtype in QUANTIZED_DTYPES] if int8 else []
-    precisions = ([("fp16", tgt.build_options(None))] if "fp16" in tgt.precisions else []) + ([("int8", int8)] if int8 else [])
+    precisions = [("fp16", tgt.build_options(None))] if "fp16" in tgt.precisions else []
+    precisions += [("int8", int8)] if int8 else []
     total, done = len(precisions) * len(PEAK_CONVS) + len(quantized), 0
     facts: dict = {}
     for precision, build in precisions:

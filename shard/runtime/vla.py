@@ -10,8 +10,8 @@ a chunk of actions out.
 
 The prefix runs once per observation; its keys and values go into the step program's own input
 buffers where its backend keeps tensors on a device (executors.TRAITS: the GPU), and the step runs
-`steps` times against them, the action chunk kept on the device between steps. numpy only, and the
-executor's library.
+`steps` times against them: on a GPU as one CUDA graph of the whole loop, elsewhere one run a step.
+numpy only, and the executor's library.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ class VlaSession:
             self.close()
             raise
         self.buffers = {name: self.sessions[name].input_buffers() if self.device else {} for name in ("prefix", "step")}
-        self.cache = {name: self.buffers["step"][name] for name in self.spec.cache_names if name in self.buffers["step"]}
+        step = self.buffers["step"]
+        self.cache = {name: step[name] for name in self.spec.cache_names if name in step}
         self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
@@ -196,7 +197,7 @@ class VlaSession:
 
             session = self.sessions["step"]
             executors = list({id(e): e for e in session.executors.values()}.values())
-            if len(session.manifest.shards) != 1 or not hasattr(executors[0], "capture_loop"):
+            if len(session.manifest.shards) != 1 or len(executors) != 1 or not hasattr(executors[0], "capture_loop"):
                 self.loops[steps] = None   # a step of several stages: run one by one
                 return None
             (executor,), (stage,) = executors, session.manifest.shards

@@ -115,7 +115,8 @@ class Target:
     def edge_layouts(self, log: Path, inputs: dict[str, list[int]], outputs: dict[str, list[int]]
                      ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """From a shard's build log: the inputs and outputs the compiler reshaped into its own layout
-        on the CPU, with that layout's shape (the shard is built again so: shard.graph.relayout). None here: any shape runs as it is."""
+        on the CPU, with that layout's shape (the shard is built again so: shard.graph.relayout). None
+        here: any shape runs as it is."""
         return {}, {}
 
     def build_bytes(self, weight_bytes: int) -> int:
