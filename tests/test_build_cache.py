@@ -53,6 +53,8 @@ def test_figures_of_the_same_structure_give_way_to_a_build_where_its_artifact_is
     other = shard.compile(save(mlp_chain(2, width=32, seed=1), "b.onnx"), "rk3588", tmp_path / "b.shard", options)
     assert other.report["versus_vendor"]["bundle"] == "vendor alone"   # so its build, not its figures
     assert not other.report["vendor_alone"]["figures_only"]
+    # compared again once built, and still saying why the whole build was made
+    assert other.report["versus_vendor"]["why"].startswith("the whole model's build predicted at")
     assert shard.verify(other.bundle, tmp_path / "b.onnx", backend="sim").passed
 
 

@@ -53,7 +53,6 @@ def test_the_bundle_acts_as_the_model_in_fp32(bundle):
             session.act(obs["pixel_values"], obs["tokens"][:3], obs["state"])
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuda backend's CUDA graphs)")
 def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_one_by_one(bundle):
     """On the cuda backend the steps run as one captured loop: the same action chunk, bit for bit, as the
@@ -68,6 +67,7 @@ def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_o
         np.testing.assert_array_equal(looped, run(10))
         np.testing.assert_array_equal(looped3, run(3))
     assert cosine(looped, torch_actions(model, obs)) >= 0.999
+
 
 def test_the_programs_take_the_prefix_cache_once_and_the_step_reads_it(bundle):
     """The prefix program returns each layer's keys and values and nothing else (its last layer's

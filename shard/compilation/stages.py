@@ -287,6 +287,8 @@ def stand_beside_vendor(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten
         built.builds.update(queue.wait([vendor.job], "compile the model as it came (vendor alone)", ld.build))
         chosen, versus = against_vendor_alone(ch.own, built.builds, judged, s.options.vendor_only, rw.reference,
                                               handoffs)
+        if versus:
+            versus["why"] = ld.why
     return Standing(chosen=chosen, versus=versus, measure=measure)
 
 
