@@ -168,19 +168,18 @@ def rewrite(s: Setup, ld: Loaded, queue: BuildQueue) -> Rewritten:
     queue.builder.at_once(cut_of(ctx.reports).builds_at_once or s.options.jobs)
     canonical = ctx.snapshots.pop("canonicalize", None)
     originals = original_plans(canonical, plans, ctx.host_post) if canonical is not None else [None] * len(plans)
-    rw = Rewritten(graph=graph, ctx=ctx, opset=opset, plans=plans, canonical=canonical, originals=originals,
-                   passes_seconds=0.0)
-    if s.quantized:
-        rw.values, rw.feeds = quantization_values(ctx, graph, canonical, plans, originals, s.progress)
+    values, feeds = quantization_values(ctx, graph, canonical, plans, originals, s.progress) if s.quantized \
+        else (None, None)
+    samples = fidelity_samples(ctx, canonical or graph, s.quantized) if ld.chains else []
     if ld.chains:
-        rw.samples = fidelity_samples(ctx, rw.reference, s.quantized)
-        ld.chains.start(rw.samples, ctx.host_pre, ctx.host_tables)
+        ld.chains.start(samples, ctx.host_pre, ctx.host_tables)
+    rank, progress = None, s.progress
     if s.options.precision == "mixed":
         ctx.reports["mixed"] = {"promoted": sorted(s.options.promote)}
-        feeds, progress = rw.feeds, s.progress
-        rw.rank = lambda: mixed_ranking(graph, feeds, progress)   # for compile_mixed, if it needs one
-    rw.passes_seconds = time.monotonic() - s.started
-    return rw
+        rank = lambda: mixed_ranking(graph, feeds, progress)   # noqa: E731 - for compile_mixed, if it needs one
+    return Rewritten(graph=graph, ctx=ctx, opset=opset, plans=plans, canonical=canonical, originals=originals,
+                     passes_seconds=time.monotonic() - s.started, samples=samples, values=values, feeds=feeds,
+                     rank=rank)
 
 
 def build_shards(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten, queue: BuildQueue) -> Built:
@@ -273,8 +272,6 @@ def stand_beside_vendor(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten
     else:
         chosen, versus = against_vendor_alone(ch.own, built.builds, judged, s.options.vendor_only, rw.reference,
                                               handoffs)
-    if versus:
-        versus["why"] = ld.why
     # Fidelity is part of never worse: a rewrite or a cut can lose what the vendor's build keeps
     # (a trained decoder cut inside its RMSNorm: cosine 0.038 against the vendor's 0.99999).
     measure = bool(versus) if s.options.check_fidelity is None else s.options.check_fidelity
@@ -287,8 +284,8 @@ def stand_beside_vendor(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten
         built.builds.update(queue.wait([vendor.job], "compile the model as it came (vendor alone)", ld.build))
         chosen, versus = against_vendor_alone(ch.own, built.builds, judged, s.options.vendor_only, rw.reference,
                                               handoffs)
-        if versus:
-            versus["why"] = ld.why
+    if versus:   # the comparison kept: made again where the vendor alone was built after its figures
+        versus["why"] = ld.why
     return Standing(chosen=chosen, versus=versus, measure=measure)
 
 
