@@ -16,6 +16,9 @@ The whole run takes longer than one 10-minute device call on an H200 (export 4 m
 torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in --work (a warm
 machine keeps it), and --sides picks the PyTorch sides.
 
+--kernels also prints one denoising step's kernels (the torch profiler), ours beside torch.compile
+of the model's velocity: where a step's time goes.
+
 Each side: the median host-to-host time of one observation over --repeats runs (after warm runs),
 its GPU time alone (CUDA events around the same work, inputs already on the GPU), and the action
 chunk's cosine, max abs diff and MSE against the fp32 reference. Ours also prints vision, prefix and
@@ -146,11 +149,47 @@ def stage_forms(session: VlaSession) -> str:
     return "\n".join(lines)
 
 
-def ours(bundle: Path, obs: dict, steps: int, repeats: int) -> dict:
+def kernel_table(run, label: str, top: int = 12) -> None:
+    """The kernels one call of run() launches (the torch profiler, after three warm calls): their total
+    time and count, and the `top` longest by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    print(f"{label}: {sum(e.device_time_total for e in rows) / 1e3:.3f} ms of kernels, "
+          f"{sum(e.count for e in rows)} launched", flush=True)
+    for e in sorted(rows, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / 1e3:8.3f} ms {e.count:4d}x  {e.key[:120]}", flush=True)
+
+
+def step_kernels(session: VlaSession, config, obs: dict) -> None:
+    """One denoising step's kernels: ours (the step program's run, the prefix's keys and values in its
+    buffers) beside torch.compile of the model's own velocity in fp16 over the same observation."""
+    half = {k: torch.from_numpy(v).cuda() for k, v in obs.items()}
+    half = {k: v.half() if v.dtype == torch.float32 else v for k, v in half.items()}
+    feeds = {"x_t": obs["noise"], "time": np.full((1,), 0.5, np.float32), "state": obs["state"].reshape(1, -1),
+             **session.cache}
+    kernel_table(lambda: session.sessions["step"].run(feeds), "ours, one step")
+    model = build_vla(config).cuda().half()
+    with torch.no_grad():
+        keys, values = model.prefix_cache(model.prefix_embeds(model.image_features(half["pixel_values"]), half["tokens"]))
+        now, velocity = torch.full((1,), 0.5, dtype=torch.float16, device="cuda"), torch.compile(model.velocity)
+        kernel_table(lambda: velocity(half["noise"], now, half["state"], keys, values), "torch.compile(velocity)")
+
+
+def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> dict:
+    """shard's bundle on the cuda backend; `kernels_of`, the model's config: one step's kernels printed too."""
     with VlaSession(bundle, backend="cuda") as session:
         print("stage forms:\n" + stage_forms(session), flush=True)
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
         actions = act().actions
+        if kernels_of is not None:
+            step_kernels(session, kernels_of, obs)
         host = timed(act, repeats)
         parts = [act().seconds for _ in range(repeats)]
         gpu = gpu_seconds(act, repeats)
@@ -169,6 +208,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the VLA folder and the bundle go; with --reuse, read back")
     parser.add_argument("--reuse", action="store_true", help="the bundle already in --work: no export, no compile")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
+    parser.add_argument("--kernels", action="store_true", help="also print one step's kernels, ours and "
+                                                               "torch.compile's of the model's velocity")
     args = parser.parse_args()
     sides_asked = [s for s in args.sides.split(",") if s]
     if set(sides_asked) - set(SIDES) or (args.reuse and not args.work):
@@ -183,7 +224,8 @@ def main() -> None:
         t0 = time.perf_counter()
         compile_vla(work / "pi0.vla", "thor", work / "pi0.shard")
         print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    mine = ours(work / "pi0.shard", obs, args.steps, args.repeats)   # first: the figure this bench is for
+    # first: the figure this bench is for
+    mine = ours(work / "pi0.shard", obs, args.steps, args.repeats, config if args.kernels else None)
     model = build_vla(config).cuda()
     with torch.no_grad():
         inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]

@@ -75,6 +75,21 @@ def test_attention_runs_as_one_sdpa(heads, length, keys, dim, scale_op, mask):
     assert len(graph.steps) == 2   # the Transpose (a view) and the attention
 
 
+def test_fused_attention_keeps_its_plain_form_for_the_compiled_alternative():
+    """TorchGraph.unfused runs the fused attention in its own ops (the form torch.compile may fuse better on
+    few rows; the cuda executor times both): the same outputs; a stage with no attention has no such form."""
+    model, inputs = attention_model(4, 4, 5, 6, 8, "Div", True)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()}
+    graph = fused_and_checked(model, feeds)
+    assert list(graph.plain_steps) == [1]   # the step after the Transpose
+    with torch.no_grad():
+        args = [torch.from_numpy(feeds[n]) for n in graph.inputs]
+        torch.testing.assert_close(graph.unfused(*args)[0], graph(*args)[0], atol=1e-5, rtol=1e-5)
+    w = rng.standard_normal((16, 24)).astype(np.float32)
+    linear = model_of([helper.make_node("MatMul", ["x", "w"], ["y"])], {"x": [2, 16]}, {"y": [2, 24]}, {"w": w})
+    assert not TorchGraph(linear, "cpu").plain_steps
+
+
 def test_attention_whose_probabilities_are_an_output_is_not_fused():
     model, inputs = attention_model(2, 2, 5, 6, 8, "Mul", False, probs_out=True)
     graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})

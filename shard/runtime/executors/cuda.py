@@ -34,6 +34,21 @@ def compiles(device: str) -> bool:
     return device != "cpu" and os.environ.get(COMPILE, "1") != "0"
 
 
+def compiled_form(graph: TorchGraph, order: list[int], fused: bool = True):
+    """The stage through torch.compile (its fused steps as they are, or in plain ops: TorchGraph.unfused),
+    called with the stage's inputs in the manifest's order."""
+    import torch
+
+    compiled = torch.compile(graph if fused else graph.unfused, dynamic=False)
+
+    def run(inputs):
+        # every stage is one more compile of TorchGraph.__call__: past dynamo's limit of 8 a code object,
+        # later stages would silently run eager
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(*[inputs[k] for k in order])
+    return run
+
+
 class CudaExecutor(StreamExecutor):
     def __init__(self, bundle: Path, shards: list[ShardSpec], leaving: set[str], device: str = "cuda",
                  graphs: bool = True, entering: set[str] = frozenset(), writes: dict | None = None):
@@ -45,16 +60,9 @@ class CudaExecutor(StreamExecutor):
             order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
             forms = {"eager": lambda inputs: graph(*[inputs[k] for k in order])}
             if compiles(device):
-                import torch
-
-                compiled = torch.compile(graph, dynamic=False)
-
-                def run_compiled(inputs):
-                    # every stage is one more compile of TorchGraph.__call__: past dynamo's limit of 8 a
-                    # code object, later stages would silently run eager
-                    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                        return compiled(*[inputs[k] for k in order])
-                forms["compiled"] = run_compiled
+                forms["compiled"] = compiled_form(graph, order)
+                if graph.plain_steps:   # torch.compile's own attention can beat the fused kernel (few rows)
+                    forms["compiled (attention as ops)"] = compiled_form(graph, order, fused=False)
             return forms
 
         super().__init__(bundle, shards, leaving, make_stage, device, graphs, entering, writes)

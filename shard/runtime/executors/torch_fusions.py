@@ -44,6 +44,8 @@ class Fused:
     nodes: list[onnx.NodeProto] = field(repr=False)
     drops: list[str] = field(default_factory=list)   # constants only the fused nodes read, freed once fused
     anchor: int = -1                # the node (of `nodes`, in stage order) whose place the step takes
+    plain: Callable | None = None   # the same function in the ops' own terms, where the fused kernel is not
+    #                                 always the faster (attention of few rows: TorchGraph(fused=False) runs it)
 
 
 @dataclass
@@ -150,10 +152,16 @@ def attention(node, stage: Nodes) -> Fused | None:
         k = kt.transpose(-1, -2)
         if q.dim() < 3 or k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2] or v.dtype != q.dtype \
                 or (mask is not None and mask.dtype not in (q.dtype, torch.bool)):
-            s = (q @ kt) * scale   # batch dims broadcast (one key head for several): the plain form
-            return ((s if mask is None else s + mask).softmax(-1)) @ v
+            return plain(q, kt, v, mask, scale)   # batch dims broadcast (one key head for several)
         return sdpa(q, k, v, attn_mask=mask, scale=scale)
-    return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), [product, *chain])
+    return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), [product, *chain],
+                 plain=lambda q, kt, v, mask=None: plain(q, kt, v, mask, scale))
+
+
+def plain(q, kt, v, mask, scale: float):
+    """Attention as its ops say: the scores, the mask added, softmax, the values (batch dims broadcast)."""
+    s = (q @ kt) * scale
+    return ((s if mask is None else s + mask).softmax(-1)) @ v
 
 
 def linear(node, stage: Nodes) -> Fused | None:

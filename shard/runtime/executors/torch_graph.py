@@ -64,6 +64,7 @@ class TorchGraph:
         self.inputs = [i.name for i in graph.input if i.name not in self.values]
         self.outputs = [o.name for o in graph.output]
         self.steps: list[tuple[Callable, list[str], list[str]]] = []
+        self.plain_steps: dict[int, Callable] = {}   # step -> its function in plain ops, where it has one
         self.covers: list[list[onnx.NodeProto]] = []   # the nodes each step computes (a fused one: several)
         self.dropped: list[onnx.NodeProto] = []   # nodes no step needs once fused (a DequantizeLinear no one reads)
         self.fused: Counter = Counter()   # how many runs of ops each fused kernel replaced
@@ -88,6 +89,8 @@ class TorchGraph:
         for step in steps:
             if isinstance(step, torch_fusions.Fused):
                 self.fused[step.kind] += 1
+                if step.plain is not None:
+                    self.plain_steps[len(self.steps)] = wrap(step.plain)
                 self.steps.append((wrap(step.fn), step.inputs, step.outputs))
                 self.covers.append(step.nodes)
             else:
@@ -96,16 +99,24 @@ class TorchGraph:
         covered = {id(n) for nodes in self.covers for n in nodes}
         self.dropped = [n for n in live if id(n) not in covered]
 
-    def __call__(self, *args):
+    def __call__(self, *args, fused: bool = True):
+        """The stage's outputs; `fused` False runs each fused step that has a plain form in it (attention as
+        its MatMul, Softmax, MatMul), for torch.compile to fuse in its own way."""
         env = dict(self.values)
         env.update(zip(self.inputs, args))
-        for fn, ins, outs in self.steps:
+        for k, (fn, ins, outs) in enumerate(self.steps):
+            fn = fn if fused else self.plain_steps.get(k, fn)
             results = fn(*[env[i] if i else None for i in ins])
             if isinstance(results, tuple):
                 env.update(zip(outs, results))
             else:
                 env[outs[0]] = results
         return [env[o] for o in self.outputs]
+
+    def unfused(self, *args):
+        """The stage with its fused steps in plain ops where they have them (__call__'s `fused`): a code
+        object of its own, so torch.compile keeps it apart from the fused form."""
+        return self(*args, fused=False)
 
     def _on_gpu(self) -> bool:
         import torch
