@@ -69,6 +69,18 @@ def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_o
     assert cosine(looped, torch_actions(model, obs)) >= 0.999
 
 
+def test_the_compile_predicts_an_observation_on_thor_program_by_program(bundle):
+    """The prediction on the target: each program's stages summed (their compile reports), the step ten
+    times, the observation in Hz, printed beside the published Pi0.5 breakdown on Thor."""
+    p = bundle.predicted
+    for name, seconds in (("vision", p.vision_s), ("prefix", p.prefix_s), ("step", p.step_s)):
+        stages = json.loads((bundle.bundle / name / "report.json").read_text())["passes"]["stages"]["stages"]
+        assert seconds > 0 and seconds == pytest.approx(sum(s["predicted_s"] for s in stages))
+    assert p.seconds == pytest.approx(p.vision_s + p.prefix_s + 10 * p.step_s)
+    line = p.line("thor")
+    assert f"{1 / p.seconds:.1f} Hz" in line and "published" in line and "176.5 ms, 5.7 Hz" in line
+
+
 def test_the_programs_take_the_prefix_cache_once_and_the_step_reads_it(bundle):
     """The prefix program returns each layer's keys and values and nothing else (its last layer's
     MLP, which no output reads, is gone); the step takes them with the noisy actions, the time and

@@ -207,6 +207,8 @@ def compile_vla_command(model: Path, target: str, output: Path | None, options) 
     for name, report in result.reports.items():
         console.rule(f"program {name}")
         print_compile_report(report)
+    if result.predicted is not None:
+        console.print(escape(result.predicted.line(target)))
     console.print(f"bundle: {result.bundle} (run it: shard act {result.bundle})")
 
 

@@ -17,7 +17,48 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.vla import PROGRAMS, VLA, VlaSpec, read_vla
+from shard.summary import stages_of
 from shard.targets.chips import GPU_TARGETS
+
+
+# Pi0.5 on Jetson Thor, BF16, an optimized plan's published breakdown (FACTS-thor.md): ms an observation
+THOR_PI05_MS = {"vision": 17.0, "prefix": 54.0, "steps": 102.0, "total": 176.5}
+STEPS = 10   # the Euler steps an observation takes by default (VlaSession.act)
+
+
+@dataclass
+class VlaPrediction:
+    """An observation's time on the target, predicted from each program's pipeline stages (the roofline of
+    the target's profile: a stage's measured kernels where `probe --ops` gave them, else rates and floors)."""
+    vision_s: float
+    prefix_s: float
+    step_s: float
+    steps: int = STEPS
+
+    @property
+    def seconds(self) -> float:
+        return self.vision_s + self.prefix_s + self.steps * self.step_s
+
+    def line(self, target: str) -> str:
+        published = THOR_PI05_MS
+        return (f"predicted on {target}: vision {1e3 * self.vision_s:.1f} ms, prefix {1e3 * self.prefix_s:.1f} ms, "
+                f"{self.steps} steps {1e3 * self.steps * self.step_s:.1f} ms ({1e3 * self.step_s:.2f} a step): "
+                f"{1e3 * self.seconds:.1f} ms an observation, {1 / self.seconds:.1f} Hz (the stages' roofline, "
+                f"kernels measured only where `shard probe --ops` gave them); Pi0.5 on Thor, published (BF16, "
+                f"an optimized plan): vision {published['vision']:g}, prefix {published['prefix']:g}, "
+                f"{STEPS} steps {published['steps']:g} ms: {published['total']:g} ms, "
+                f"{1e3 / published['total']:.1f} Hz")
+
+
+def predicted(reports: dict[str, dict]) -> VlaPrediction | None:
+    """The programs' predicted times (their stages' sum); None where a program has no stages (cpu)."""
+    seconds = {}
+    for name in PROGRAMS:
+        stages = stages_of(reports[name]["passes"])
+        if not stages:
+            return None
+        seconds[name] = sum(stage.predicted_s for stage in stages)
+    return VlaPrediction(seconds["vision"], seconds["prefix"], seconds["step"])
 
 
 @dataclass
@@ -25,6 +66,7 @@ class VlaResult:
     bundle: Path
     spec: VlaSpec
     reports: dict[str, dict]   # each program's compile report
+    predicted: VlaPrediction | None = None
 
 
 def compile_vla(source: Path, target: str, output: Path, options: CompileOptions | None = None,
@@ -55,4 +97,4 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
         replace_dir(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return VlaResult(output, spec, reports)
+    return VlaResult(output, spec, reports, predicted(reports))
