@@ -17,7 +17,7 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.vla import PROGRAMS, VLA, VlaSpec, read_vla
-from shard.summary import stages_of
+from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
 
 
@@ -51,13 +51,10 @@ class VlaPrediction:
 
 
 def predicted(reports: dict[str, dict]) -> VlaPrediction | None:
-    """The programs' predicted times (their stages' sum); None where a program has no stages (cpu)."""
-    seconds = {}
-    for name in PROGRAMS:
-        stages = stages_of(reports[name]["passes"])
-        if not stages:
-            return None
-        seconds[name] = sum(stage.predicted_s for stage in stages)
+    """The programs' predicted times (their stages' sum); None where they have no stages (cpu)."""
+    if not all(staged(reports[name]) for name in PROGRAMS):
+        return None
+    seconds = {name: sum(stage.predicted_s for stage in StageSummary.of(reports[name]).stages) for name in PROGRAMS}
     return VlaPrediction(seconds["vision"], seconds["prefix"], seconds["step"])
 
 

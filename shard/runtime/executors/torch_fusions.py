@@ -45,7 +45,7 @@ class Fused:
     drops: list[str] = field(default_factory=list)   # constants only the fused nodes read, freed once fused
     anchor: int = -1                # the node (of `nodes`, in stage order) whose place the step takes
     plain: Callable | None = None   # the same function in the ops' own terms, where the fused kernel is not
-    #                                 always the faster (attention of few rows: TorchGraph(fused=False) runs it)
+    #                                 always the faster (attention of few rows: TorchGraph.unfused runs it)
 
 
 @dataclass
