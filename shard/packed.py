@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+SPECS = ("manifest.json", "generative.json")   # what a pack's bundle folder holds: a bundle, a generative one
+
 
 def check_runtime(here: Path) -> None:
     """Exit with one line unless every file under here/shard/ is one the pack's manifest records, with
@@ -15,9 +17,11 @@ def check_runtime(here: Path) -> None:
     import json
     import sys
 
+    # a bundle's manifest; a generative bundle's programs' (each records the same)
+    manifests = [here / "bundle" / "manifest.json", *sorted((here / "bundle").glob("*/manifest.json"))]
     try:
-        recorded = json.loads((here / "bundle" / "manifest.json").read_text())["runtime"]
-    except (OSError, ValueError, KeyError, TypeError):
+        recorded = json.loads(next(m for m in manifests if m.is_file()).read_text())["runtime"]
+    except (StopIteration, OSError, ValueError, KeyError, TypeError):
         recorded = None
     if not isinstance(recorded, dict) or not recorded:
         sys.exit(f"error: {here}: the pack records no hashes of its runtime code; pack the bundle again")
@@ -35,4 +39,5 @@ def own_pack() -> Path | None:
     """The pack's folder where this package is a pack's own (NAME/shard beside NAME/run.py and
     NAME/bundle); None for an installed one."""
     here = Path(__file__).resolve().parents[1]
-    return here if (here / "run.py").is_file() and (here / "bundle" / "manifest.json").is_file() else None
+    bundle = here / "bundle"
+    return here if (here / "run.py").is_file() and any((bundle / f).is_file() for f in SPECS) else None

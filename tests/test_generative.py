@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -319,6 +322,33 @@ def test_text_chat_and_the_cli(checkpoint, cpu_bundle, tmp_path):
     printed = res.stdout.split()   # up to a stop token
     assert res.returncode == 0 and printed and printed == [str(t) for t in transformers_greedy(model, [5, 17, 3], 4)][
         :len(printed)]
+
+
+def test_a_generative_pack_answers_as_the_bundle_does_and_times_its_steps(checkpoint, cpu_bundle, tmp_path):
+    """shard pack of a generative bundle: each program packed as a bundle is, beside the spec, the
+    embeddings, the tokenizer and the compile's prediction. Unpacked, its run.py answers a chat prompt with
+    the bundle's own tokens, and --bench times prefill and decode beside the prediction."""
+    _, model = checkpoint
+    res = shard_cli("pack", str(cpu_bundle.bundle), "-o", str(tmp_path / "lm.tar.gz"))
+    assert res.returncode == 0, res.stderr
+    with tarfile.open(tmp_path / "lm.tar.gz") as tar:
+        names = set(tar.getnames())
+        tar.extractall(tmp_path / "board", filter="data")
+    assert {"lm/run.py", "lm/bundle/generative.json", "lm/bundle/embeddings.npy", "lm/bundle/report.json",
+            "lm/bundle/prefill/manifest.json", "lm/bundle/decode/manifest.json", "lm/bundle/tokenizer/tokenizer.json",
+            "lm/shard/runtime/generate.py"} <= names
+    run = [sys.executable, "run.py", "--backend", "cpu"]
+    answered = subprocess.run([*run, "--prompt", "w3 w7 w9", "--max-new", "6"], cwd=tmp_path / "board" / "lm",
+                              capture_output=True, text=True)
+    assert answered.returncode == 0, answered.stderr
+    with GenerativeSession(cpu_bundle.bundle, backend="cpu") as session:
+        done = session.generate("w3 w7 w9", max_new_tokens=6, chat=True)
+    assert done.tokens == transformers_greedy(model, done.prompt, 6)[:len(done.tokens)]
+    assert f"{done.text}\n{len(done.prompt)} prompt tokens in" in answered.stdout
+    timed = subprocess.run([*run, "--bench"], cwd=tmp_path / "board" / "lm", capture_output=True, text=True)
+    assert timed.returncode == 0, timed.stderr
+    assert "measured on cpu (capacity 32): prefill of 24 tokens" in timed.stdout   # 32 less 8 new
+    assert "decode" in timed.stdout and "predicted by the compile" in timed.stdout
 
 
 def test_sampling_is_seeded_and_top_p_narrows_it_to_greedy():

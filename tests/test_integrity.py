@@ -165,5 +165,5 @@ def test_a_pack_that_unpacks_past_its_limit_or_holds_two_bundles_is_refused(clea
                 info.size = len(content)
                 tar.addfile(info, io.BytesIO(content))
     two.write_bytes(gzip.compress(raw.getvalue()))
-    with pytest.raises(ShardError, match="2 NAME/bundle/manifest.json inside, one expected"):
+    with pytest.raises(ShardError, match="2 NAME/bundle/manifest.json or generative.json inside, one expected"):
         unpack(two, tmp_path / "two")

@@ -11,6 +11,7 @@ from rich.table import Table
 from shard.cli.common import console, progress_bar
 from shard.output_files import check_output_file
 from shard.pack import pack_bundle
+from shard.runtime.generative_bundle import is_generative
 from shard.targets.gpu.engines import build_engines
 
 app = typer.Typer(add_completion=False)
@@ -24,13 +25,15 @@ def pack_command(bundle: Path = typer.Argument(..., help="A bundle from `shard c
                                                                           "runs anywhere with --backend cpu."),
                  force: bool = typer.Option(False, "--force", help="Replace the pack if one is there.")) -> None:
     """One .tar.gz with what a board needs: the artifacts, the manifest, the host steps, the runtime
-    itself, run.py and a README. The same bundle packs to the same bytes."""
+    itself, run.py and a README (a generative bundle: each program so, beside its tokenizer, embeddings
+    and prediction). The same bundle packs to the same bytes."""
 
     output = output or bundle.with_name(f"{bundle.stem}.tar.gz")
     check_output_file(output, "-o", bundle, force)
     path = pack_bundle(bundle, output, with_onnx)
+    run = "--prompt \"...\" (or --bench)" if is_generative(bundle) else "--input x.npy"
     console.print(f"pack: {path} ({path.stat().st_size / 1e6:.1f} MB); on the board: tar xzf {path.name} && "
-                  f"python {path.name[:-len('.tar.gz')]}/run.py --input x.npy")
+                  f"python {path.name[:-len('.tar.gz')]}/run.py {run}")
 
 
 @app.command("build-engines")

@@ -26,8 +26,8 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.profile import load_profile
 from shard.runtime.generate import time_row_writes
-from shard.runtime.generative_bundle import (EMBEDDINGS, GENERATIVE, TOKENIZER, GenerativeSpec, Program, record_files,
-                                             refuse_custom_code)
+from shard.runtime.generative_bundle import (EMBEDDINGS, GENERATIVE, PREDICTION, PREFILL_TOKENS, TOKENIZER,
+                                             GenerativeSpec, Program, record_files, refuse_custom_code)
 from shard.runtime.scheduler import predict_stream
 from shard.summary import Predicted, predicted_of, shards_of
 from shard.targets.chips import CHIPS, GPU_TARGETS, Handoff, board_handoff
@@ -36,7 +36,6 @@ from shard.zoo import onnx_decoder as onnx_form
 DEFAULT_CAPACITY = 512   # tokens of prompt and answer together (--max-context)
 DEFAULT_CHUNK = 16       # the prompt's tokens a step (--chunk) where no prediction chooses it
 CHUNKS = (16, 32, 64, 128, 256)   # the widths --chunk auto chooses among
-PREFILL_TOKENS = 128     # the prompt length published prefill times are stated at
 
 
 def is_causal_lm(source: Path) -> bool:
@@ -157,7 +156,7 @@ def compile_generative(source: Path, target: str, output: Path, options: Compile
         predicted = predict(spec, reports, decoder.weight_bytes, target, staging, handoff)
         (staging / GENERATIVE).write_text(spec.to_json())
         report = {"predicted": predicted, "chunk": why and asdict(why)}
-        (staging / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / PREDICTION).write_text(json.dumps(report, indent=2) + "\n")
         replace_dir(staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

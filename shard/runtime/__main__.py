@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import json
 import sys
 import tarfile
 import time
@@ -24,9 +25,15 @@ import numpy as np
 from shard import scratch
 from shard.bundle import Manifest, read_manifest
 from shard.errors import RunError, ShardError
+from shard.packed import SPECS
 from shard.runtime import load, random_inputs
 from shard.runtime.buckets import is_bucketed, read_buckets
+from shard.runtime.executors import TRAITS
+from shard.runtime.generate import GenerativeSession
+from shard.runtime.generative_bundle import PREDICTION, PREFILL_TOKENS, GenerativeSpec, is_generative, read_generative
 from shard.runtime.scheduler import exit_now_if_stuck
+
+BENCH_NEW = 32   # the tokens --bench decodes
 
 
 def read_inputs(items: list[str], names: list[str]) -> dict[str, np.ndarray]:
@@ -121,9 +128,10 @@ def unpack(path: Path, into: Path) -> Path:
                 tar.extractall(into)
     except (tarfile.TarError, OSError, EOFError, zlib.error, UnicodeError, ValueError) as exc:
         raise RunError(f"{path}: not a shard pack, or a damaged one ({type(exc).__name__}: {exc})") from None
-    found = sorted(into.glob("*/bundle/manifest.json"))
+    found = sorted(p for spec in SPECS for p in into.glob(f"*/bundle/{spec}"))
     if len(found) != 1:
-        raise RunError(f"{path}: not a shard pack ({len(found)} NAME/bundle/manifest.json inside, one expected)")
+        raise RunError(f"{path}: not a shard pack ({len(found)} NAME/bundle/manifest.json or generative.json inside, "
+                       f"one expected)")
     return found[0].parent
 
 
@@ -137,12 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="frames to run one after another")
     ap.add_argument("--save", type=Path, help="write the last frame's outputs here as NAME.npy")
     ap.add_argument("--timeout", type=float, help="stop with an error if one shard runs longer (seconds)")
+    ap.add_argument("--prompt", default="What is the capital of France?", help="a generative bundle: the chat "
+                                                                                 "prompt to answer")
+    ap.add_argument("--max-new", type=int, default=32, help="a generative bundle: new tokens at most")
+    ap.add_argument("--bench", action="store_true", help="a generative bundle: time prefill and decode on each "
+                                                         "cache path, beside the compile's prediction")
     args = ap.parse_args(argv)
     try:
         check_save(args.save, Path(args.bundle))
         with scratch.temporary("pack") as tmp:
             path = Path(args.bundle)
             bundle = unpack(path, Path(tmp)) if path.is_file() else path
+            if is_generative(bundle):
+                run_generative(bundle, args)
+                return 0
+            if args.bench:
+                raise RunError("--bench times a generative bundle's steps; time this one with --repeat")
             # a bundle of shape buckets: random inputs fill its smallest bucket, given ones pick theirs
             manifest = read_manifest(bundle / read_buckets(bundle).buckets[0].name if is_bucketed(bundle) else bundle)
             backend = args.backend or pick_backend(manifest)
@@ -163,6 +181,47 @@ def main(argv: list[str] | None = None) -> int:
         exit_now_if_stuck(1)
         return 1
     return 0
+
+
+def run_generative(bundle: Path, args: argparse.Namespace) -> None:
+    """A generative bundle: the prompt's answer, or (--bench) each cache path timed."""
+    spec = read_generative(bundle)
+    backend = args.backend or pick_backend(read_manifest(bundle / spec.programs[0].name))
+    if args.bench:
+        bench_generative(bundle, spec, backend, args.timeout)
+        return
+    with GenerativeSession(bundle, backend=backend, timeout=args.timeout) as session:
+        done = session.generate(args.prompt, max_new_tokens=args.max_new, chat=True)
+    print(done.text)
+    print(f"{len(done.prompt)} prompt tokens in {sum(done.prefill_ms):.1f} ms ({done.prefill_steps} steps), "
+          f"{len(done.tokens)} new at {done.decode_tokens_per_s or '-'} tokens/s on {backend}")
+
+
+def bench_generative(bundle: Path, spec: GenerativeSpec, backend: str, timeout: float | None = None) -> None:
+    """Prefill and decode timed on each cache path this backend has (on the board: held in NPU memory,
+    and handed to rknn-toolkit-lite2 every step), a prompt of PREFILL_TOKENS token ids (fewer where the
+    smallest cache is smaller) and BENCH_NEW new tokens, no stop; then the compile's prediction as it
+    wrote it (report.json), for the same figures."""
+    capacity = spec.capacities[0]
+    new = min(BENCH_NEW, capacity // 4)
+    ids = [k % spec.vocab for k in range(3, 3 + min(PREFILL_TOKENS, capacity - new))]
+    board = TRAITS.get(backend, TRAITS["cpu"]).binds_inputs
+    paths = {", the cache held in NPU memory": True, ", the cache handed over every step": False} if board else \
+        {"": True}
+    for name, held in paths.items():
+        with GenerativeSession(bundle, backend=backend, held=held, timeout=timeout) as session:
+            session.generate(ids[:spec.chunk], max_new_tokens=2, stop=set())   # warm: each program run once
+            done = session.generate(ids, max_new_tokens=new, stop=set())
+        print(f"measured on {backend}{name} (capacity {capacity}): prefill of {len(ids)} tokens "
+              f"{sum(done.prefill_ms):.1f} ms in {done.prefill_steps} steps, decode {done.decode_tokens_per_s} "
+              f"tokens/s over {len(done.decode_ms)} steps", flush=True)
+    prediction = bundle / PREDICTION
+    if not prediction.is_file():
+        print(f"predicted by the compile: nothing ({PREDICTION} is not in this bundle)")
+        return
+    for row in json.loads(prediction.read_text()).get("predicted") or []:   # one row a cache capacity
+        print("predicted by the compile: " + ", ".join(f"{k} {v}" for k, v in row.items()
+                                                       if isinstance(v, (int, float)) and not isinstance(v, bool)))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from shard.errors import BundleError
 GENERATIVE = "generative.json"
 EMBEDDINGS = "embeddings.npy"
 TOKENIZER = "tokenizer"
+PREDICTION = "report.json"   # the compile's prediction (tokens/s, prefill) per cache capacity, as it printed it
+PREFILL_TOKENS = 128         # the prompt length published prefill times are stated at (and predicted, and timed)
 # 2: a step of more than one token returns its last real token's logits (PICK); 3: every file of the
 # tokenizer folder recorded beside the embeddings (a replaced tokenizer.json changed the text, exit 0)
 SCHEMA_VERSION = 3
