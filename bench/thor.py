@@ -89,9 +89,8 @@ def stage_seconds(session: Session, repeats: int = 20) -> dict[str, float]:
 
 def measure(bundle: Path, x: dict, reference: dict, frames: int, latency_runs: int) -> dict:
     with Session(bundle, backend="cuda") as session:
-        forms = {name: p.form for e in {id(e): e for e in session.executors.values()}.values()
-                 for name, p in e.prepared.items()}
-        passed = {name: why for e in session.executors.values() for name, why in e.passed_over.items()}
+        forms = {name: p.form for e in session.distinct_executors for name, p in e.prepared.items()}
+        passed = {name: why for e in session.distinct_executors for name, why in e.passed_over.items()}
         outputs = session.run(x)   # warm
         worst = lowest(compare(t.name, reference[t.name], outputs[t.name]).cosine for t in session.manifest.outputs)
         latencies = []

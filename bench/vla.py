@@ -139,7 +139,7 @@ def stage_forms(session: VlaSession) -> str:
     """Each program's stages: the form kept, each form's replay, and why a form was passed over."""
     lines = []
     for program, s in session.sessions.items():
-        for executor in s.executors.values():
+        for executor in s.distinct_executors:
             for stage, prepared in executor.prepared.items():
                 timed = executor.form_seconds.get(stage, {})
                 timed_forms = ", ".join(f"{form} {1e3 * t:.3f} ms" for form, t in timed.items())

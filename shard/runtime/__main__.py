@@ -28,7 +28,7 @@ from shard.errors import RunError, ShardError
 from shard.packed import SPECS
 from shard.runtime import load, random_inputs
 from shard.runtime.buckets import is_bucketed, read_buckets
-from shard.runtime.executors import TRAITS
+from shard.runtime.executors import traits_of
 from shard.runtime.generate import GenerativeSession
 from shard.runtime.generative_bundle import PREDICTION, PREFILL_TOKENS, GenerativeSpec, is_generative, read_generative
 from shard.runtime.scheduler import exit_now_if_stuck
@@ -205,7 +205,7 @@ def bench_generative(bundle: Path, spec: GenerativeSpec, backend: str, timeout: 
     capacity = spec.capacities[0]
     new = min(BENCH_NEW, capacity // 4)
     ids = [k % spec.vocab for k in range(3, 3 + min(PREFILL_TOKENS, capacity - new))]
-    board = TRAITS.get(backend, TRAITS["cpu"]).binds_inputs
+    board = traits_of(backend).binds_inputs
     paths = {", the cache held in NPU memory": True, ", the cache handed over every step": False} if board else \
         {"": True}
     for name, held in paths.items():

@@ -29,7 +29,7 @@ import numpy as np
 
 from shard.bundle import read_manifest
 from shard.errors import RunError
-from shard.runtime.executors import TRAITS, held_nhwc, to_host
+from shard.runtime.executors import held_nhwc, to_host, traits_of
 from shard.runtime.executors.rknn_held import Held, native_view
 from shard.runtime.generative_bundle import EMBEDDINGS, check_files, load_checked, read_generative
 from shard.runtime.prompts import Prompts, Sight
@@ -320,7 +320,7 @@ class GenerativeSession:
         self.sessions: dict[tuple[int, int], Session] = {}   # (width, capacity) -> its program's
         self.vision = None
         manifests = [read_manifest(self.bundle / program.name) for program in self.spec.programs]
-        self.traits = TRAITS[session_args.get("backend") or default_backend(manifests[0])]
+        self.traits = traits_of(session_args.get("backend") or default_backend(manifests[0]))
         self.device = self.traits.device   # where the cache lives
         entries = frozenset(f"{kind}.{i}" for i in range(self.spec.layers) for kind in ("key", "value"))
         writes = {name: (f"past_{name}", "position_ids") for name in entries} if in_place else {}

@@ -15,7 +15,7 @@ import numpy as np
 from shard.bundle import Manifest, ShardSpec, check_files, read_manifest
 from shard.errors import RunError, TargetError
 from shard.runtime.batching import Batching
-from shard.runtime.executors import NPU_BACKENDS, STAGE_BACKENDS, OnDevice, as_float16, make_executors, to_host
+from shard.runtime.executors import STAGE_BACKENDS, OnDevice, as_float16, make_executors, to_host, traits_of
 from shard.runtime.host import check_dataflow, load_tables, run_host
 from shard.runtime.scheduler import DEFAULT_SCHEDULE, Execution, Scheduler, placements
 from shard.runtime.trace import CoreUse, core_use, write_trace
@@ -140,7 +140,7 @@ class Session:
         graph_inputs = {t.name: t for t in self.manifest.inputs}
         readers = collections.Counter(t.name for shard in self.manifest.shards for t in shard.inputs)
         found = {}
-        for executor in {id(e): e for e in self.executors.values()}.values():
+        for executor in self.distinct_executors:
             found.update(getattr(executor, "held_views", dict)())
             for shard in self.manifest.shards:
                 prepared = getattr(executor, "prepared", {}).get(shard.name)
@@ -195,8 +195,13 @@ class Session:
         self.host_seconds += time.perf_counter() - started
         return {t.name: tensors[t.name] for t in self.manifest.outputs if t.name not in self.written}
 
+    @property
+    def distinct_executors(self) -> list:
+        """Each executor once, in core order (one may serve several cores: executors maps core -> it)."""
+        return list({id(e): e for e in self.executors.values()}.values())
+
     def _close_executors(self) -> None:
-        for executor in {id(e): e for e in self.executors.values()}.values():
+        for executor in self.distinct_executors:
             executor.close()
 
     def close(self) -> None:
@@ -230,7 +235,7 @@ def frame_inputs(manifest: Manifest, backend: str, inputs: dict[str, np.ndarray]
         array = given if kept else np.asarray(to_host(given) if hasattr(given, "detach") else given)
         if list(array.shape) != spec.shape:
             raise RunError(f"input {name}: shape {list(array.shape)}, the bundle was compiled for {spec.shape}")
-        halves = backend in NPU_BACKENDS and as_float16(array, spec.dtype)
+        halves = traits_of(backend).takes_float16 and as_float16(array, spec.dtype)
         checked[name] = array if kept or halves else array.astype(spec.dtype, copy=False)
     return checked
 
@@ -253,8 +258,9 @@ def check_cores(cores: list[int]) -> list[int]:
 
 
 def default_cores(manifest: Manifest, backend: str) -> list[int]:
-    """The manifest's cores; one for the simulator, a single process in which more cores only take turns."""
-    return [0] if backend == "sim" else sorted({s.core for s in manifest.shards})
+    """The manifest's cores; one where the backend runs them all in one process, in which more cores only
+    take turns (the simulator)."""
+    return [0] if traits_of(backend).one_process else sorted({s.core for s in manifest.shards})
 
 
 def default_backend(manifest: Manifest) -> str:

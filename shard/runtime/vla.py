@@ -9,7 +9,7 @@ a chunk of actions out.
     pi0.shard/embeddings.npy   the prompt's token embeddings, looked up on the host
 
 The prefix runs once per observation; its keys and values go into the step program's own input
-buffers where its backend keeps tensors on a device (executors.TRAITS: the GPU), and the step runs
+buffers where its backend keeps tensors on a device (executors.traits_of: the GPU), and the step runs
 `steps` times against them: on a GPU as one CUDA graph of the whole loop, elsewhere one run a step.
 numpy only, and the executor's library.
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError
-from shard.runtime.executors import TRAITS, to_host
+from shard.runtime.executors import to_host, traits_of
 from shard.runtime.generative_bundle import EMBEDDINGS, load_checked
 from shard.runtime.session import OnDevice, Session, default_backend
 
@@ -120,7 +120,7 @@ class VlaSession:
         self.spec = read_vla(self.bundle)
         self.table = load_checked(self.bundle, self.spec.files, EMBEDDINGS)   # the one file it records
         self.backend = backend or default_backend(read_manifest(self.bundle / "vision"))
-        self.device = TRAITS[self.backend].device if self.backend in TRAITS else None   # where tensors stay
+        self.device = traits_of(self.backend).device   # where tensors stay
         kept = {"vision": ["image_features"], "prefix": self.spec.cache_names, "step": ["velocity"]}
         self.sessions: dict[str, Session] = {}
         try:
@@ -196,7 +196,7 @@ class VlaSession:
             import torch
 
             session = self.sessions["step"]
-            executors = list({id(e): e for e in session.executors.values()}.values())
+            executors = session.distinct_executors
             if len(session.manifest.shards) != 1 or len(executors) != 1 or not hasattr(executors[0], "capture_loop"):
                 self.loops[steps] = None   # a step of several stages: run one by one
                 return None

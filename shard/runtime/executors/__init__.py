@@ -21,7 +21,6 @@ from shard.errors import TargetError
 # backend -> the module of this package that runs it; each exports make(bundle, manifest, placements)
 MODULES = {"cpu": "cpu", "sim": "rknn_sim", "board": "rknn_board", "cuda": "cuda", "tensorrt": "tensorrt"}
 BACKENDS = tuple(MODULES)
-NPU_BACKENDS = ("sim", "board")   # rknn runtimes: a float16 array for a float32 input goes as it is (as_float16)
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,12 @@ class Traits:
     converts_inputs: bool = False   # converts each input's type and layout on the host at every run, so an
     #                                 input handed over as float16 NHWC memory saves it that (rknn-toolkit-lite2
     #                                 on the board; the simulator measured no faster: bench/cache_handoff.py)
+    takes_float16: bool = False     # a float16 array for a float32 input goes as it is (as_float16)
+    one_process: bool = False       # every core in one process, where more cores only take turns
 
 
-TRAITS = {"cpu": Traits(), "sim": Traits(), "board": Traits(binds_inputs=True, converts_inputs=True),
+TRAITS = {"cpu": Traits(), "sim": Traits(takes_float16=True, one_process=True),
+          "board": Traits(binds_inputs=True, converts_inputs=True, takes_float16=True),
           "cuda": Traits(device="cuda"), "tensorrt": Traits(device="cuda")}
 # a stream per pipeline stage, each stage loaded once on its stream: the backends that keep tensors on a device
 STAGE_BACKENDS = tuple(name for name, traits in TRAITS.items() if traits.device)
@@ -65,14 +67,19 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+def traits_of(backend: str) -> Traits:
+    """The backend's Traits; TargetError in one line for a backend there is none of."""
+    if backend not in TRAITS:
+        raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
+    return TRAITS[backend]
+
+
 def make_executors(backend: str, bundle: Path, manifest: Manifest, placements: dict[int, list[ShardSpec]],
                    on_device: OnDevice = OnDevice()) -> dict[int, Executor]:
     """One executor per core holding the shards that core may run: the backend's module (MODULES),
     imported only now, makes them (its `make`). on_device: what a GPU backend leaves on the GPU, or the
     inputs the board holds in NPU memory (then rknn_held, the board's C API, makes them)."""
-    if backend not in MODULES:
-        raise TargetError(f"unknown backend {backend!r}; backends: {', '.join(BACKENDS)}")
-    held = TRAITS[backend].binds_inputs and on_device.held   # the board's C API, where inputs are held in NPU memory
+    held = traits_of(backend).binds_inputs and on_device.held   # the board's C API, where inputs are held in NPU memory
     module = importlib.import_module(f"{__name__}.{'rknn_held' if held else MODULES[backend]}")
     return module.make(bundle, manifest, placements, on_device) if backend in STAGE_BACKENDS or held else \
         module.make(bundle, manifest, placements)
