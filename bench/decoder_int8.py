@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decoder import CHAT  # noqa: E402
 from trained import smollm2_file, smollm2_model  # noqa: E402
 
+from shard.precision import per_channel_int8, uint8_range  # noqa: E402
+
 CALIBRATION = ["Write a short poem about the sea.", "How do I boil an egg?", "Explain what a computer is.",
                "List three colours.", "What is the weather like on Mars?", "Tell me a joke about cats.",
                "Why do birds migrate?", "Translate 'good morning' into French."]
@@ -41,16 +43,14 @@ class Int8Linear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, parts: set[str], per_token: bool):
         super().__init__()
         self.linear, self.parts, self.per_token, self.mode = linear, parts, per_token, "fp32"
-        self.low, self.high = {"in": 0.0, "out": 0.0}, {"in": 0.0, "out": 0.0}   # 0 always in the range
-        w = linear.weight.detach()
-        scale = w.abs().amax(dim=1, keepdim=True) / 127
-        self.weight = torch.clamp(torch.round(w / scale), -127, 127) * scale if "w" in parts else w
+        self.low, self.high = {"in": 0.0, "out": 0.0}, {"in": 0.0, "out": 0.0}
+        w = linear.weight.detach()   # [out, in]: a scale per row
+        self.weight = torch.from_numpy(per_channel_int8(w.numpy(), 0)) if "w" in parts else w
 
     def quantized(self, x: torch.Tensor, where: str) -> torch.Tensor:
         if where not in self.parts:
             return x
-        scale = (self.high[where] - self.low[where]) / 255
-        zero = round(-self.low[where] / scale)
+        scale, zero = (float(v) for v in uint8_range(self.low[where], self.high[where]))
         return (torch.clamp(torch.round(x / scale) + zero, 0, 255) - zero) * scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

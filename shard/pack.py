@@ -26,9 +26,9 @@ from shard.bundle import MANIFEST, Manifest, check_files, read_manifest
 from shard.errors import ShardError
 from shard.packed import check_runtime
 from shard.runtime.buckets import is_bucketed
-from shard.runtime.generative_bundle import EMBEDDINGS, GENERATIVE, PREDICTION
+from shard.runtime.generative_bundle import GENERATIVE, PREDICTION
 from shard.runtime.generative_bundle import check_files as check_generative_files
-from shard.runtime.generative_bundle import is_generative, load_checked, read_generative
+from shard.runtime.generative_bundle import is_generative, read_checked, read_generative
 from shard.runtime.host import step_files
 
 RUNTIME = ("__init__.py", "bundle.py", "errors.py", "packed.py", "scratch.py", "runtime")   # what `import shard.runtime` needs
@@ -153,10 +153,10 @@ def generative_files(bundle: Path, with_onnx: bool, runtime: dict[str, str], nam
     """A generative bundle's files for a board (bundle/...): its spec, the files it records (embeddings,
     tokenizer), the compile's prediction, and each program as bundle_files packs it; and the README."""
     spec = read_generative(bundle)
-    check_generative_files(bundle, spec.files)
-    load_checked(bundle, spec.files, EMBEDDINGS)   # the embeddings' sha256, which check_files leaves to it
-    kept = [GENERATIVE, *spec.files] + ([PREDICTION] if (bundle / PREDICTION).is_file() else [])
-    files = {f"bundle/{rel}": (bundle / rel).read_bytes() for rel in kept}
+    check_generative_files(bundle, spec.files)   # the tokenizer folder: only what it records, no link, no code
+    files = {f"bundle/{rel}": read_checked(bundle, spec.files, rel) for rel in spec.files}   # read once, checked
+    for rel in [GENERATIVE] + ([PREDICTION] if (bundle / PREDICTION).is_file() else []):
+        files[f"bundle/{rel}"] = (bundle / rel).read_bytes()
     programs = [p.name for p in spec.programs] + ([spec.vision["program"]] if spec.vision else [])
     manifests = []
     for program in programs:

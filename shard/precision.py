@@ -102,6 +102,16 @@ def per_channel_int8(w: np.ndarray, axis: int) -> np.ndarray:
     return (np.clip(np.round(w / scale), -127, 127) * scale).astype(w.dtype)
 
 
+def uint8_range(low: float, high: float) -> tuple[np.float32, np.uint8] | None:
+    """The vendor's per-tensor activation quantization of a calibrated range: (scale, zero point) of
+    asymmetric 8 bits over the range widened to hold 0; None for a range of one value."""
+    low, high = min(low, 0.0), max(high, 0.0)
+    if not high > low:
+        return None
+    scale = np.float32((high - low) / 255.0)
+    return scale, np.uint8(np.clip(np.round(-low / scale), 0, 255))
+
+
 GATES = "shard.int8_gates"
 
 
@@ -168,13 +178,10 @@ def int8_replica(graph: gs.Graph, stats: dict, linears: list[gs.Node]) -> gs.Gra
 
     def quantized(t: gs.Variable, gate: gs.Variable, where: str) -> gs.Variable | None:
         s = stats.get(t.name)
-        if s is None:
+        quantization = uint8_range(s.min, s.max) if s is not None else None
+        if quantization is None:
             return None
-        low, high = min(s.min, 0.0), max(s.max, 0.0)
-        if not high > low:
-            return None
-        scale = np.float32((high - low) / 255.0)
-        zero = np.uint8(np.clip(np.round(-low / scale), 0, 255))
+        scale, zero = quantization
         consts = [gs.Constant(f"{where}/scale", np.asarray(scale)), gs.Constant(f"{where}/zero", np.asarray(zero))]
         return gated_quantize(graph, t, gate, consts, np.uint8, where)
 
