@@ -6,8 +6,9 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
 
 1. The model in fp32 on the GPU: the reference action chunk.
 2. PyTorch in fp16 (the same weights, .half()): "eager" (sample_actions as written), "eager graph"
-   (the whole loop captured as one CUDA graph, its inputs in static buffers), and torch.compile of the
-   loop, default and mode="reduce-overhead" (its own CUDA graphs).
+   (the whole loop captured as one CUDA graph, its inputs in static buffers), "sdpa" and "sdpa graph"
+   (the same with every attention through scaled_dot_product_attention: zoo.vla.as_sdpa), and
+   torch.compile of the loop, default and mode="reduce-overhead" (its own CUDA graphs).
 3. shard: the model exported (shard.zoo.vla.export_vla), compiled for --target thor (each program one
    fp16 stage), run by VlaSession on the cuda backend (each stage a CUDA graph, the prefix's keys and
    values written once into the step's own buffers, the actions kept on the GPU between steps).
@@ -30,10 +31,12 @@ ms: FACTS-thor.md). Ends with
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +44,7 @@ import torch
 
 from shard.compilation.vla import compile_vla
 from shard.runtime.vla import VlaSession
-from shard.zoo.vla import CONFIGS, build_vla, export_vla, observation, with_depth
+from shard.zoo.vla import CONFIGS, as_sdpa, build_vla, export_vla, observation, with_depth
 
 
 def figures(got: np.ndarray, want: np.ndarray) -> dict:
@@ -75,7 +78,7 @@ def gpu_seconds(run, repeats: int) -> float:
     return start.elapsed_time(end) / 1e3 / repeats
 
 
-SIDES = ("eager", "eager graph", "compile default", "compile reduce-overhead")
+SIDES = ("eager", "eager graph", "sdpa", "sdpa graph", "compile default", "compile reduce-overhead")
 
 
 def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) -> dict:
@@ -85,8 +88,10 @@ def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) 
     static = {k: v.to("cuda", dtype=torch.float16 if v.dtype == torch.float32 else v.dtype) for k, v in pinned.items()}
     out_host = torch.empty(static["noise"].shape, dtype=torch.float32).pin_memory()
 
-    def loop():
-        return half.sample_actions(static["pixel_values"], static["tokens"], static["state"], static["noise"], steps)
+    sdpa = as_sdpa(copy.deepcopy(half)) if {"sdpa", "sdpa graph"} & set(asked) else None
+
+    def loop(model=half):
+        return model.sample_actions(static["pixel_values"], static["tokens"], static["state"], static["noise"], steps)
 
     def host_to_host(forward):
         def run():
@@ -103,6 +108,7 @@ def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) 
         return lambda: c(static["pixel_values"], static["tokens"], static["state"], static["noise"], steps).clone()
 
     forms = {"eager": lambda: loop, "eager graph": lambda: captured_loop(loop),   # name -> what makes its forward
+             "sdpa": lambda: partial(loop, sdpa), "sdpa graph": lambda: captured_loop(partial(loop, sdpa)),
              "compile default": lambda: compiled(None), "compile reduce-overhead": lambda: compiled("reduce-overhead")}
     for name, make in ((n, m) for n, m in forms.items() if n in asked):
         started = time.perf_counter()

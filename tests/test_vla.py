@@ -15,7 +15,7 @@ from shard.bundle import read_manifest
 from shard.compilation.vla import compile_vla
 from shard.errors import BundleError, ShardError
 from shard.runtime.vla import VLA, VlaSession
-from shard.zoo.vla import FEW, build_vla, cache_names, export_vla, observation
+from shard.zoo.vla import FEW, Layer, as_sdpa, build_vla, cache_names, export_vla, observation
 
 
 def torch_actions(model, obs: dict, steps: int = 10) -> np.ndarray:
@@ -67,6 +67,17 @@ def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_o
         np.testing.assert_array_equal(looped, run(10))
         np.testing.assert_array_equal(looped3, run(3))
     assert cosine(looped, torch_actions(model, obs)) >= 0.999
+
+
+def test_the_model_with_sdpa_attention_is_the_same_model():
+    """as_sdpa (the PyTorch side a user runs for speed in bench/vla.py): every attention through
+    scaled_dot_product_attention, the vision tower's too, and the same action chunk in fp32."""
+    obs = observation(FEW)
+    plain, sdpa = build_vla(FEW), as_sdpa(build_vla(FEW))
+    assert sdpa.vision.config._attn_implementation == "sdpa" and all(layer.sdpa for layer in sdpa.modules()
+                                                                     if isinstance(layer, Layer))
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_actions(sdpa, obs), torch_actions(plain, obs), atol=1e-4, rtol=1e-4)
 
 
 def test_the_compile_predicts_an_observation_on_thor_program_by_program(bundle):

@@ -106,7 +106,10 @@ def rotate(x, cos, sin):
 
 
 class Layer(nn.Module):
-    """A Gemma decoder layer, its attention over keys and values handed to it (the prefix's and its own)."""
+    """A Gemma decoder layer, its attention over keys and values handed to it (the prefix's and its own);
+    `sdpa`: that attention through torch's scaled_dot_product_attention (as_sdpa), the same function."""
+
+    sdpa = False
 
     def __init__(self, g: Gemma):
         super().__init__()
@@ -135,10 +138,12 @@ class Layer(nn.Module):
         b, _, t, _ = q.shape
         groups = self.g.heads // self.g.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = q @ k.transpose(-1, -2) * self.g.head_dim ** -0.5
-        if mask is not None:
-            scores = scores + mask
-        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        if self.sdpa:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.g.head_dim ** -0.5)
+        else:
+            scores = q @ k.transpose(-1, -2) * self.g.head_dim ** -0.5
+            attended = (scores if mask is None else scores + mask).softmax(-1) @ v
+        attended = attended.transpose(1, 2).reshape(b, t, -1)
         x = x + self.o(attended)
         h = self.norm2(x)
         return x + self.down(F.gelu(self.gate(h), approximate="tanh") * self.up(h))
@@ -234,6 +239,16 @@ def build_vla(config: VlaConfig = PI0, seed: int = 0) -> Pi0:
             if name.startswith("vision."):
                 continue
             p.normal_(0.0, 0.1 if p.ndim == 1 else 1.0 if name == "embed.weight" else p.shape[1] ** -0.5)
+    return model
+
+
+def as_sdpa(model: Pi0) -> Pi0:
+    """The model with every attention through torch's scaled_dot_product_attention (the vision tower's
+    transformers' own "sdpa", the Gemma layers' Layer.sdpa): what a PyTorch user runs for speed."""
+    model.vision.config._attn_implementation = "sdpa"
+    for layer in model.modules():
+        if isinstance(layer, Layer):
+            layer.sdpa = True
     return model
 
 
