@@ -2,7 +2,7 @@
 bundle on the cuda backend against what a PyTorch user runs instead, every side in the same run on the
 same GPU, the same observation and noise in, the same action chunk out (numpy to numpy).
 
-    python bench/vla.py [--depth 18] [--steps 10] [--repeats 10] [--work DIR]
+    python bench/vla.py [--depth 18] [--steps 10] [--repeats 10] [--work DIR] [--precision fp16,fp8]
 
 1. The model in fp32 on the GPU: the reference action chunk.
 2. PyTorch in fp16 (the same weights, .half()): "eager" (sample_actions as written), "eager graph"
@@ -16,6 +16,10 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
 The whole run takes longer than one 10-minute device call on an H200 (export 4 min, compile 2 min,
 torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in --work (a warm
 machine keeps it), and --sides picks the PyTorch sides.
+
+--precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
+fp8_linears' search on every program, `pi0-fp8.shard`); each other precision is printed against our
+fp16 on both measures, with its actions' MSE as a share of their scale (the lossy gate: < 5e-3).
 
 --kernels also prints one denoising step's kernels (the torch profiler), ours beside torch.compile
 of the model's velocity: where a step's time goes.
@@ -43,6 +47,7 @@ import numpy as np
 import torch
 
 from shard.compilation.vla import compile_vla
+from shard.options import CompileOptions
 from shard.runtime.vla import VlaSession
 from shard.zoo.vla import CONFIGS, as_sdpa, build_vla, export_vla, observation, with_depth
 
@@ -214,6 +219,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the VLA folder and the bundle go; with --reuse, read back")
     parser.add_argument("--reuse", action="store_true", help="the bundle already in --work: no export, no compile")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
+    parser.add_argument("--precision", default="fp16", help="ours in each of these (fp16, fp8), fp16 first")
     parser.add_argument("--kernels", action="store_true", help="also print one step's kernels, ours and "
                                                                "torch.compile's of the model's velocity")
     args = parser.parse_args()
@@ -223,21 +229,32 @@ def main() -> None:
     config = CONFIGS[args.model] if args.depth is None else with_depth(CONFIGS[args.model], args.depth)
     work = Path(args.work or tempfile.mkdtemp(prefix="vla-"))
     obs = observation(config)
+    precisions = list(dict.fromkeys(["fp16", *[p for p in args.precision.split(",") if p]]))
+    bundles = {p: work / ("pi0.shard" if p == "fp16" else f"pi0-{p}.shard") for p in precisions}
     if not args.reuse:
         t0 = time.perf_counter()
         export_vla(args.model, work / "pi0.vla", depth=args.depth)
         print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
-        t0 = time.perf_counter()
-        compile_vla(work / "pi0.vla", "thor", work / "pi0.shard")
-        print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    for precision, bundle in bundles.items():
+        if not (args.reuse and bundle.is_dir()):
+            t0 = time.perf_counter()
+            compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
+            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s", flush=True)
     # first: the figure this bench is for
-    mine = ours(work / "pi0.shard", obs, args.steps, args.repeats, config if args.kernels else None)
+    mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
+    others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}
     model = build_vla(config).cuda()
     with torch.no_grad():
         inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
         reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
     print(f"shard: actions against fp32: {figures(mine['actions'], reference)}", flush=True)
-    sides = {**pytorch_sides(model, obs, args.steps, args.repeats, sides_asked), "shard": mine}
+    for precision, side in others.items():
+        f = figures(side["actions"], reference)
+        print(f"shard {precision}: {mine['gpu_s'] / side['gpu_s']:.3f}x our fp16 on GPU time, "
+              f"{mine['host_s'] / side['host_s']:.3f}x host to host; actions against fp32: cosine {f['cosine']:.6f}, "
+              f"max abs {f['max_abs']:.4f}, MSE {f['mse']:.2e} = {f['mse'] / f['scale']:.2e} of their scale", flush=True)
+    sides = {**pytorch_sides(model, obs, args.steps, args.repeats, sides_asked), "shard": mine,
+             **{f"shard {p}": side for p, side in others.items()}}
     for name, side in sides.items():
         f = figures(side["actions"], reference)
         side.update(f)
