@@ -374,8 +374,8 @@ def side(work: Path, model: Path, options, target: str = "rk3588") -> Side:
         compiled = shard.compile(model, target, work / "bundle.shard", options)
         summary(compiled)
         totals = compiled.report["totals"]
-        result.builds, result.regtask = True, totals["regtask_lines"]
-        result.cpu_ops, result.single_core = totals["cpu_ops"], totals["single_core_fallbacks"]
+        result.builds, result.regtask = True, totals["overflow_lines"]
+        result.cpu_ops, result.single_core = totals["cpu_ops"], totals["fallbacks"]
         result.mcycles = totals["estimated_cycles"] / 1e6
         result.rules = sorted({r for s in compiled.report["shards"] for r in s["diagnostics"].get("disabled_rules", [])})
         result.figures = compiled.report.get("versus_vendor") or {}
@@ -410,8 +410,8 @@ def vendor_side(ours: Side) -> Side:
     v = versus["vendor"]
     fidelity = versus.get("fidelity") or {}
     cosine = fidelity.get("vendor", ours.cosine if versus["bundle"] == "vendor alone" else None)
-    return Side(builds=v["builds"], regtask=v["regtask_lines"], cpu_ops=v["cpu_ops"],
-                single_core=v["single_core_fallbacks"], mcycles=v["estimated_cycles"] / 1e6,
+    return Side(builds=v["builds"], regtask=v["overflow_lines"], cpu_ops=v["cpu_ops"],
+                single_core=v["fallbacks"], mcycles=v["estimated_cycles"] / 1e6,
                 cosine=cosine if v["builds"] else None, error=None if v["builds"] else "the vendor build failed")
 
 

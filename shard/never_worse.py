@@ -1,7 +1,7 @@
 """Never worse than the vendor alone, by construction.
 
 A rewrite the passes make is a nomination, not a decision: a one-op build or a profile limit can
-be wrong about the op inside its real graph (an Add [1,40,6625] logs `E RKNN` alone and builds
+be wrong about the op inside its real graph (an Add [1,40,6625] logs an error line alone and builds
 clean inside the model). So where the passes changed a shard, compile builds it twice: as
 rewritten, and as the vendor would take the same region (the canonical graph's own nodes between
 the same boundary tensors), and keeps the better build by AXES, in order of weight (shards joined by
@@ -24,16 +24,19 @@ import onnx_graphsurgeon as gs
 from shard.bundle import step_inputs, step_outputs
 from shard.macs import estimate_macs
 from shard.passes.context import ShardPlan
+from shard.summary import COMMON_WORDS
 from shard.targets.chips import Handoff
 
-# The measured axes, most important first; "worse" compares them in this order. Other `E` lines of a
-# build that returned 0 ("Unkown op target: 0") come last: the vendor's own DPT build logs 4 and runs.
-AXES = ("builds", "regtask_lines", "cpu_ops", "single_core_fallbacks", "cost_cycles", "error_lines")
+# The measured axes, most important first; "worse" compares them in this order: whether it builds, lines
+# saying a hardware limit overflows (the build returned 0; the board would fail), ops left on the CPU,
+# layers run in a lesser mode than asked (on one core of several), the cost, and the build's other error
+# lines ("Unkown op target: 0"), last: the vendor's own DPT build logs 4 and runs. A build reports them
+# in these words (shard.targets.ShardBuild).
+AXES = ("builds", "overflow_lines", "cpu_ops", "fallbacks", "cost_cycles", "error_lines")
 # What a rewrite the user forced (--tile-attention force) must not make worse: tiles cost cycles on
 # one core and are there to run on several, which the compiler's estimate cannot see.
-HARD_AXES = ("builds", "regtask_lines", "cpu_ops", "single_core_fallbacks")
-LABELS = {"builds": "builds", "regtask_lines": "REGTASK", "error_lines": "E lines", "cpu_ops": "CPU ops",
-          "single_core_fallbacks": "single-core fallbacks", "cost_cycles": "est. Mcycles"}
+HARD_AXES = ("builds", "overflow_lines", "cpu_ops", "fallbacks")
+LABELS = {"builds": "builds", **COMMON_WORDS, "cpu_ops": "CPU ops", "cost_cycles": "est. Mcycles"}
 
 
 @dataclass
@@ -41,10 +44,10 @@ class Figures:
     """What one build (or the sum of a bundle's builds) measured on each axis."""
 
     builds: bool
-    regtask_lines: int = 0
+    overflow_lines: int = 0
     error_lines: int = 0
     cpu_ops: int = 0
-    single_core_fallbacks: int = 0
+    fallbacks: int = 0
     cost_cycles: int = 0          # the compiler's estimate, plus the ops it leaves at 0 costed by bytes,
                                   # plus handoff_cycles
     estimated_cycles: int = 0     # the compiler's estimate alone
@@ -56,9 +59,9 @@ class Figures:
         d = [b.diagnostics for b in builds]
         count = lambda key: sum(len(x.get(key, [])) for x in d)  # noqa: E731 - lists of findings
         return cls(builds=all(b.error is None for b in builds),
-                   regtask_lines=sum(x.get("regtask_lines", 0) for x in d),
-                   error_lines=sum(max(0, x.get("error_lines", 0) - x.get("regtask_lines", 0)) for x in d),
-                   cpu_ops=count("cpu_ops"), single_core_fallbacks=count("single_core_fallbacks"),
+                   overflow_lines=sum(x.get("overflow_lines", 0) for x in d),
+                   error_lines=sum(max(0, x.get("error_lines", 0) - x.get("overflow_lines", 0)) for x in d),
+                   cpu_ops=count("cpu_ops"), fallbacks=count("fallbacks"),
                    cost_cycles=sum(x.get("cost_cycles", 0) for x in d),
                    estimated_cycles=sum(x.get("estimated_cycles", 0) for x in d))
 

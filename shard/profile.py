@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shard.errors import ShardError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: failure classes "overflow" and "error-alone" (1 named the toolkit's log)
 
 
 @dataclass
@@ -30,7 +30,9 @@ class Limit:
     """One boundary: the largest legal value, how exceeding it fails, and the evidence."""
 
     value: int
-    failure: str                   # how the first size past it fails (see shard.targets.rknn.classify); none
+    failure: str                   # how the first size past it fails: overflow, error, error-alone, crash,
+                                   # build-error, cpu-fallback, slow, numeric (a target's probe classes, e.g.
+                                   # shard.targets.rknn.classify); none
     evidence: str
     source: str
     toolkit: str = ""              # the toolkit version it was measured with
@@ -65,7 +67,10 @@ class Profile:
     @classmethod
     def from_dict(cls, data: dict) -> Profile:
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise ShardError(f"profile schema {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            older = isinstance(data.get("schema_version"), int) and data["schema_version"] < SCHEMA_VERSION
+            raise ShardError(f"profile schema {data.get('schema_version')!r} is not {SCHEMA_VERSION}"
+                             + (f": written by an older shard; probe again (`shard probe --target {data.get('target')} "
+                                "-o FILE`: the probe cache answers the points it measured)" if older else ""))
         limits = {name: Limit(**lim) for name, lim in data.get("limits", {}).items()}
         return cls(target=data["target"], cores=data["cores"], toolkit=data["toolkit"], limits=limits,
                    facts=data.get("facts", {}), schema_version=data["schema_version"])

@@ -29,6 +29,9 @@ from shard.errors import ShardError
 SHOWN_LEFT = 5   # ops a pass left as is, printed one by one; the rest in one line
 SHOWN_CHANGES = 4   # runs of a pass's changes printed one by one; the rest in one line
 STEPS_ONE_BY_ONE = 3   # host steps printed one by one; more in one line (a decoder's rotary table)
+# What a build's figures are called where its target has no word of its own (shard.targets.Target.words)
+COMMON_WORDS = {"overflow_lines": "overflow lines", "error_lines": "error lines", "fallbacks": "fallbacks",
+                "fallback": "runs in a lesser mode than asked"}
 
 
 def record(cls, data: Any, where: str):
@@ -143,9 +146,9 @@ class ShardRow:
     build_seconds: float = 0.0
     cached: bool = False
     build_peak_bytes: int | None = None
-    regtask_lines: int = 0            # the shard's diagnostics, from here on
+    overflow_lines: int = 0           # the shard's diagnostics, from here on (shard.targets.ShardBuild)
     cpu_ops: list[str] = field(default_factory=list)
-    single_core_fallbacks: list[str] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
     estimated_cycles: int = 0
     disabled_rules: list[str] = field(default_factory=list)
     crashes: list[str] = field(default_factory=list)
@@ -154,9 +157,9 @@ class ShardRow:
 @dataclass(frozen=True)
 class Totals:
     shards: int
-    regtask_lines: int
+    overflow_lines: int
     cpu_ops: int
-    single_core_fallbacks: int
+    fallbacks: int
     estimated_cycles: int
     estimated_cycles_before_passes: int | None = None
     int8_mac_share: float | None = None
@@ -262,6 +265,11 @@ class Summary:
     compared: bool = False            # the vendor alone stood beside it (else --no-vendor-baseline, or none)
     vendor_figures_only: bool = False
     vendor_only: bool = False
+    words: dict[str, str] = field(default_factory=dict)   # the target's words for the figures (Target.words)
+
+    def said(self, figure: str) -> str:
+        """What the summary calls a figure: the target's word for it, else the common one."""
+        return self.words.get(figure) or COMMON_WORDS[figure]
 
     @classmethod
     def of(cls, report: dict) -> Summary:
@@ -284,7 +292,7 @@ class Summary:
                    host_ms=report.get("host_ms"), host_post_ms=report.get("host_post_ms"),
                    versus=versus_of(versus) if versus else None, compared=report.get("vendor_alone") is not None,
                    vendor_figures_only=bool((report.get("vendor_alone") or {}).get("figures_only")),
-                   vendor_only=bool(report.get("vendor_only")))
+                   vendor_only=bool(report.get("vendor_only")), words=dict(report.get("words") or {}))
 
 
 def pass_of(name: str, passed: dict) -> PassReport:
@@ -359,14 +367,14 @@ def versus_of(versus: dict) -> Versus:
 
 def shards_table(summary: Summary) -> Table:
     table = Table(title="shards")
-    for col in ("shard", "core", "nodes", "GMACs", "build s", "build GB", "REGTASK", "CPU ops", "1-core fallbacks",
-                "est. Mcycles"):
+    for col in ("shard", "core", "nodes", "GMACs", "build s", "build GB", summary.said("overflow_lines"), "CPU ops",
+                summary.said("fallbacks"), "est. Mcycles"):
         table.add_column(col, justify="right" if col != "shard" else "left")
     for s in summary.shards:
         table.add_row(s.name, str(s.core), str(s.nodes), f"{s.macs / 1e9:.2f}",
                       "cached" if s.cached else f"{s.build_seconds:.1f}",
-                      f"{s.build_peak_bytes / 1e9:.2f}" if s.build_peak_bytes else "-", str(s.regtask_lines),
-                      str(len(s.cpu_ops)), str(len(s.single_core_fallbacks)), f"{s.estimated_cycles / 1e6:.1f}")
+                      f"{s.build_peak_bytes / 1e9:.2f}" if s.build_peak_bytes else "-", str(s.overflow_lines),
+                      str(len(s.cpu_ops)), str(len(s.fallbacks)), f"{s.estimated_cycles / 1e6:.1f}")
     return table
 
 
@@ -387,8 +395,9 @@ def totals_lines(s: Summary) -> list[str]:
     if p is not None:
         lines.append(escape(f"target {p.target} ({p.cores} NPU core{'s' * (p.cores > 1)}), profile {p.file}: "
                             f"{p.toolkit or 'no toolkit'}" + (f", probed {p.probed}" if p.probed else "")))
-    lines.append(f"{t.shards} {escape(s.precision)} shards, {t.regtask_lines} REGTASK lines, {t.cpu_ops} ops on the CPU, "
-                 f"{t.single_core_fallbacks} single-core fallbacks, {t.estimated_cycles / 1e6:.1f} M estimated cycles; "
+    lines.append(f"{t.shards} {escape(s.precision)} shards, {t.overflow_lines} {escape(s.said('overflow_lines'))}, "
+                 f"{t.cpu_ops} ops on the CPU, {t.fallbacks} {escape(s.said('fallbacks'))}, "
+                 f"{t.estimated_cycles / 1e6:.1f} M estimated cycles; "
                  f"{escape(compile_time(s))}")
     if t.int8_mac_share is not None and s.precision != "fp16":
         lines.append(f"int8 share of the MACs (Conv and MatMul layers, from the vendor's layer tables): "
@@ -582,7 +591,7 @@ def fallback_lines(s: Summary) -> list[str]:
             lines.append(escape(f"{shard.name}: {crash}; built again with the toolkit's "
                                 f"disable_rules={shard.disabled_rules} (where the vendor alone stops)"))
         lines += [warning(f"{shard.name}: {op} runs on the CPU") for op in shard.cpu_ops]
-        lines += [warning(f"{shard.name}: {layer} falls back to one NPU core") for layer in shard.single_core_fallbacks]
+        lines += [warning(f"{shard.name}: {layer} {s.said('fallback')}") for layer in shard.fallbacks]
     return lines
 
 

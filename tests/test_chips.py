@@ -117,7 +117,7 @@ def test_a_small_cnn_compiles_and_verifies_on_rk3576_with_its_profile(tmp_path):
     assert manifest["build"]["config"]["target_platform"] == "rk3576" and manifest["profile"]["cores"] == 2
     assert sorted(s["core"] for s in manifest["shards"]) == [0, 1]
     report = json.loads((tmp_path / "c.shard" / "report.json").read_text())
-    assert report["totals"]["regtask_lines"] == 0 and report["totals"]["cpu_ops"] == 0
+    assert report["totals"]["overflow_lines"] == 0 and report["totals"]["cpu_ops"] == 0
     assert report["totals"]["estimated_cycles"] > 0        # the layer table with RK3576's extra column is read
     res = shard_cli("verify", tmp_path / "c.shard", "--reference", path, "--backend", "sim", "--min-cosine", "0.9999")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -136,7 +136,7 @@ def test_int8_only_rv1106_compiles_a_cnn_from_calibration_and_verifies(tmp_path)
     manifest = json.loads((tmp_path / "q.shard" / "manifest.json").read_text())
     assert manifest["build"]["config"]["target_platform"] == "rv1106"
     report = json.loads((tmp_path / "q.shard" / "report.json").read_text())
-    assert report["totals"]["regtask_lines"] == 0 and report["totals"]["int8_mac_share"] == 1.0
+    assert report["totals"]["overflow_lines"] == 0 and report["totals"]["int8_mac_share"] == 1.0
     res = shard_cli("verify", tmp_path / "q.shard", "--reference", path, "--backend", "sim", "--inputs", calib,
                     "--min-cosine", "0.99")
     assert res.returncode == 0, res.stdout + res.stderr

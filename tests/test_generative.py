@@ -293,7 +293,7 @@ def test_an_onnx_decoder_runs_on_the_simulator_with_no_op_on_the_cpu(checkpoint,
     _, model = checkpoint
     result = compile_generative(export_with_past(model, tmp_path), "rk3588", tmp_path / "lm.shard", capacity=16, chunk=4)
     for name, report in result.reports.items():
-        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
+        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["overflow_lines"] == 0, name
     with load(result.bundle, backend="sim") as session:
         out = session.generate(PROMPT, max_new_tokens=8, stop=set())
         assert out.tokens == transformers_greedy(model, PROMPT, 8)
@@ -414,7 +414,7 @@ def test_an_rk3588_bundle_generates_transformers_own_tokens_on_the_simulator(che
     result = compile_generative(folder, "rk3588", tmp_path / "lm.shard", capacity=[16, 32], chunk=4)
     assert len(result.reports) == 4   # prefill and decode, for a cache of 16 and one of 32
     for name, report in result.reports.items():
-        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["regtask_lines"] == 0, name
+        assert report["totals"]["cpu_ops"] == 0 and report["totals"]["overflow_lines"] == 0, name
     assert all(row["decode_tokens_per_s"] > 0 and row["bandwidth_tokens_per_s"] > 0 and row["one_step_tokens_per_s"] > 0
                for row in result.predicted)
     # the cache held where the NPU reads it: no step hands it over. The host's row writes are timed on this

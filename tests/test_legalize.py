@@ -154,7 +154,7 @@ def test_legalize_keeps_numerics_and_every_op_within_the_limit(case):
 
 def test_profile_limits_drive_a_cpu_compile_with_host_steps(tmp_path, save):
     """A profile says Add fits up to 64 wide at H=1: compile for cpu splits, the runtime joins."""
-    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "overflow", "synthetic", "test")})
     profile.save(tmp_path / "p.json")
     model = make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add")], [("x", [1, 1, 1, 150])],
                        [("y", [1, 1, 1, 150])])
@@ -209,7 +209,7 @@ def test_only_strides_the_profile_marks_slow_are_rewritten(tmp_path, save, strid
 
 
 def test_dump_after_writes_the_graph_after_a_pass(tmp_path, save):
-    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    profile = Profile("cpu", 1, "test", {"add-width@h1": Limit(64, "overflow", "synthetic", "test")})
     profile.save(tmp_path / "p.json")
     model = make_model([helper.make_node("Add", ["x", "x"], ["y"])], [("x", [1, 1, 1, 100])], [("y", [1, 1, 1, 100])])
     shard.compile(save(model), "cpu", tmp_path / "a.shard",
@@ -238,8 +238,8 @@ def test_reduced_axes_split_as_partial_sums_and_two_pass_softmax():
 
 def test_profile_verdicts_read_each_family_in_its_own_terms():
     """concat-width's N is each input's width, not the output's; unknown settings are undecided."""
-    profile = Profile("cpu", 1, "test", {"concat-width@h1": Limit(64, "regtask", "synthetic", "test"),
-                                         "add-width@h1": Limit(64, "regtask", "synthetic", "test")})
+    profile = Profile("cpu", 1, "test", {"concat-width@h1": Limit(64, "overflow", "synthetic", "test"),
+                                         "add-width@h1": Limit(64, "overflow", "synthetic", "test")})
     legality = Legality(profile)  # no builder: what the profile cannot decide is taken to fit
     concat = OpSpec("Concat", {"axis": -1}, [([1, 1, 1, 64], None)] * 2, [[1, 1, 1, 128]])
     assert legality.check(concat).ok
@@ -260,7 +260,7 @@ class TwoAxes:
 
         for shape in [s for s, v in spec.inputs if v is None] + spec.outputs:
             if len(shape) >= 2 and max(shape[-2:]) > self.size:
-                return Verdict(False, "regtask", f"{shape[-2:]} over {self.size}")
+                return Verdict(False, "overflow", f"{shape[-2:]} over {self.size}")
         return Verdict(True)
 
 
@@ -365,9 +365,11 @@ class LogsErrorLines:
 
     def build(self, model):
         from shard.profile import Point
+        from shard.targets.rknn.classify import error_alone
 
         wide = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value > self.width
-        return Point(0, False, "error", f"1 error lines, first: E RKNN: {self.line}") if wide else Point(0, True)
+        evidence = f"1 error lines, first: E RKNN: {self.line}"
+        return Point(0, False, "error-alone" if error_alone(evidence) else "error", evidence) if wide else Point(0, True)
 
 
 @pytest.mark.parametrize("line,split", [
@@ -377,7 +379,7 @@ class LogsErrorLines:
     ("emitUnpackRegtasks: equiv_channels(8196) > limitations(8192)", True)])
 def test_e_lines_alone_split_an_op_only_where_they_name_a_register_overflow_or_a_cpu_fallback(line, split):
     """A one-op build whose only complaint is an `E` line that names neither a register overflow nor a
-    CPU fallback nominates no split: on RK2118 that split 330 ops of SigLIP-512, whose whole build logs
+    CPU fallback (the toolkit's class error-alone) nominates no split: on RK2118 that split 330 ops of SigLIP-512, whose whole build logs
     10 such lines, and the toolkit then ran for more than 8 minutes."""
     from shard.passes.fit import OneOpBuilds
 
@@ -386,7 +388,7 @@ def test_e_lines_alone_split_an_op_only_where_they_name_a_register_overflow_or_a
     graph, report = legalize(infer_shapes(gs.import_onnx(model)), ctx)
     assert bool(report["changes"]) == split
     if not split:
-        assert [n.op for n in graph.nodes] == ["Add"] and "E lines alone" in report["reported"][0]["reason"]
+        assert [n.op for n in graph.nodes] == ["Add"] and "error-alone, not rewritten" in report["reported"][0]["reason"]
 
 
 @st.composite
@@ -439,7 +441,7 @@ def test_a_lookup_in_a_constant_table_is_not_checked():
     assert seen == []
 
 
-def rows_limit(passing: list[int], failure: str = "regtask", evidence: str = "15 REGTASK lines") -> Limit:
+def rows_limit(passing: list[int], failure: str = "overflow", evidence: str = "15 REGTASK lines") -> Limit:
     return Limit(max(passing), failure, evidence, "test", failing=min(set(range(2, 33)) - set(passing)), passing=passing,
                  swept_to=32)
 
@@ -466,12 +468,12 @@ def test_the_rows_families_decide_a_gather_or_slice_of_a_sequence_by_their_passi
 
 def test_a_limit_whose_evidence_is_an_e_line_alone_nominates_no_split():
     """RK3568's rows limits fail with `Unkown op target: 0` alone, which one-op builds report and do
-    not rewrite (fit.lone_error); a limit with that evidence is read the same way."""
+    not rewrite (the class error-alone); a limit that fails so is read the same way."""
     profile = Profile("cpu", 1, "test", {"gather-rows@axis0-w4096": rows_limit(
-        [2, 3], "error", "1 error lines, first: E RKNN: Unkown op target: 0")})
+        [2, 3], "error-alone", "1 error lines, first: E RKNN: Unkown op target: 0")})
     verdict = Legality(profile).check(OpSpec("Gather", {"axis": 0}, [([20, 1, 4096], None), ([], np.array(0))],
                                              [[1, 4096]]))
-    assert verdict.ok and verdict.failure == "error" and "not rewritten" in verdict.reason
+    assert verdict.ok and verdict.failure == "error-alone" and "not rewritten" in verdict.reason
 
 
 def test_a_model_output_made_from_integer_inputs_alone_is_made_on_the_host():

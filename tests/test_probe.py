@@ -10,7 +10,9 @@ from conftest import DATA, shard_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shard.errors import ShardError
 from shard.probes.search import Point, find_boundary, sweep
+from shard.profile import profile_at
 from shard.targets.rknn.cache import PointCache
 from shard.targets.rknn.classify import classify_build, classify_numeric
 from shard.targets.rknn.log import parse_build_log
@@ -72,7 +74,7 @@ def test_a_sweep_keeps_the_passing_set_of_a_non_monotone_family():
 def test_classifier_on_a_real_regtask_log():
     diag = parse_build_log((DATA / "regtask-add-131072.txt").read_text())
     point = classify_build(131072, {"ok": True, "rc": {"build": 0}}, diag)
-    assert (point.ok, point.failure) == (False, "regtask")
+    assert (point.ok, point.failure) == (False, "overflow")
     assert "REGTASK lines, first: E RKNN:" in point.evidence and "limit: 0x1fff" in point.evidence
 
 
@@ -103,11 +105,41 @@ def test_classifier_orders_crash_build_error_cpu_and_numeric():
     assert classify_numeric(Point(4, True), 0.99995).ok
 
 
+def test_e_lines_naming_neither_an_overflow_nor_a_fallback_are_a_class_of_their_own():
+    """error-alone: what the passes do not rewrite for (`Unkown op target: 0` on RK3568's 3-D ops alone);
+    an `E` line naming a register task or a CPU fallback stays an error."""
+    said = lambda line: classify_build(1, {"ok": True}, parse_build_log(f"E RKNN: {line}\n")).failure
+    assert said("Unkown op target: 0") == "error-alone"
+    assert said("emitC1HWC2_CHW_16: surf_len overflow!") == "error-alone"
+    assert said("channel is too large, may produce thousands of regtask, fallback to cpu!") == "error"
+    assert said("emitUnpackRegtasks: equiv_channels(8196) > limitations(8192)") == "error"
+
+
+def test_points_cached_in_the_old_words_are_read_in_the_new(tmp_path):
+    """A probe cache written before the classes were renamed: "regtask" is "overflow", an error of lines
+    naming neither an overflow nor a fallback is "error-alone", and the profile it makes is the new one's."""
+    cache = PointCache(tmp_path, "rknn-toolkit2 2.5.0", "rk3588")
+    old = {"regtask": "132 REGTASK lines, first: E RKNN: REGTASK: The bit width of field value exceeds the limit",
+           "error": "1 error lines, first: E RKNN: Unkown op target: 0"}
+    for size, (failure, evidence) in enumerate(old.items()):
+        cache.put("add-width@h1", 1, Point(size, False, failure, evidence))
+    assert [cache.get("add-width@h1", 1, size).failure for size in range(2)] == ["overflow", "error-alone"]
+    cache.put("add-width@h1", 1, Point(2, False, "error", "1 error lines, first: E RKNN: fallback to cpu"))
+    assert cache.get("add-width@h1", 1, 2).failure == "error"
+
+
+def test_a_profile_of_the_old_schema_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema_version": 1, "target": "rk3588", "cores": 3, "toolkit": "t", "limits": {}}))
+    with pytest.raises(ShardError, match=r"written by an older shard; probe again \(`shard probe --target rk3588"):
+        profile_at(str(path))
+
+
 def test_cache_round_trip_keyed_by_version(tmp_path):
     cache = PointCache(tmp_path, "rknn-toolkit2 2.5.0", "rk3588")
-    cache.put("add-width@h1", 1, Point(65537, False, "regtask", "E RKNN: ...", {"estimated_cycles": 0}))
+    cache.put("add-width@h1", 1, Point(65537, False, "overflow", "E RKNN: ...", {"estimated_cycles": 0}))
     got = cache.get("add-width@h1", 1, 65537)
-    assert got.cached and (got.ok, got.failure, got.evidence) == (False, "regtask", "E RKNN: ...")
+    assert got.cached and (got.ok, got.failure, got.evidence) == (False, "overflow", "E RKNN: ...")
     assert cache.get("add-width@h1", 2, 65537) is None  # a changed builder does not reuse old points
     assert PointCache(tmp_path, "rknn-toolkit2 2.5.0", "rk3588", read=False).get("add-width@h1", 1, 65537) is None
 
@@ -135,7 +167,7 @@ def test_probe_finds_65536_then_serves_the_cache(tmp_path):
     assert first.returncode == 0, first.stderr
     profile = json.loads(out.read_text())
     h1 = profile["limits"]["add-width@h1"]
-    assert (h1["value"], h1["failing"], h1["failure"]) == (65536, 65537, "regtask")
+    assert (h1["value"], h1["failing"], h1["failure"]) == (65536, 65537, "overflow")
     assert "REGTASK" in h1["evidence"] and h1["toolkit"] == "rknn-toolkit2 2.5.0" and h1["date"]
     assert int(h1["source"].split(", ")[1].split()[0]) <= 20  # new builds for this limit
     stride = profile["limits"]["conv-stride@cin16"]

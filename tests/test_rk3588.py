@@ -38,7 +38,7 @@ def test_oversize_add_is_legalized_and_verifies_on_sim(save, tmp_path):
     model = save(add_model([1, 1, 1, 131072]))
     res = shard_cli("compile", model, "--target", "rk3588", "-o", tmp_path / "a.shard")
     assert res.returncode == 0, res.stderr
-    assert "0 REGTASK lines" in res.stdout and "add-width@h1: N=131072 > 65536 (regtask)" in res.stdout
+    assert "0 REGTASK lines" in res.stdout and "add-width@h1: N=131072 > 65536 (overflow)" in res.stdout
     manifest = json.loads((tmp_path / "a.shard" / "manifest.json").read_text())
     assert [s["op"] for s in manifest["host_pre"]] == ["slice", "slice"]
     assert all(t["shape"] == [1, 1, 1, 65536] for s in manifest["shards"] for t in s["inputs"] + s["outputs"])
@@ -69,7 +69,7 @@ def test_the_vendor_alone_shard_by_shard_is_each_shards_build_without_its_rewrit
     assert moves == versus["shard"]["handoff_cycles"] > 0 and choice["unrewritten"]["handoff_cycles"] == 0
     assert versus["vendor"] == {**choice["unrewritten"], "handoff_cycles": moves,
                                 "cost_cycles": choice["unrewritten"]["cost_cycles"] + moves}
-    assert versus["vendor"]["regtask_lines"] > 0
+    assert versus["vendor"]["overflow_lines"] > 0
     assert versus["bundle"] == "shard" and versus["verdict"] == "better"
 
 
@@ -79,7 +79,7 @@ def test_widest_clean_add_compiles_and_verifies_on_sim(save, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "0 REGTASK lines" in res.stdout
     report = json.loads((tmp_path / "model.shard" / "report.json").read_text())
-    assert report["totals"]["regtask_lines"] == 0
+    assert report["totals"]["overflow_lines"] == 0
     assert (tmp_path / "model.shard" / "shards" / "shard_000.rknn").stat().st_size > 0
     res = shard_cli("verify", tmp_path / "model.shard", "--reference", model, "--backend", "sim",
                     "--min-cosine", "0.9999", "--json", tmp_path / "v.json")
@@ -281,7 +281,7 @@ def test_vit_tiny_compiles_into_shards_and_verifies(tmp_path):
     m = result.manifest
     assert [s.core for s in m.shards] == [0, 1, 2]
     assert all(s.source_nodes for s in m.shards)
-    assert result.report["totals"]["regtask_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
+    assert result.report["totals"]["overflow_lines"] == 0 and result.report["totals"]["cpu_ops"] == 0
     tiling = result.report["passes"]["tile_attention"]
     assert tiling["found"] == 3 and tiling["changes"] == []  # auto: every attention builds clean whole
     # From the estimated cycles at 1 GHz and each shard's hand-off on the board (its inputs set and
@@ -349,7 +349,7 @@ def test_each_build_log_holds_its_own_layer_table(tmp_path):
 def test_inspect_names_the_oversize_op_its_evidence_and_the_fix(save):
     res = shard_cli("inspect", save(add_model([1, 1, 1, 131072])), "--target", "rk3588")
     assert res.returncode == 0, res.stderr
-    assert "add-width@h1: N=131072 > 65536 (regtask)" in res.stdout and "split into 2 along axis 3" in res.stdout
+    assert "add-width@h1: N=131072 > 65536 (overflow)" in res.stdout and "split into 2 along axis 3" in res.stdout
     assert "host step before the first shard: slice x" in res.stdout
     assert "1 rewrites, 0 over a limit and not fixed" in res.stdout
 
@@ -360,7 +360,7 @@ def test_forced_attention_tiles_survive_the_vendor_compiler(tmp_path):
     assert res.returncode == 0, res.stderr
     result = shard.compile(onnx_path, "rk3588", tmp_path / "t.shard", CompileOptions(tile_attention="force", shards=2))
     totals = result.report["totals"]
-    assert totals["regtask_lines"] == 0 and totals["cpu_ops"] == 0
+    assert totals["overflow_lines"] == 0 and totals["cpu_ops"] == 0
     changes = result.report["passes"]["tile_attention"]["changes"]
     assert len(changes) == 2 and all(c["query_tiles"] >= 2 for c in changes)
     assert all(c["tiles_survived"] and c["tiles_in_layer_table"] == c["query_tiles"] for c in changes)
@@ -431,9 +431,9 @@ def test_one_row_of_a_sequence_the_vendor_overflows_on_builds_split(save, tmp_pa
     model = save(one_row_model(op, axis))
     res = shard_cli("inspect", model, "--target", "rk3588")
     assert res.returncode == 0, res.stderr
-    assert f"{op.lower()}-rows@axis{axis}-w4096: N=20 not in the passing set (regtask)" in res.stdout
+    assert f"{op.lower()}-rows@axis{axis}-w4096: N=20 not in the passing set (overflow)" in res.stdout
     result = shard.compile(model, "rk3588", tmp_path / "row.shard", CompileOptions())
     versus = result.report["versus_vendor"]
-    assert result.report["totals"]["regtask_lines"] == 0 and versus["vendor"]["builds"] is False
+    assert result.report["totals"]["overflow_lines"] == 0 and versus["vendor"]["builds"] is False
     assert versus["verdict"] == "better" and versus["fidelity"]["shard"] >= 0.9999
     assert [s["op"] for s in result.manifest.host_pre] == ["slice", "slice"]

@@ -2,7 +2,7 @@
 
 from conftest import DATA
 
-from shard.targets.rknn.log import crashed_rule, edge_reshapes, parse_build_log
+from shard.targets.rknn.log import crashed_rule, edge_reshapes, in_common_words, parse_build_log
 
 
 def test_regtask_lines_are_counted_and_quoted():
@@ -77,3 +77,13 @@ def test_the_rule_a_crash_names_is_read_through_the_colour_codes():
             "temporarily disable the error rule!\x1b[0m\n")
     assert crashed_rule("I build begin\n" + line) == "fuse_conv_conv_add"
     assert crashed_rule("E build: TypeError: 'NoneType' object is unsliceable\n") is None
+
+
+def test_a_build_reports_its_figures_in_the_common_words():
+    """What a build hands the compile (ShardBuild.diagnostics) names no toolkit term: REGTASK lines are
+    overflow lines, single-core fallbacks are fallbacks; a build kept in the old words reads the same."""
+    diag = parse_build_log((DATA / "regtask-add-131072.txt").read_text()).summary()
+    assert diag["overflow_lines"] > 0 and diag["first_overflow"].startswith("E RKNN:") and diag["fallbacks"] == []
+    assert not {"regtask_lines", "first_regtask", "single_core_fallbacks"} & set(diag)
+    old = {"regtask_lines": 3, "single_core_fallbacks": ["Conv:/m/c"], "cpu_ops": []}
+    assert in_common_words(old) == {"overflow_lines": 3, "fallbacks": ["Conv:/m/c"], "cpu_ops": []}

@@ -82,7 +82,7 @@ def test_every_gpu_stage_summary_and_generative_prediction_prints(staged, rows, 
 def test_a_change_without_its_action_is_refused_in_one_line_naming_it():
     """The CLIP text encoder's compile ended in KeyError: 'action' printing its changes; a report
     lacking a field every change has is refused where it is read, naming the entry."""
-    report = {"shards": [], "totals": {"shards": 0, "regtask_lines": 0, "cpu_ops": 0, "single_core_fallbacks": 0,
+    report = {"shards": [], "totals": {"shards": 0, "overflow_lines": 0, "cpu_ops": 0, "fallbacks": 0,
                                        "estimated_cycles": 0},
               "passes": {"npu_forms": {"changes": [{"node": "n", "op": "Softmax", "reason": "r"}]}}}
     with pytest.raises(ShardError, match=r"report passes\.npu_forms\.changes\[0\]: no 'action'"):

@@ -183,7 +183,7 @@ class CleanBelow:
         self.builds += 1
         dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
         ok = dims["in0"][-2] <= self.rows and dims["in1"][-1] <= self.cols    # Q's rows, K^T's keys
-        return Point(0, ok, None if ok else "regtask", "" if ok else "synthetic: tile too large")
+        return Point(0, ok, None if ok else "overflow", "" if ok else "synthetic: tile too large")
 
 
 @pytest.mark.parametrize("rows, cols, tiled_to", [(8, 1024, (8, None)), (1, 8, None)])

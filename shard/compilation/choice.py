@@ -206,7 +206,7 @@ def fidelity_baseline(versus: dict | None, builds: dict[str, ShardBuild], chosen
     if not versus or versus["bundle"] != "shard" or any(name not in builds for name, _ in vendor):
         return None
     usable = Figures.of([builds[name] for name, _ in vendor])
-    if not usable.builds or usable.regtask_lines:   # nothing to run: shard is better by construction
+    if not usable.builds or usable.overflow_lines:   # nothing to run: shard is better by construction
         return None
     return None if [b for b, _ in vendor] == [b for b, _ in chosen] else vendor
 

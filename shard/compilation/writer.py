@@ -90,6 +90,7 @@ class BundleWriter:
                              "toolkit": self.profile.toolkit, "cores": self.profile.cores,
                              "probed": dates[-1] if dates else None}
         report.update(precision=self.options.precision, batch=manifest.batch, warnings=self.ctx.warnings,
+                      words=dict(self.tgt.words),
                       choices=self.choices, versus_vendor=self.versus, vendor_only=self.options.vendor_only, host_pre=host_pre,
                       host_post=host_post, host_ms=time_host_steps(host_pre, inputs, folder),
                       host_post_ms=time_host_steps(host_post, [t for spec in specs for t in spec.outputs], folder,
@@ -229,9 +230,9 @@ def make_report(passes: dict, manifest: Manifest, builds: dict[str, ShardBuild],
     before = vendor.diagnostics.get("estimated_cycles", 0) if vendor and vendor.error is None \
         else after + rewrite_delta(passes)
     return {"passes": passes, "shards": shards,
-            "totals": {"shards": len(shards), "regtask_lines": total("regtask_lines"),
+            "totals": {"shards": len(shards), "overflow_lines": total("overflow_lines"),
                        "error_lines": total("error_lines"), "cpu_ops": total("cpu_ops"),
-                       "single_core_fallbacks": total("single_core_fallbacks"),
+                       "fallbacks": total("fallbacks"),
                        "estimated_cycles": after, "estimated_cycles_before_passes": before,
                        "macs_by_dtype": by_dtype,
                        "int8_mac_share": round(by_dtype.get("INT8", 0) / sum(by_dtype.values()), 4)

@@ -1,10 +1,11 @@
 """Does one op, at its real shapes, fit the target? The profile first; where it cannot decide, a
 one-op build of exactly that op in the toolkit worker (cached on disk).
 
-Only failures that make a build unusable count here (regtask, error, build-error, crash): an op
-that would land on the CPU still runs, and in isolation that verdict is often wrong (the compiler
-fuses Softmax into its attention kernel), so it is reported, not rewritten; so are `E` lines
-alone that name neither a register overflow nor a CPU fallback (lone_error).
+Only failures that make a build unusable count here (HARD_FAILURES: overflow, error, build-error,
+crash; the target's probes name them): an op that would land on the CPU still runs, and in isolation
+that verdict is often wrong (the compiler fuses Softmax into its attention kernel), so it is
+reported, not rewritten; so are error lines alone that name neither an overflow nor a CPU fallback
+(error-alone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from onnx import helper
 from shard.graph import dtype_name, small_model
 from shard.profile import Profile
 
-HARD_FAILURES = ("regtask", "error", "build-error", "crash")
+HARD_FAILURES = ("overflow", "error", "build-error", "crash")
 
 # The probe family whose limits speak for an op, and the setting key its [1,1,H,N] shape selects.
 FAMILY_OF = {"Add": ("add-width", "h"), "Sub": ("add-width", "h"), "Mul": ("mul-width", "h"),
@@ -123,7 +124,7 @@ class Legality:
         if limit.allows(size):
             return Verdict(True, None, f"{name}: N={size} {within}")
         past = "not in the passing set" if limit.passing is not None else f"> {limit.value}"
-        if limit.failure not in HARD_FAILURES or lone_error(limit.failure, limit.evidence):
+        if limit.failure not in HARD_FAILURES:
             return Verdict(True, limit.failure, f"{name}: N={size} {past} ({limit.failure}, not rewritten)")
         return Verdict(False, limit.failure, f"{name}: N={size} {past} ({limit.failure})")
 
@@ -171,9 +172,9 @@ class WidthLimit:
     def check(self, spec: OpSpec) -> Verdict:
         for shape in [s for s, v in spec.inputs if v is None] + spec.outputs:
             if shape and shape[-1] > self.width:
-                return Verdict(False, "regtask", f"last axis {shape[-1]} > {self.width}")
+                return Verdict(False, "overflow", f"last axis {shape[-1]} > {self.width}")
             if self.elements and int(np.prod(shape)) > self.elements:
-                return Verdict(False, "regtask", f"{int(np.prod(shape))} elements > {self.elements}")
+                return Verdict(False, "overflow", f"{int(np.prod(shape))} elements > {self.elements}")
         return Verdict(True)
 
 
@@ -202,28 +203,12 @@ class OneOpBuilds:
         if point.ok or point.failure not in HARD_FAILURES:
             # A CPU placement or a slow estimate in isolation often differs inside the real graph
             # (the compiler fuses Softmax into its attention kernel): the shard build reports those.
-            return Verdict(True, point.failure, f"{where}: {point.failure or 'clean'}")
-        if lone_error(point.failure, point.evidence):
-            return Verdict(True, point.failure, f"{where}: {point.failure}, E lines alone (not rewritten): "
-                                                f"{point.evidence[:200]}")
+            alone = f", not rewritten: {point.evidence[:200]}" if point.failure == "error-alone" else ""
+            return Verdict(True, point.failure, f"{where}: {point.failure or 'clean'}{alone}")
         return Verdict(False, point.failure, f"{where}: {point.failure}: {point.evidence[:300]}")
 
     def cpu_layers(self, model: onnx.ModelProto) -> int | None:
         point = self.ops.build(model)
-        if point.failure in ("crash", "build-error", "timeout", "regtask"):
+        if point.failure in ("crash", "build-error", "timeout", "overflow"):
             return None
         return sum(layer[1] == "CPU" for layer in point.figures.get("layers", []))
-
-
-def lone_error(failure: str | None, evidence: str) -> bool:
-    """A build that returned 0 and logged `E` lines naming neither a register overflow nor a CPU
-    fallback ("channel is too large, may produce thousands of regtask, fallback to cpu" and
-    "emitUnpackRegtasks: equiv_channels(8196) > limitations(8192)" do: those stay failures). Alone,
-    such lines say little about the op in its graph: every [1, 1024, 768] elementwise op of
-    SigLIP-512 logs `surf_len overflow!` built alone on RK2118 (330 ops; split, the model grew to
-    4304 nodes and the toolkit ran for more than 8 minutes), the whole model 10, and it simulates at
-    0.9999992; RK3568 logs `Unkown op target: 0` for 3-D elementwise ops alone. These lines rank
-    last among the measured axes (shard.never_worse), after the cycles a split costs, so the shard's
-    own build reports them instead."""
-    said = evidence.lower()
-    return failure == "error" and "regtask" not in said and "fallback" not in said

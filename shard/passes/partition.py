@@ -124,7 +124,7 @@ def partition(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     # after the other, and a stream of frames spreads a one-shard bundle over the cores as well (the
     # scheduler's balanced policy). More where a limit asks: the target's builds grow with their
     # weights and that many, built one at a time, keep the compile within half of the whole model's
-    # build (the target's shards_for_memory: a large RKNN model only, one that some count holds there
+    # build (the target's shards_for_memory: a large model on a vendor target only, one that some count holds there
     # with --jobs builds at once; fewer at once rather than cut finer), though none under
     # MIN_SHARD_MACS; the driver's job limit, --max-ops, --shards.
     weights = sum(nbytes(t) for t in constants(graph))

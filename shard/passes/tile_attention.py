@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 
 from shard.graph import as_model
 from shard.passes.context import PassContext
-from shard.passes.fit import HARD_FAILURES, lone_error
+from shard.passes.fit import HARD_FAILURES
 from shard.passes.legalize import bounds
 from shard.passes.rewrite import Rewriter
 
@@ -242,7 +242,7 @@ def auto_tiles(ctx: PassContext, att: Attention) -> tuple[int | None, int | None
     or (None, None, why) where none does within MAX_TILES tiles (a 1-row tiling of a 1024-token
     attention is 4096 tiles: 650,000 nodes over SigLIP, more than the compile's memory holds)."""
     whole = ctx.ops.build(region_model(att))
-    if whole.ok or whole.failure not in HARD_FAILURES or lone_error(whole.failure, whole.evidence):
+    if whole.ok or whole.failure not in HARD_FAILURES:
         return None
     t_len, s_len = int(att.qk.outputs[0].shape[-2]), int(att.qk.outputs[0].shape[-1])
     rows = t_len

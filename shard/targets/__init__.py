@@ -6,7 +6,7 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 from shard.bundle import file_record
 from shard.errors import TargetError
@@ -59,12 +59,16 @@ class ShardJob:
 
 @dataclass
 class ShardBuild:
-    """What compiling one shard produced."""
+    """What compiling one shard produced. Its diagnostics, in the words every target's builds report in
+    (shard.never_worse.AXES reads them): overflow_lines (lines saying a hardware limit overflows: the
+    build returned 0, the board would fail) and first_overflow, error_lines and first_error, cpu_ops and
+    fallbacks (layers on the host CPU; layers run in a lesser mode than asked), estimated_cycles (the
+    compiler's estimate) and cost_cycles; a target adds its own beside them."""
 
     name: str
     seconds: float
     diagnostics: dict = field(default_factory=dict)
-    error: str | None = None      # why the build is unusable (failed, crashed, REGTASK), with its log
+    error: str | None = None      # why the build is unusable (failed, crashed, overflowed), with its log
     cached: bool = False          # taken from the build cache (shard.targets.build_cache), not built now
     figures_only: bool = False    # the figures of a build of the same structure, other weights: no artifact
     peak_bytes: int | None = None # the worker's peak resident memory during the build (None: not built now)
@@ -83,6 +87,9 @@ class Target:
     vendor = False                   # a vendor compiler builds the shards: compile compares with it alone
     precisions: tuple[str, ...] = ("fp32",)   # what its shards can be built in, default first
     pipeline: tuple[Callable, ...] = ()      # its passes, in order (shard.passes.NPU_PIPELINE, ...)
+    # How its toolkit's users know the build figures the summary prints (shard.never_worse.LABELS's
+    # keys, and "fallback": what one fallback does), where not by the common words
+    words: ClassVar[dict[str, str]] = {}
     min_opset = 0                    # the opset its shard files are lifted to, at least
     max_opset: int | None = None     # and lowered to, at most (the newest its compiler loads)
     stage_streams = False            # shard k runs on stream ("core") k: a pipeline of stages (GPU)

@@ -8,7 +8,7 @@ or `$SHARD_BUILD_CACHE`.
 
 A job with a `figures_key` (the vendor alone, in fp16) is also kept by its model's structure
 (`structure_key`: its weights by name, dtype, shape and kind only): a model that differs only in weights
-gets the figures of that build (REGTASK, CPU ops, fallbacks, cycles), not its artifact
+gets the figures of that build (overflow lines, CPU ops, fallbacks, cycles), not its artifact
 (`figures`). On SigLIP-512 with one linear's weights changed, every figure of the two vendor
 builds is the same.
 

@@ -6,7 +6,7 @@ On Thor the builder's FP8/FP4 requests can come out as FP32 or FP16 layers with 
 layer table is read back through the engine inspector, and a layer that holds a node the stage
 asked for in FP8 but reads and writes only FP16/BF16/FP32 tensors, or an fp16 stage's layer that
 runs wholly in FP32, fails the build with the stage and the layers named: the Thor twin of reading
-REGTASK lines on RK3588. Layers TensorRT fuses into one opaque Myelin region ("ForeignNode[a...b]")
+a vendor log's overflow lines. Layers TensorRT fuses into one opaque Myelin region ("ForeignNode[a...b]")
 report only their edges; the check counts the asked nodes it could not see.
 
 Written against TensorRT 10's Python API (FACTS-thor, "TensorRT 10 Python API names"); the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shard.cache_folder import mark_folder
 from shard.profile import Point
+from shard.targets.rknn.classify import in_current_words
 
 POINTS = "*/*/*/v*-*.json"   # a point's file below the cache folder: toolkit/target/limit/v{version}-{size}.json
 
@@ -36,7 +37,7 @@ class PointCache:
             data = json.loads((self.dir / limit / f"v{version}-{size}.json").read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        return Point(**{**data, "cached": True})
+        return in_current_words(Point(**{**data, "cached": True}))
 
     def put(self, limit: str, version: int, point: Point, size: int | str | None = None) -> None:
         if self.dir is None:

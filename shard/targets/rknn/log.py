@@ -66,11 +66,23 @@ class BuildDiagnostics:
     weight_memory_kb: int | None = None
 
     def summary(self) -> dict:
-        """The diagnostics without the full layer table (that stays in the log)."""
+        """The diagnostics without the full layer table (that stays in the log), in the words every
+        target's builds report in (shard.targets.ShardBuild): REGTASK lines are overflow lines, a
+        layer that falls back to one core of several is a fallback."""
         data = asdict(self)
         data.pop("layers")
         data["layer_count"] = len(self.layers)
-        return data
+        return in_common_words(data)
+
+
+COMMON_WORDS = {"regtask_lines": "overflow_lines", "first_regtask": "first_overflow",
+                "single_core_fallbacks": "fallbacks"}
+
+
+def in_common_words(diagnostics: dict) -> dict:
+    """A build's diagnostics with this toolkit's terms renamed to the common ones (COMMON_WORDS): what
+    summary() writes, and what a build kept before (the build cache's) is read as."""
+    return {COMMON_WORDS.get(key, key): value for key, value in diagnostics.items()}
 
 
 def macs_by_dtype(layers: list[Layer]) -> dict[str, int]:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ClassVar
 
 from shard.passes import NPU_PIPELINE
 from shard.passes.canonicalize import MIN_OPSET
@@ -17,7 +17,8 @@ from shard.targets import ShardBuild, ShardJob, Target
 from shard.targets.build_cache import BuildCache
 from shard.targets.chips import CHIPS
 from shard.targets.rknn.env import find_python, installed_label
-from shard.targets.rknn.log import crashed_rule, edge_reshapes, macs_by_dtype, parse_build_log, unestimated_cost
+from shard.targets.rknn.log import (crashed_rule, edge_reshapes, in_common_words, macs_by_dtype, parse_build_log,
+                                   unestimated_cost)
 from shard.targets.rknn.memory import build_bytes, onnx_weight_bytes, shards_for_memory, worker_build_bytes
 from shard.targets.rknn.ops import ToolkitOps
 from shard.targets.rknn.remote import board_inference, board_timing, worker_pool
@@ -33,6 +34,8 @@ class RknnTarget(Target):
     artifact_suffix = ".rknn"
     vendor = True
     pipeline = NPU_PIPELINE
+    words: ClassVar[dict[str, str]] = {"overflow_lines": "REGTASK lines", "error_lines": "E lines",
+                                       "fallbacks": "single-core fallbacks", "fallback": "falls back to one NPU core"}
     min_opset = MIN_OPSET
     max_opset = 19         # rknn-toolkit2 2.5.0 loads opset <= 19 (and the IR versions its onnx 1.18 reads)
     stage_streams = False
@@ -168,6 +171,8 @@ class ToolkitBuilds:
         (job.runs: the fidelity check's), they are made in the worker that built it, right after."""
         key = self.store.key(job, options) if self.store else None
         result = self.store.get(job, key) if self.store else None
+        if result is not None:
+            result.diagnostics = in_common_words(result.diagnostics)
         if result is None:
             with self.slot(job) as worker, job.runs.building() if job.runs else nullcontext():
                 result = build_shard(worker, job, options, self.timeout, keep=job.runs is not None)
@@ -229,8 +234,11 @@ class ToolkitBuilds:
             return ShardByShard(self.target.name, self.limit, self.timeout, pool=self.pool)
 
     def figures(self, job: ShardJob, build: dict) -> ShardBuild | None:
-        return self.store.figures(job, self.target.build_for(build, job.precision, job.float16, job.disable_rules)) \
+        found = self.store.figures(job, self.target.build_for(build, job.precision, job.float16, job.disable_rules)) \
             if self.store else None
+        if found is not None:
+            found.diagnostics = in_common_words(found.diagnostics)
+        return found
 
     def results(self, futures: list[Future]) -> list[ShardBuild]:
         wait(futures, return_when=FIRST_EXCEPTION)
