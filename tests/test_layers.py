@@ -118,6 +118,38 @@ def test_no_chip_is_named_outside_the_targets():
     assert not named, "chip names outside shard/targets/:\n" + "\n".join(named)
 
 
+# What the Rockchip toolkit's log calls things: a build figure in the compile's own words elsewhere
+# (shard.targets.ShardBuild: overflow_lines, fallbacks; Target.words says them back to the user)
+VENDOR_LOG_TERMS = re.compile(r"regtask|single_core|E RKNN", re.IGNORECASE)
+
+
+def names_and_literals(path: Path):
+    """(line, text) of every name, attribute, argument, keyword and non-docstring string constant of a file."""
+    tree = ast.parse(path.read_text())
+    yield from literals(path)
+    for node in ast.walk(tree):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.arg if isinstance(node, (ast.arg, ast.keyword)) else None)
+        if name:
+            yield node.lineno, name
+
+
+def test_no_term_of_the_vendor_log_is_read_outside_its_target():
+    """The measured axes, the reports, the summary and the passes' failure classes speak in common words;
+    only shard/targets/rknn/ (and the toolkit's own executors) read the toolkit's log."""
+    named = [f"{path.relative_to(ROOT.parent)}:{line}: {text!r}" for path in sorted(ROOT.rglob("*.py"))
+             if "rknn" not in path.relative_to(ROOT).parts and not path.name.startswith("rknn_")
+             for line, text in names_and_literals(path) if VENDOR_LOG_TERMS.search(text)]
+    assert not named, "the vendor log's terms outside shard/targets/rknn/:\n" + "\n".join(named)
+
+
+def test_the_vendor_log_check_finds_a_term_in_a_name_or_a_string(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""REGTASK in a docstring is prose."""\nx = {"regtask_lines": 0}\ny = x.single_core_fallbacks\n')
+    assert [text for _, text in names_and_literals(path) if VENDOR_LOG_TERMS.search(text)] == \
+        ["regtask_lines", "single_core_fallbacks"]
+
+
 def functions(root: Path):
     """(path, function node) for every function and method under root."""
     for path in sorted(root.rglob("*.py")):
