@@ -42,7 +42,6 @@ class CompileResult:
         return self.report.get("buckets", {})
 
 
-
 @dataclass(frozen=True)
 class Setup:
     """start(): the target and its profile checked against the options, and where the bundle is written."""
