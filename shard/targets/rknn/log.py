@@ -75,14 +75,14 @@ class BuildDiagnostics:
         return in_common_words(data)
 
 
-COMMON_WORDS = {"regtask_lines": "overflow_lines", "first_regtask": "first_overflow",
+RENAMED = {"regtask_lines": "overflow_lines", "first_regtask": "first_overflow",
                 "single_core_fallbacks": "fallbacks"}
 
 
 def in_common_words(diagnostics: dict) -> dict:
-    """A build's diagnostics with this toolkit's terms renamed to the common ones (COMMON_WORDS): what
+    """A build's diagnostics with this toolkit's terms renamed to the common ones (RENAMED): what
     summary() writes, and what a build kept before (the build cache's) is read as."""
-    return {COMMON_WORDS.get(key, key): value for key, value in diagnostics.items()}
+    return {RENAMED.get(key, key): value for key, value in diagnostics.items()}
 
 
 def macs_by_dtype(layers: list[Layer]) -> dict[str, int]:
