@@ -18,7 +18,8 @@ torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in
 machine keeps it), and --sides picks the PyTorch sides.
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
-fp8_linears' search on every program, `pi0-fp8.shard`); each other precision is printed against our
+fp8_linears' search on every program, `pi0-fp8.shard`, which is the fp16 bundle where its action chunk
+leaves the lossy gate: compilation.vla.check_actions); each other precision is printed against our
 fp16 on both measures, with its actions' MSE as a share of their scale (the lossy gate: < 5e-3).
 
 --kernels also prints one denoising step's kernels (the torch profiler), ours beside torch.compile
@@ -238,8 +239,9 @@ def main() -> None:
     for precision, bundle in bundles.items():
         if not (args.reuse and bundle.is_dir()):
             t0 = time.perf_counter()
-            compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
-            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s", flush=True)
+            result = compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
+            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s"
+                  + (f"; {result.actions.line()}" if result.actions else ""), flush=True)
     # first: the figure this bench is for
     mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
     others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}

@@ -12,9 +12,11 @@ import torch
 
 from conftest import shard_cli
 from shard.bundle import read_manifest
+from shard.compilation import vla
 from shard.compilation.vla import compile_vla
 from shard.errors import BundleError, ShardError
-from shard.runtime.vla import VLA, VlaSession
+from shard.options import CompileOptions
+from shard.runtime.vla import PROGRAMS, VLA, VlaSession
 from shard.zoo.vla import FEW, Layer, as_sdpa, build_vla, cache_names, export_vla, observation
 
 
@@ -90,6 +92,27 @@ def test_the_compile_predicts_an_observation_on_thor_program_by_program(bundle):
     assert p.seconds == pytest.approx(p.vision_s + p.prefix_s + 10 * p.step_s)
     line = p.line("thor")
     assert f"{1 / p.seconds:.1f} Hz" in line and "published" in line and "176.5 ms, 5.7 Hz" in line
+
+
+@pytest.mark.parametrize("gate", [5e-3, 1e-9])
+def test_fp8_is_judged_on_the_action_chunk_and_past_the_gate_the_bundle_is_fp16(tmp_path, monkeypatch, gate):
+    """--precision fp8: both bundles act on one seeded observation; inside the lossy gate the programs are
+    fp8 (the few-layer config moves the chunk about 2e-3 of its scale on the CPU), past it (a gate no
+    rounding meets) the bundle is the fp16 one, which acts as the model does, and the compile says so."""
+    monkeypatch.setattr(vla, "LOSSY_GATE", gate)
+    export_vla("pi0-few", tmp_path / "few.vla")
+    result = compile_vla(tmp_path / "few.vla", "thor", tmp_path / "few.shard", CompileOptions(precision="fp8"))
+    check, kept = result.actions, gate > 1e-6
+    assert check.backend == "cpu" and 0 < check.share < 5e-3 and check.cosine > 0.998 and check.kept == kept
+    assert ("inside the lossy gate" in check.line()) == kept and ("the bundle is fp16" in check.line()) != kept
+    precisions = {json.loads((result.bundle / name / "report.json").read_text())["precision"] for name in PROGRAMS}
+    assert precisions == {"fp8" if kept else "fp16"}
+    assert {r["precision"] for r in result.reports.values()} == precisions
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["few.shard", "few.vla"]   # no staging left
+    with VlaSession(result.bundle, backend="cpu") as session:
+        obs = observation(FEW)
+        got = session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"]).actions
+    assert cosine(got, torch_actions(build_vla(FEW), obs)) >= (0.998 if kept else 0.999)
 
 
 def test_the_programs_take_the_prefix_cache_once_and_the_step_reads_it(bundle):

@@ -209,6 +209,8 @@ def compile_vla_command(model: Path, target: str, output: Path | None, options) 
         print_compile_report(report)
     if result.predicted is not None:
         console.print(escape(result.predicted.line(target)))
+    if result.actions is not None:
+        console.print(escape(result.actions.line()))
     console.print(f"bundle: {result.bundle} (run it: shard act {result.bundle})")
 
 

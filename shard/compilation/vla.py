@@ -2,7 +2,15 @@
 pi0`) into a bundle (shard.runtime.vla): each program compiled as any model is, one pipeline stage each
 on a GPU target (the steps run one after another: stages could never overlap, and each hand-off
 between them costs the host), the embedding table and the spec beside them, each file recorded by
-its sha256."""
+its sha256.
+
+A precision other than fp16 (fp8) is judged where a user judges it, on the action chunk: the same
+programs are compiled in fp16 beside it and both bundles act on one seeded observation here (the GPU
+where the machine has one, else onnxruntime). Past the lossy gate (the chunk's MSE against fp16's over
+its mean square, LOSSY_GATE) the bundle is the fp16 one, and the compile says so: fp8_linears judges
+each program on its own outputs, which the ten steps of the loop compound (Pi0 at four layers: every
+program's search held, the chunk moved 3.7e-2 of its scale).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +18,19 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
+from shard.bundle import read_manifest
+from shard.compare import compare
 from shard.compilation.cached import compile_one_model
 from shard.compilation.names import Progress
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
-from shard.errors import ShardError
+from shard.errors import RunError, ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
-from shard.runtime.vla import PROGRAMS, VLA, VlaSpec, read_vla
+from shard.runtime.executors.gpu import require_cuda
+from shard.runtime.session import default_backend
+from shard.runtime.vla import PROGRAMS, VLA, VlaSession, VlaSpec, read_vla, seeded_observation
 from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
 
@@ -24,6 +38,10 @@ from shard.targets.chips import GPU_TARGETS
 # Pi0.5 on Jetson Thor, BF16, an optimized plan's published breakdown (FACTS-thor.md): ms an observation
 THOR_PI05_MS = {"vision": 17.0, "prefix": 54.0, "steps": 102.0, "total": 176.5}
 STEPS = 10   # the Euler steps an observation takes by default (VlaSession.act)
+# How far a lossy precision may move the action chunk: its MSE against the exact one over the chunk's mean
+# square (FastWAM's gate for lossy methods on Thor, MSE < 5e-3: FACTS-thor.md); here against fp16's chunk,
+# itself 3.3e-5 of the scale from fp32's for Pi0 on an H100
+LOSSY_GATE = 5e-3
 
 
 @dataclass
@@ -59,11 +77,28 @@ def predicted(reports: dict[str, dict]) -> VlaPrediction | None:
 
 
 @dataclass
+class ActionCheck:
+    """A lossy precision's action chunk beside the fp16 bundle's, on one seeded observation, STEPS steps."""
+    precision: str
+    share: float      # the chunk's MSE against fp16's, over fp16's mean square (NaN: it left its format)
+    cosine: float
+    backend: str      # where both ran
+    kept: bool        # inside LOSSY_GATE: the bundle is in `precision`; else it is the fp16 one
+
+    def line(self) -> str:
+        said = (f"--precision {self.precision}: the action chunk against the fp16 bundle's ({STEPS} steps of a seeded "
+                f"observation, {self.backend}): MSE {self.share:.2e} of its mean square, cosine {self.cosine:.6f}")
+        return said + (f", inside the lossy gate ({LOSSY_GATE:g})" if self.kept else
+                       f", past the lossy gate ({LOSSY_GATE:g}): the bundle is fp16")
+
+
+@dataclass
 class VlaResult:
     bundle: Path
     spec: VlaSpec
     reports: dict[str, dict]   # each program's compile report
     predicted: VlaPrediction | None = None
+    actions: ActionCheck | None = None   # a lossy precision's check (check_actions)
 
 
 def compile_vla(source: Path, target: str, output: Path, options: CompileOptions | None = None,
@@ -81,17 +116,58 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
     check_output_path(output, source)
     if target in GPU_TARGETS and not options.shards:
         options = replace(options, shards=1)
-    staging = staging_folder(output)
+    staging, twin = staging_folder(output), None
     try:
-        reports = {}
-        for name in PROGRAMS:
-            step = lambda what, *a, name=name: progress(f"{name}: {what}", *a)  # noqa: E731
-            reports[name] = compile_one_model(source / name / f"{name}.onnx", target, staging / name, options,
-                                              step).report
-        shutil.copyfile(source / EMBEDDINGS, staging / EMBEDDINGS)
-        spec = replace(spec, files=record_files(staging))   # the table's size and sha256
-        (staging / VLA).write_text(spec.to_json())
+        reports = compile_programs(source, target, staging, spec, options, progress)
+        check = None
+        if options.precision != "fp16":
+            twin = staging_folder(output)
+            fp16 = compile_programs(source, target, twin, spec, replace(options, precision="fp16"), progress)
+            progress("the action chunk beside fp16's", 0, 1)
+            check = check_actions(staging, twin, options.precision)
+            if not check.kept:
+                for name in PROGRAMS:
+                    shutil.rmtree(staging / name)
+                    (twin / name).rename(staging / name)
+                reports = fp16
         replace_dir(staging, output)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return VlaResult(output, spec, reports, predicted(reports))
+        for folder in (staging, twin):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+    return VlaResult(output, read_vla(output), reports, predicted(reports), check)
+
+
+def compile_programs(source: Path, target: str, folder: Path, spec: VlaSpec, options: CompileOptions,
+                     progress: Progress) -> dict[str, dict]:
+    """Each program of the VLA at `source` into `folder`, with the embedding table and the spec beside
+    them: a VLA bundle. Returns each program's compile report."""
+    reports = {}
+    for name in PROGRAMS:
+        step = lambda what, *a, name=name: progress(f"{name}: {what}", *a)  # noqa: E731
+        reports[name] = compile_one_model(source / name / f"{name}.onnx", target, folder / name, options, step).report
+    shutil.copyfile(source / EMBEDDINGS, folder / EMBEDDINGS)
+    (folder / VLA).write_text(replace(spec, files=record_files(folder)).to_json())   # the table's size and sha256
+    return reports
+
+
+def check_actions(bundle: Path, fp16: Path, precision: str) -> ActionCheck:
+    """`bundle` (in `precision`) and `fp16` (the same programs in fp16) acting on one seeded observation,
+    here: on the GPU where the bundle's target runs on one and this machine has it, else onnxruntime."""
+    backend = "cuda" if default_backend(read_manifest(bundle / "vision")) == "cuda" and cuda_here() else "cpu"
+    obs = seeded_observation(read_vla(bundle))
+    chunks = []
+    for folder in (bundle, fp16):
+        with VlaSession(folder, backend=backend) as session:
+            chunks.append(session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], STEPS).actions)
+    got, want = (chunk.astype(np.float64) for chunk in chunks)
+    share = float(np.mean((got - want) ** 2) / np.mean(want ** 2))
+    return ActionCheck(precision, share, compare("actions", want, got).cosine, backend, bool(share < LOSSY_GATE))
+
+
+def cuda_here() -> bool:
+    try:
+        require_cuda()
+    except RunError:
+        return False
+    return True
