@@ -159,3 +159,15 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     assert res.returncode == 1 and "not an empty folder" in res.stderr
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "a.npy")   # a file
     assert res.returncode == 1 and "not an empty folder" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_cli_says_how_fp8_moved_the_actions_or_that_it_did_not_look(tmp_path):
+    res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
+    assert res.returncode == 0, res.stderr
+    res = shard_cli("compile", tmp_path / "few.vla", "--target", "thor", "--precision", "fp8", "-o", tmp_path / "a.shard")
+    said = " ".join(res.stdout.split())   # as rich wrapped it
+    assert res.returncode == 0 and "the action chunk against the fp16 bundle's" in said, res.stderr
+    assert "inside the lossy gate (0.005)" in said
+    res = shard_cli("compile", tmp_path / "few.vla", "--target", "thor", "--precision", "fp8", "--no-check-fidelity",
+                    "-o", tmp_path / "b.shard")
+    assert res.returncode == 0 and "the action chunk not checked against fp16's" in " ".join(res.stdout.split()), res.stderr

@@ -211,6 +211,8 @@ def compile_vla_command(model: Path, target: str, output: Path | None, options) 
         console.print(escape(result.predicted.line(target)))
     if result.actions is not None:
         console.print(escape(result.actions.line()))
+    elif options.precision != "fp16":
+        console.print(f"--precision {options.precision}: the action chunk not checked against fp16's (--no-check-fidelity)")
     console.print(f"bundle: {result.bundle} (run it: shard act {result.bundle})")
 
 

@@ -4,12 +4,12 @@ on a GPU target (the steps run one after another: stages could never overlap, an
 between them costs the host), the embedding table and the spec beside them, each file recorded by
 its sha256.
 
-A precision other than fp16 (fp8) is judged where a user judges it, on the action chunk: the same
-programs are compiled in fp16 beside it and both bundles act on one seeded observation here (the GPU
-where the machine has one, else onnxruntime). Past the lossy gate (the chunk's MSE against fp16's over
-its mean square, LOSSY_GATE) the bundle is the fp16 one, and the compile says so: fp8_linears judges
-each program on its own outputs, which the ten steps of the loop compound (Pi0 at four layers: every
-program's search held, the chunk moved 3.7e-2 of its scale).
+A precision other than fp16 (fp8) is judged where a user judges it, on the action chunk (unless
+--no-check-fidelity): the same programs are compiled in fp16 beside it and both bundles act on one
+seeded observation here (the GPU where the machine has one, else onnxruntime). Past the lossy gate
+(the chunk's MSE against fp16's over its mean square, LOSSY_GATE) the bundle is the fp16 one, and the
+compile says so: fp8_linears judges each program on its own outputs, which the ten steps of the loop
+compound (Pi0 at four layers: every program's search held, the chunk moved 3.7e-2 of its scale).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
     try:
         reports = compile_programs(source, target, staging, spec, options, progress)
         check = None
-        if options.precision != "fp16":
+        if options.precision != "fp16" and options.check_fidelity is not False:
             twin = staging_folder(output)
             fp16 = compile_programs(source, target, twin, spec, replace(options, precision="fp16"), progress)
             progress("the action chunk beside fp16's", 0, 1)
