@@ -123,14 +123,19 @@ def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
     return {axis: verdict(Figures(**{**asdict(theirs), axis: getattr(ours, axis)}), theirs) for axis in AXES}
 
 
+def labels_in(words: dict[str, str]) -> dict[str, str]:
+    """LABELS in a target's own words where it has them (shard.targets.Target.words: "REGTASK lines")."""
+    return {axis: words.get(axis) or label for axis, label in LABELS.items()}
+
+
 def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor alone",
-                    fidelity: tuple[float, float] | None = None) -> str:
+                    fidelity: tuple[float, float] | None = None, labels: dict[str, str] = LABELS) -> str:
     """One line: the simulator's cosines where measured (`fidelity`: ours, theirs), which decide first,
-    then each axis as ours / theirs (`sides` names them), and the verdict. Beside a build that failed,
-    only that is named: its other figures are of no build."""
-    cells = ", ".join(f"{LABELS[a]} {ours.show(a)} / {theirs.show(a)}" for a in AXES)
+    then each axis as ours / theirs (`sides` names them; `labels` each axis), and the verdict. Beside a
+    build that failed, only that is named: its other figures are of no build."""
+    cells = ", ".join(f"{labels[a]} {ours.show(a)} / {theirs.show(a)}" for a in AXES)
     axes = per_axis(ours, theirs)
-    why = [f"{w} on {LABELS[a]}" for a, w in axes.items() if w != "equal" and (a == "builds" or ours.builds
+    why = [f"{w} on {labels[a]}" for a, w in axes.items() if w != "equal" and (a == "builds" or ours.builds
                                                                                 == theirs.builds)]
     word = verdict(ours, theirs)
     if fidelity is not None:

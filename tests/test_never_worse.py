@@ -96,6 +96,15 @@ def test_the_verdict_words_count_fidelity_first_and_a_nan_equals_nothing():
     assert beside_none.endswith(": better (better on builds)")
 
 
+def test_a_comparison_names_the_axes_in_the_targets_words_where_it_has_them():
+    from shard.never_worse import comparison_line, labels_in
+
+    ours, theirs = Figures(builds=True, overflow_lines=0, fallbacks=1), Figures(builds=True, overflow_lines=3)
+    line = comparison_line(ours, theirs, labels=labels_in({"overflow_lines": "REGTASK lines", "fallback": "one core"}))
+    assert "REGTASK lines 0 / 3" in line and "fallbacks 1 / 0" in line and "better on REGTASK lines" in line
+    assert "overflow lines 0 / 3" in comparison_line(ours, theirs)   # the common words where none are given
+
+
 def test_an_output_overflowed_only_where_the_reference_is_finite():
     from shard.compare import compare
 

@@ -117,6 +117,8 @@ def test_vendor_only_says_what_it_built_and_no_verdict(save, tmp_path):
     line = result.report["versus_vendor"]["line"]
     assert line.startswith("vendor alone (--vendor-only, no comparison made): builds yes")
     assert "better" not in line and "shard /" not in line
+    # in the chip's own words, as the summary's totals (Target.words)
+    assert "REGTASK lines 0" in line and "single-core fallbacks 0" in line and "E lines 0" in line
 
 
 def test_vendor_timeout_names_shard_and_log(save, tmp_path):

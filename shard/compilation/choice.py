@@ -30,7 +30,8 @@ from shard.verifier import verify_bundle
 
 
 def keep_the_more_faithful(staging: Path, vendor_dir: Path, versus: dict, ours: Comparison, theirs: Comparison,
-                           spent_for_fidelity: bool = False) -> tuple[Manifest, dict, Comparison]:
+                           spent_for_fidelity: bool = False, labels: dict[str, str] = LABELS
+                           ) -> tuple[Manifest, dict, Comparison]:
     """Shard's bundle (staging) and the vendor alone's (vendor_dir) by their worst outputs on the
     simulator on the same inputs (`ours`, `theirs`); where shard's worst cosine is lower, the vendor's
     becomes the staging bundle. The verdict counts the cosines first. `spent_for_fidelity`: shard was
@@ -40,7 +41,8 @@ def keep_the_more_faithful(staging: Path, vendor_dir: Path, versus: dict, ours: 
     versus["fidelity"] = {"shard": ours.cosine, "vendor": theirs.cosine}
     said = fidelity_verdict(ours.cosine, theirs.cosine)
     versus["line"] = comparison_line(Figures(**versus["shard"]), Figures(**versus["vendor"]),
-                                     f"shard / {versus['vendor_alone']}", (ours.cosine, theirs.cosine)) + versus.get("note", "")
+                                     f"shard / {versus['vendor_alone']}", (ours.cosine, theirs.cosine),
+                                     labels) + versus.get("note", "")
     if said in ("better", "worse"):
         versus["verdict"] = said
     worse = said == "worse"
@@ -129,7 +131,8 @@ def bound_groups(plans: list, scaled: set[str]) -> list[list[int]]:
 
 def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
                     axes: tuple[str, ...] = AXES, in_range: set[str] = frozenset(),
-                    best: dict[str, str] | None = None, scaled: set[str] = frozenset()) -> tuple[list, list[dict]]:
+                    best: dict[str, str] | None = None, scaled: set[str] = frozenset(),
+                    labels: dict[str, str] = LABELS) -> tuple[list, list[dict]]:
     """[(build name, plan)] with each shard's better build, and why: a rewritten shard is kept unless
     its build is worse than its unrewritten twin's on the measured `axes`; shards bound by a scaled
     edge (bound_groups) are judged together, on their summed figures, and one without a twin keeps
@@ -157,13 +160,13 @@ def choose_versions(plans: list, originals: list, builds: dict[str, ShardBuild],
                                   + (f", judged with {others} (an edge held scaled joins them)" if others else ""),
                           "rewritten": asdict(rewritten), "unrewritten": asdict(unrewritten),
                           "dropped_nodes": [] if keep else sorted(set(originals[k].source_nodes)),
-                          "line": comparison_line(rewritten, unrewritten, "rewritten / unrewritten")}
+                          "line": comparison_line(rewritten, unrewritten, "rewritten / unrewritten", labels=labels)}
     return [picked[k] for k in range(len(plans))], [choices[k] for k in sorted(choices)]
 
 
 def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tuple[str, ...], vendor_only: bool,
-                         canonical: gs.Graph, handoffs: Callable[[list], int] = no_handoffs
-                         ) -> tuple[list, dict | None]:
+                         canonical: gs.Graph, handoffs: Callable[[list], int] = no_handoffs,
+                         labels: dict[str, str] = LABELS) -> tuple[list, dict | None]:
     """The kept shards beside the vendor alone's build of the model as it came: where shard is
     worse and the vendor's build is usable (or --vendor-only), the bundle becomes the vendor's build.
     `handoffs`: the cycles a list of plans hands off on the board (never_worse.handoff_cycles), in
@@ -178,16 +181,16 @@ def against_vendor_alone(chosen: list, builds: dict[str, ShardBuild], axes: tupl
     ours = Figures.of([builds[name] for name, _ in chosen]).with_handoffs(handoffs([plan for _, plan in chosen]))
     theirs = Figures.of([vendor]).with_handoffs(handoffs([whole]))
     fall_back = vendor_only or (vendor.error is None and verdict(ours, theirs, axes) == "worse")
-    versus = comparison(ours, theirs, axes, fall_back, "vendor alone")
+    versus = comparison(ours, theirs, axes, fall_back, "vendor alone", labels)
     if vendor_only:   # nothing of shard's was built: no side to stand beside it, no verdict to print
         versus["line"] = "vendor alone (--vendor-only, no comparison made): " + ", ".join(
-            f"{LABELS[a]} {theirs.show(a)}" for a in AXES)
+            f"{labels[a]} {theirs.show(a)}" for a in AXES)
     return ([(VENDOR_ALONE, whole)] if fall_back else chosen), versus
 
 
 def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict[str, ShardBuild],
-                        axes: tuple[str, ...], handoffs: Callable[[list], int] = no_handoffs
-                        ) -> tuple[list, dict]:
+                        axes: tuple[str, ...], handoffs: Callable[[list], int] = no_handoffs,
+                        labels: dict[str, str] = LABELS) -> tuple[list, dict]:
     """The kept shards beside the vendor alone shard by shard, where the whole model's build is not
     made: each shard built without its rewrites (its twin where the passes changed it, else its own
     build), which is also the bundle where shard is worse."""
@@ -195,7 +198,7 @@ def against_unrewritten(chosen: list, plans: list, originals: list, builds: dict
     ours, theirs = (Figures.of([builds[name] for name, _ in kept]).with_handoffs(handoffs([p for _, p in kept]))
                     for kept in (chosen, unrewritten))
     fall_back = verdict(ours, theirs, axes) == "worse"
-    versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD)
+    versus = comparison(ours, theirs, axes, fall_back, SHARD_BY_SHARD, labels)
     return (unrewritten if fall_back else chosen), versus
 
 
@@ -228,14 +231,15 @@ def fidelity_samples(ctx: PassContext, graph: gs.Graph, quantized: bool) -> list
     return domain_samples(graph, inputs, FIDELITY_SAMPLES)
 
 
-def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back: bool, vendor: str) -> dict:
+def comparison(ours: Figures, theirs: Figures, axes: tuple[str, ...], fall_back: bool, vendor: str,
+               labels: dict[str, str] = LABELS) -> dict:
     """versus_vendor of the report: shard's figures (the vendor's where the bundle fell back to its
     builds) beside the vendor alone's (`vendor`: how it was built), the verdict and the printed line."""
     bundled = theirs if fall_back else ours
-    note = "" if axes == AXES else (f"; judged on {', '.join(LABELS[a] for a in axes)} only (cycles spent by "
+    note = "" if axes == AXES else (f"; judged on {', '.join(labels[a] for a in axes)} only (cycles spent by "
                                     "choice: forced tiles, fp16 ops of mixed precision, range rescales)")
     return {"shard": asdict(bundled), "vendor": asdict(theirs), "axes": per_axis(bundled, theirs), "judged_on": list(axes),
-            "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs, f"shard / {vendor}") + note,
+            "verdict": verdict(bundled, theirs), "line": comparison_line(ours, theirs, f"shard / {vendor}", labels=labels) + note,
             "note": note, "vendor_alone": vendor,
             "bundle": vendor if fall_back else "shard", "rewritten": asdict(ours) if fall_back else None}
 
@@ -247,8 +251,8 @@ def vendor_plan(graph: gs.Graph) -> ShardPlan:
                      source_nodes=[n.name for n in graph.nodes])
 
 
-def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[str, ...]
-                      ) -> tuple[dict[str, str], list[dict]]:
+def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[str, ...],
+                      labels: dict[str, str] = LABELS) -> tuple[dict[str, str], list[dict]]:
     """{build: its relaid build} where the relaid one is better on the measured axes, and why."""
     better, choices = {}, []
     for job, _ in relaid:
@@ -261,5 +265,5 @@ def keep_better_edges(relaid: list, builds: dict[str, ShardBuild], axes: tuple[s
                         "kept": "relaid edges" if keep else "edges as they were",
                         "what": "kept the build with its edges in the vendor's 4-D layout" if keep
                         else "kept its edges as they were", "dropped_nodes": [],
-                        "line": comparison_line(ours, theirs, "edges relaid / as they were")})
+                        "line": comparison_line(ours, theirs, "edges relaid / as they were", labels=labels)})
     return better, choices

@@ -230,9 +230,9 @@ def choose(s: Setup, ld: Loaded, rw: Rewritten, built: Built, queue: BuildQueue)
         queue.jobs += [job for job, _ in relaid]
         built.builds.update(queue.wait([job for job, _ in relaid], "compile shards (edges in the vendor's layout)",
                                        built.build))
-        best, edge_choices = keep_better_edges(relaid, built.builds, axes)
+        best, edge_choices = keep_better_edges(relaid, built.builds, axes, s.labels)
     scaled = {name for name, (_, k) in rw.ctx.scales.items() if k}
-    own, choices = choose_versions(rw.plans, rw.originals, built.builds, axes, in_range, best, scaled)
+    own, choices = choose_versions(rw.plans, rw.originals, built.builds, axes, in_range, best, scaled, s.labels)
     kept = {name for name, _ in own}
     choices += [ch for ch in edge_choices if ch["build"] in kept or ch["relaid"] in kept]
     return Chosen(axes=axes, in_range=in_range, relaid=relaid, own=own, choices=choices)
@@ -268,10 +268,10 @@ def stand_beside_vendor(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten
     judged = HARD_AXES if ch.in_range else ch.axes
     handoffs = board_handoffs(s)
     if ld.per_shard:
-        chosen, versus = against_unrewritten(ch.own, rw.plans, rw.originals, built.builds, judged, handoffs)
+        chosen, versus = against_unrewritten(ch.own, rw.plans, rw.originals, built.builds, judged, handoffs, s.labels)
     else:
         chosen, versus = against_vendor_alone(ch.own, built.builds, judged, s.options.vendor_only, rw.reference,
-                                              handoffs)
+                                              handoffs, s.labels)
     # Fidelity is part of never worse: a rewrite or a cut can lose what the vendor's build keeps
     # (a trained decoder cut inside its RMSNorm: cosine 0.038 against the vendor's 0.99999).
     measure = bool(versus) if s.options.check_fidelity is None else s.options.check_fidelity
@@ -283,7 +283,7 @@ def stand_beside_vendor(s: Setup, ld: Loaded, vendor: VendorAlone, rw: Rewritten
         queue.jobs.insert(0, vendor.job)
         built.builds.update(queue.wait([vendor.job], "compile the model as it came (vendor alone)", ld.build))
         chosen, versus = against_vendor_alone(ch.own, built.builds, judged, s.options.vendor_only, rw.reference,
-                                              handoffs)
+                                              handoffs, s.labels)
     if versus:   # the comparison kept: made again where the vendor alone was built after its figures
         versus["why"] = ld.why
     return Standing(chosen=chosen, versus=versus, measure=measure)
@@ -347,7 +347,7 @@ def check_fidelity(s: Setup, ld: Loaded, rw: Rewritten, built: Built, ch: Chosen
     if written.baseline:
         manifest, report, kept = keep_the_more_faithful(
             s.staging, s.vendor_dir, st.versus, *worst,
-            spent_for_fidelity=bool(ch.in_range) or s.options.precision == "mixed")
+            spent_for_fidelity=bool(ch.in_range) or s.options.precision == "mixed", labels=s.labels)
     else:
         kept = worst[0]
         if st.versus is not None:   # the other side was not run: it did not build, or it is this bundle

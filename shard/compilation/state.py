@@ -17,6 +17,7 @@ from shard.compilation.fidelity import BuildRuns, Chains
 from shard.compilation.jobs import Datasets
 from shard.compilation.names import Progress
 from shard.compilation.writer import BundleWriter
+from shard.never_worse import labels_in
 from shard.options import CompileOptions
 from shard.passes import PassContext
 from shard.passes.context import ShardPlan
@@ -63,6 +64,11 @@ class Setup:
     def vendor_dir(self) -> Path:
         """Where the vendor alone's bundle is written for the fidelity check."""
         return self.staging.with_name(f"{self.staging.name}-vendor")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """The measured axes as the compile's lines name them: in the target's words (never_worse.labels_in)."""
+        return labels_in(self.tgt.words)
 
 
 @dataclass
