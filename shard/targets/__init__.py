@@ -87,8 +87,8 @@ class Target:
     vendor = False                   # a vendor compiler builds the shards: compile compares with it alone
     precisions: tuple[str, ...] = ("fp32",)   # what its shards can be built in, default first
     pipeline: tuple[Callable, ...] = ()      # its passes, in order (shard.passes.NPU_PIPELINE, ...)
-    # How its toolkit's users know the build figures the summary prints (shard.never_worse.LABELS's
-    # keys, and "fallback": what one fallback does), where not by the common words
+    # How its toolkit's users know the build figures the summary and the comparison lines print
+    # (shard.never_worse.LABELS's keys, and "fallback": what one fallback does), where not by the common words
     words: ClassVar[dict[str, str]] = {}
     min_opset = 0                    # the opset its shard files are lifted to, at least
     max_opset: int | None = None     # and lowered to, at most (the newest its compiler loads)
