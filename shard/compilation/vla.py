@@ -25,11 +25,10 @@ from shard.compare import compare
 from shard.compilation.cached import compile_one_model
 from shard.compilation.names import Progress
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
-from shard.errors import RunError, ShardError
+from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
-from shard.runtime.executors.gpu import require_cuda
-from shard.runtime.session import default_backend
+from shard.runtime.session import pick_backend
 from shard.runtime.vla import PROGRAMS, VLA, VlaSession, VlaSpec, read_vla, seeded_observation
 from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
@@ -153,8 +152,8 @@ def compile_programs(source: Path, target: str, folder: Path, spec: VlaSpec, opt
 
 def check_actions(bundle: Path, fp16: Path, precision: str) -> ActionCheck:
     """`bundle` (in `precision`) and `fp16` (the same programs in fp16) acting on one seeded observation,
-    here: on the GPU where the bundle's target runs on one and this machine has it, else onnxruntime."""
-    backend = "cuda" if default_backend(read_manifest(bundle / "vision")) == "cuda" and cuda_here() else "cpu"
+    on the backend that runs them here (pick_backend: the GPU where this machine has one, else onnxruntime)."""
+    backend = pick_backend(read_manifest(bundle / "vision"))
     obs = seeded_observation(read_vla(bundle))
     chunks = []
     for folder in (bundle, fp16):
@@ -163,11 +162,3 @@ def check_actions(bundle: Path, fp16: Path, precision: str) -> ActionCheck:
     got, want = (chunk.astype(np.float64) for chunk in chunks)
     share = float(np.mean((got - want) ** 2) / np.mean(want ** 2))
     return ActionCheck(precision, share, compare("actions", want, got).cosine, backend, bool(share < LOSSY_GATE))
-
-
-def cuda_here() -> bool:
-    try:
-        require_cuda()
-    except RunError:
-        return False
-    return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
 import sys
 import tarfile
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from shard import scratch
-from shard.bundle import Manifest, read_manifest
+from shard.bundle import read_manifest
 from shard.errors import RunError, ShardError
 from shard.packed import SPECS
 from shard.runtime import load, random_inputs
@@ -32,6 +31,7 @@ from shard.runtime.executors import traits_of
 from shard.runtime.generate import GenerativeSession
 from shard.runtime.generative_bundle import PREDICTION, PREFILL_TOKENS, GenerativeSpec, is_generative, read_generative
 from shard.runtime.scheduler import exit_now_if_stuck
+from shard.runtime.session import pick_backend
 
 BENCH_NEW = 32   # the tokens --bench decodes
 
@@ -73,24 +73,6 @@ def save_outputs(outputs: dict[str, np.ndarray], folder: Path) -> list[Path]:
         paths.append(folder / f"{name.replace('/', '_')}.npy")
         np.save(paths[-1], array)
     return paths
-
-
-def installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def pick_backend(manifest: Manifest) -> str:
-    if manifest.rknn and installed("rknnlite"):
-        return "board"
-    if manifest.target in ("thor", "cuda"):
-        if installed("tensorrt") and all(s.artifact for s in manifest.shards):
-            return "tensorrt"
-        if installed("torch"):
-            import torch
-
-            if torch.cuda.is_available():
-                return "cuda"
-    return "cpu"
 
 
 # What a pack may unpack to: a bundle is its weights and little else, which gzip barely shrinks (a

@@ -4,6 +4,7 @@ run one by one or pipelined (run_stream). shard.runtime.load opens one."""
 from __future__ import annotations
 
 import collections
+import importlib.util
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -261,6 +262,26 @@ def default_cores(manifest: Manifest, backend: str) -> list[int]:
     """The manifest's cores; one where the backend runs them all in one process, in which more cores only
     take turns (the simulator)."""
     return [0] if traits_of(backend).one_process else sorted({s.core for s in manifest.shards})
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def pick_backend(manifest: Manifest) -> str:
+    """The backend that runs the bundle on this machine: the board where rknn-toolkit-lite2 is (an
+    RK3588), TensorRT where its engines are built, cuda where torch sees a GPU, else cpu."""
+    if manifest.rknn and installed("rknnlite"):
+        return "board"
+    if manifest.target in ("thor", "cuda"):
+        if installed("tensorrt") and all(s.artifact for s in manifest.shards):
+            return "tensorrt"
+        if installed("torch"):
+            import torch
+
+            if torch.cuda.is_available():
+                return "cuda"
+    return "cpu"
 
 
 def default_backend(manifest: Manifest) -> str:
