@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from shard.bundle import step_inputs, step_outputs
 from shard.macs import estimate_macs
 from shard.passes.context import ShardPlan
-from shard.summary import COMMON_WORDS
+from shard.summary import COMMON_WORDS, said_in
 from shard.targets.chips import Handoff
 
 # The measured axes, most important first; "worse" compares them in this order: whether it builds, lines
@@ -125,7 +125,7 @@ def per_axis(ours: Figures, theirs: Figures) -> dict[str, str]:
 
 def labels_in(words: dict[str, str]) -> dict[str, str]:
     """LABELS in a target's own words where it has them (shard.targets.Target.words: "REGTASK lines")."""
-    return {axis: words.get(axis) or label for axis, label in LABELS.items()}
+    return {axis: said_in(words, axis, LABELS) for axis in LABELS}
 
 
 def comparison_line(ours: Figures, theirs: Figures, sides: str = "shard / vendor alone",

@@ -34,6 +34,12 @@ COMMON_WORDS = {"overflow_lines": "overflow lines", "error_lines": "error lines"
                 "fallback": "runs in a lesser mode than asked"}
 
 
+def said_in(words: dict[str, str], figure: str, common: dict[str, str] = COMMON_WORDS) -> str:
+    """What a figure is called: the target's word for it (shard.targets.Target.words: "REGTASK lines"),
+    else the common one."""
+    return words.get(figure) or common[figure]
+
+
 def record(cls, data: Any, where: str):
     """An instance of the dataclass `cls` from the dict `data`: each field from its key, or its default;
     a field typed as a record (or a list of them, or one or None) read as one in turn; a ShardError
@@ -269,7 +275,7 @@ class Summary:
 
     def said(self, figure: str) -> str:
         """What the summary calls a figure: the target's word for it, else the common one."""
-        return self.words.get(figure) or COMMON_WORDS[figure]
+        return said_in(self.words, figure)
 
     @classmethod
     def of(cls, report: dict) -> Summary:
