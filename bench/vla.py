@@ -10,8 +10,10 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
    (the same with every attention through scaled_dot_product_attention: zoo.vla.as_sdpa), and
    torch.compile of the loop, default and mode="reduce-overhead" (its own CUDA graphs).
 3. shard: the model exported (shard.zoo.vla.export_vla), compiled for --target thor (each program one
-   fp16 stage), run by VlaSession on the cuda backend (each stage a CUDA graph, the prefix's keys and
-   values written once into the step's own buffers, the actions kept on the GPU between steps).
+   fp16 stage), run by VlaSession on the cuda backend: the whole observation one CUDA graph (the three
+   programs' stages, the features and the prefix's keys and values written into the next program's
+   own buffers, the 10 steps); and, in the same session, the programs one after another (each stage's
+   own graph, the loop one graph), the host between them.
 
 The whole run takes longer than one 10-minute device call on an H200 (export 4 min, compile 2 min,
 torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in --work (a warm
@@ -205,9 +207,15 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
         host = timed(act, repeats)
         parts = [act().seconds for _ in range(repeats)]
         gpu = gpu_seconds(act, repeats)
+        session.wholes[steps] = None   # the same session, its programs run one after another
+        apart = timed(act, repeats), gpu_seconds(act, repeats)
+        same = np.array_equal(actions, act().actions)
     split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     print(f"shard: {1e3 * host:.2f} ms host to host, {1e3 * gpu:.2f} ms GPU; "
-          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in split.items()), flush=True)
+          + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in split.items())
+          + f" (GPU time inside the observation's graph); the programs one after another (each its own graph, "
+            f"the loop one graph): {1e3 * apart[0]:.2f} ms host to host, {1e3 * apart[1]:.2f} ms GPU, "
+            f"{'the same' if same else 'NOT the same'} action chunk bit for bit", flush=True)
     return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split}
 
 

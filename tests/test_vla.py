@@ -56,19 +56,50 @@ def test_the_bundle_acts_as_the_model_in_fp32(bundle):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuda backend's CUDA graphs)")
-def test_on_the_gpu_the_denoising_loop_is_one_cuda_graph_and_acts_as_the_steps_one_by_one(bundle):
-    """On the cuda backend the steps run as one captured loop: the same action chunk, bit for bit, as the
-    step program run step by step, and the fp32 model's; a second step count captures its own loop."""
+def test_on_the_gpu_an_observation_is_one_cuda_graph_and_acts_as_the_programs_one_by_one(bundle):
+    """On the cuda backend an observation runs as one captured graph (the three programs, the copies
+    between them and the denoising loop): the same action chunk, bit for bit, as the programs run one
+    after another with the loop captured, and as the step program run step by step, and the fp32
+    model's; a second step count captures its own graph."""
     model, obs = build_vla(FEW), observation(FEW)
     with VlaSession(bundle.bundle, backend="cuda") as session:
         def run(steps: int) -> np.ndarray:
             return session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps).actions
+        whole, whole3 = run(10), run(3)
+        assert session.wholes[10] is not None and session.wholes[3] is not None
+        parts = session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"]).seconds
+        assert set(parts) in ({"vision", "prefix", "steps"}, {"observation"}) and all(v > 0 for v in parts.values())
+        session.wholes.update({10: None, 3: None})   # the programs one after another, the loop captured
         looped, looped3 = run(10), run(3)
         assert session.loops[10] is not None and session.loops[3] is not None
         session.loops.update({10: None, 3: None})   # the steps one by one, each a run of the step program
-        np.testing.assert_array_equal(looped, run(10))
-        np.testing.assert_array_equal(looped3, run(3))
-    assert cosine(looped, torch_actions(model, obs)) >= 0.999
+        for got, want in ((whole, looped), (whole3, looped3), (whole, run(10)), (whole3, run(3))):
+            np.testing.assert_array_equal(got, want)
+    assert cosine(whole, torch_actions(model, obs)) >= 0.999
+
+
+def test_the_observation_graph_s_work_acts_as_the_model_where_no_gpu_captures_it(bundle):
+    """ObservationGraph's work (each program's torch stage, the features and the keys and values written
+    into the next program's own buffers, the steps) run as it is on the CPU: the fp32 model's action
+    chunk, and the programs' one after another on onnxruntime."""
+    from shard.runtime.executors.cuda import CudaExecutor
+    from shard.runtime.vla import ObservationGraph
+
+    model, obs = build_vla(FEW), observation(FEW)
+    stages = {}
+    for name in PROGRAMS:
+        manifest = read_manifest(bundle.bundle / name)
+        (stage,) = manifest.shards
+        executor = CudaExecutor(bundle.bundle / name, [stage], {t.name for t in manifest.outputs}, device="cpu")
+        stages[name] = (executor, stage, executor.prepared[stage.name])
+    with VlaSession(bundle.bundle, backend="cpu") as session:
+        act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"])  # noqa: E731
+        apart = act().actions
+        session.wholes[10] = ObservationGraph(session.spec, stages, 10)
+        whole = act()
+    assert set(whole.seconds) == {"observation"}
+    assert cosine(whole.actions, torch_actions(model, obs)) >= 0.999
+    assert cosine(whole.actions, apart) >= 0.9995   # fp16 inside both: torch's rounding and onnxruntime's
 
 
 def test_the_model_with_sdpa_attention_is_the_same_model():

@@ -27,6 +27,7 @@ import numpy as np
 from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError
 from shard.runtime.executors import to_host, traits_of
+from shard.runtime.executors.gpu import copy_into
 from shard.runtime.generative_bundle import EMBEDDINGS, load_checked
 from shard.runtime.session import OnDevice, Session, default_backend
 
@@ -134,6 +135,7 @@ class VlaSession:
         step = self.buffers["step"]
         self.cache = {name: step[name] for name in self.spec.cache_names if name in step}
         self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
+        self.wholes: dict[int, ObservationGraph] = {}   # steps -> the observation as one CUDA graph
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
             steps: int = 10, seed: int = 0) -> Act:
@@ -146,16 +148,19 @@ class VlaSession:
                            f"got {len(tokens)} ids and {steps} steps")
         if noise is None:
             noise = np.random.default_rng(seed).standard_normal((1, s.horizon, s.actions)).astype(np.float32)
+        text = self.table[tokens] * np.float32(math.sqrt(s.width))
+        state = np.asarray(state, np.float32).reshape(1, s.actions)
+        whole = self.whole(steps)
+        if whole is not None:
+            return whole.act(np.asarray(pixel_values, np.float32), text, state, noise)
         timer = Timer(self.device)
         features = self.sessions["vision"].run({"pixel_values": np.asarray(pixel_values, np.float32)})["image_features"]
         timer.mark("vision")
-        text = self.table[tokens] * np.float32(math.sqrt(s.width))
         cache = self.sessions["prefix"].run({"prefix_embeds": self.prefix_embeds(features, text)})
         for name, buffer in self.cache.items():   # once: each step reads them where they are
             buffer.copy_(cache[name].reshape(buffer.shape))
         cache = {**cache, **self.cache}
         timer.mark("prefix")
-        state = np.asarray(state, np.float32).reshape(1, s.actions)
         loop = self.loop(steps) if "x_t" in self.buffers["step"] else None
         if loop is None:
             actions = self.steps_one_by_one(noise, state, cache, steps)
@@ -189,31 +194,29 @@ class VlaSession:
         return to_host(x)
 
     def loop(self, steps: int) -> tuple | None:
-        """The denoising loop of `steps` steps as one CUDA graph on the step's stream, and the action chunk
-        it updates (float32, as the steps one by one keep it): before step k its time is set and the
-        chunk copied into the step's x_t; after it, dt times its velocity is added to the chunk."""
+        """The denoising loop of `steps` steps as one CUDA graph on the step's stream (`denoise`), and the
+        action chunk it updates; None where the step program is not one captured stage."""
         if steps not in self.loops:
-            import torch
-
-            session = self.sessions["step"]
-            executors = session.distinct_executors
-            if len(session.manifest.shards) != 1 or len(executors) != 1 or not hasattr(executors[0], "capture_loop"):
+            step = captured_stage(self.sessions["step"])
+            if step is None:
                 self.loops[steps] = None   # a step of several stages: run one by one
                 return None
-            (executor,), (stage,) = executors, session.manifest.shards
-            names = [t.name for t in stage.inputs]
-            x, now = names.index("x_t"), names.index("time")
-            chunk, dt = torch.zeros((1, self.spec.horizon, self.spec.actions), device=self.device), -1.0 / steps
+            import torch
 
-            def before(k: int, inputs: list) -> None:
-                inputs[now].fill_(float(np.float32(1.0 + k * dt)))   # as a step run one by one is handed it
-                inputs[x].copy_(chunk.reshape(inputs[x].shape))
-
-            def after(k: int, inputs: list, outputs: list) -> None:
-                chunk.add_((dt * outputs[0]).reshape(chunk.shape))
-            graph = executor.capture_loop(stage.name, steps, before, after)
-            self.loops[steps] = (graph, chunk) if graph is not None else None
+            executor, spec, prepared = step
+            chunk = torch.zeros((1, self.spec.horizon, self.spec.actions), device=self.device)
+            graph = executor.capture(lambda: denoise(prepared, spec, chunk, steps))
+            self.loops[steps] = (graph, chunk)
         return self.loops[steps]
+
+    def whole(self, steps: int) -> ObservationGraph | None:
+        """The whole observation as one CUDA graph, where every program is one captured stage; captured
+        on first use for each step count."""
+        if steps not in self.wholes:
+            stages = {name: captured_stage(self.sessions[name]) for name in PROGRAMS} if self.device else {}
+            self.wholes[steps] = ObservationGraph(self.spec, stages, steps) \
+                if stages and all(stages.values()) else None
+        return self.wholes[steps]
 
     def on_device(self, array: np.ndarray):
         if self.device is None:
@@ -227,12 +230,123 @@ class VlaSession:
             session.close()
         self.sessions.clear()
         self.loops.clear()
+        self.wholes.clear()
 
     def __enter__(self) -> VlaSession:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def captured_stage(session: Session) -> tuple | None:
+    """(its executor, its stage's spec, the stage as prepared) of a session of one stage captured as a
+    CUDA graph (StreamExecutor.captured); None for any other."""
+    executors, shards = session.distinct_executors, session.manifest.shards
+    if len(shards) != 1 or len(executors) != 1 or not hasattr(executors[0], "captured"):
+        return None
+    prepared = executors[0].captured(shards[0].name)
+    return (executors[0], shards[0], prepared) if prepared is not None else None
+
+
+def denoise(prepared, spec, chunk, steps: int) -> None:
+    """`steps` Euler steps on the step stage's fixed buffers, t from 1 to 0, in place: before step k its
+    time is set (as a step run one by one is handed it) and the action chunk (float32, as the steps one
+    by one keep it) copied into its x_t; after it, dt times its velocity is added to the chunk."""
+    names, inputs, dt = [t.name for t in spec.inputs], prepared.inputs, -1.0 / steps
+    x, now = names.index("x_t"), names.index("time")
+    for k in range(steps):
+        inputs[now].fill_(float(np.float32(1.0 + k * dt)))
+        inputs[x].copy_(chunk.reshape(inputs[x].shape))
+        chunk.add_((dt * prepared.stage(inputs)[0]).reshape(chunk.shape))
+
+
+class ObservationGraph:
+    """One observation as one CUDA graph: the images and the prompt's embeddings copied up from
+    page-locked buffers, the vision stage, its features written into the prefix's input before the
+    prompt's rows, the prefix stage, its keys and values written into the step's input buffers, the
+    denoising steps (`denoise`), the action chunk copied down. The host fills the page-locked buffers,
+    replays and waits once: no host work and no synchronization between the programs (each program
+    run on its own, then the next, left the GPU idle while the host handed over). Timing events
+    recorded inside the graph (where torch records them there) give each program's GPU time."""
+
+    def __init__(self, spec: VlaSpec, stages: dict[str, tuple], steps: int):
+        import torch
+
+        self.torch = torch
+        (executor, step_spec, step), device = stages["step"], stages["step"][2].inputs[0].device
+        buffers = {name: dict(zip((t.name for t in stage_spec.inputs), prepared.inputs))
+                   for name, (_, stage_spec, prepared) in stages.items()}
+        embeds = buffers["prefix"]["prefix_embeds"].view(-1, spec.width)   # the images' rows, then the prompt's
+        self.stream = executor.stream   # None where the stages run on the CPU (torch's, in a test)
+        pinned = lambda shape, dtype: torch.empty(shape, dtype=dtype, pin_memory=self.stream is not None)  # noqa: E731
+        self.host = {"pixels": pinned(buffers["vision"]["pixel_values"].shape, buffers["vision"]["pixel_values"].dtype),
+                     "text": pinned((spec.text_tokens, spec.width), embeds.dtype),
+                     "state": pinned(buffers["step"]["state"].shape, buffers["step"]["state"].dtype),
+                     "noise": pinned((1, spec.horizon, spec.actions), torch.float32),
+                     "actions": pinned((1, spec.horizon, spec.actions), torch.float32)}
+        self.image = embeds.shape[0] - spec.text_tokens
+        chunk = torch.zeros((1, spec.horizon, spec.actions), device=device)
+        outputs = {name: [t.name for t in stage_spec.outputs] for name, (_, stage_spec, _) in stages.items()}
+        host, image, cache = self.host, self.image, spec.cache_names
+
+        def observation(marks: list) -> None:
+            mark = (lambda k: marks[k].record()) if marks else (lambda k: None)
+            mark(0)
+            buffers["vision"]["pixel_values"].copy_(host["pixels"], non_blocking=True)
+            embeds[image:].copy_(host["text"], non_blocking=True)
+            features = stages["vision"][2].stage(stages["vision"][2].inputs)[outputs["vision"].index("image_features")]
+            embeds[:image].copy_(features.reshape(image, spec.width))
+            mark(1)
+            made = dict(zip(outputs["prefix"], stages["prefix"][2].stage(stages["prefix"][2].inputs)))
+            for name in cache:
+                buffers["step"][name].copy_(made[name].reshape(buffers["step"][name].shape))
+            mark(2)
+            chunk.copy_(host["noise"], non_blocking=True)
+            buffers["step"]["state"].copy_(host["state"], non_blocking=True)
+            denoise(step, step_spec, chunk, steps)
+            mark(3)
+            host["actions"].copy_(chunk, non_blocking=True)
+        self.work = lambda: observation(self.marks)
+        self.marks, self.graph = timing_marks(torch, 4) if self.stream is not None else [], None
+        if self.stream is not None:
+            try:
+                self.graph = executor.capture(self.work)
+            except RuntimeError:   # a torch or driver that records no timing event inside a graph
+                if not self.marks:
+                    raise
+                self.marks = []
+                self.graph = executor.capture(self.work)
+
+    def act(self, pixel_values: np.ndarray, text: np.ndarray, state: np.ndarray, noise: np.ndarray) -> Act:
+        started = time.perf_counter()
+        for name, value in (("pixels", pixel_values), ("text", text), ("state", state), ("noise", noise)):
+            copy_into(self.host[name].numpy(), np.reshape(value, self.host[name].shape))
+        if self.graph is None:   # no GPU: the same work, run as it is
+            with self.torch.no_grad():
+                self.work()
+        else:
+            with self.torch.cuda.stream(self.stream):
+                self.graph.replay()
+            self.stream.synchronize()
+        actions = self.host["actions"].numpy().copy()
+        seconds = {"observation": time.perf_counter() - started}
+        if self.marks:
+            try:
+                seconds = {part: self.marks[k].elapsed_time(self.marks[k + 1]) / 1e3
+                           for k, part in enumerate(("vision", "prefix", "steps"))}
+            except RuntimeError:   # a driver that keeps no time for events recorded inside a graph
+                self.marks = []
+        return Act(actions, seconds)
+
+
+def timing_marks(torch, count: int) -> list:
+    """CUDA events that time work inside a graph (recorded there as event nodes: `external`); none
+    where this torch has no such events."""
+    try:
+        return [torch.cuda.Event(enable_timing=True, external=True) for _ in range(count)]
+    except TypeError:
+        return []
 
 
 class Timer:

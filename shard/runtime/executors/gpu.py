@@ -158,27 +158,24 @@ class StreamExecutor:
             outputs = stage(inputs)
         return Prepared(inputs, outputs, stage, graph, host)
 
-    def capture_loop(self, stage: str, steps: int, before: Callable[[int, list], None],
-                     after: Callable[[int, list, list], None]):
-        """The stage run `steps` times as one CUDA graph, `before(k, inputs)` and `after(k, inputs, outputs)`
-        around run k on its stream, each writing in place on fixed buffers (a denoising loop: the step's
-        time and input set before it, its velocity added to the action chunk after). No host work and
-        no synchronization between the runs. Returns the graph (replay() runs the loop), or None where
-        the stage is not captured."""
-        prepared, torch = self.prepared[stage], self.torch
-        if prepared.graph is None:
-            return None
+    def captured(self, stage: str) -> Prepared | None:
+        """The stage as prepared, where it was captured: its fixed buffers and the callable of its kept
+        form, for a caller that captures it again inside a larger graph (`capture`)."""
+        prepared = self.prepared.get(stage)
+        return prepared if prepared is not None and prepared.graph is not None else None
 
-        def loop():
-            for k in range(steps):
-                before(k, prepared.inputs)
-                after(k, prepared.inputs, prepared.stage(prepared.inputs))
+    def capture(self, work: Callable[[], None]):
+        """`work` as one CUDA graph on this executor's stream, after one warm run: stages' callables and
+        in-place copies on fixed buffers (a denoising loop: the step's stage run N times, its time set and
+        its input copied before each, its velocity added to the action chunk after). Its replay runs
+        them with no host work and no synchronization between them."""
+        torch = self.torch
         with torch.no_grad(), self._on_stream():
-            loop()   # the loop's own ops warmed before capture
+            work()   # the work's own ops warmed before capture
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         with self.lock, torch.no_grad(), torch.cuda.graph(graph, stream=self.stream):
-            loop()
+            work()
         return graph
 
     def _on_stream(self):
