@@ -202,6 +202,8 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
         print("stage forms:\n" + stage_forms(session), flush=True)
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
         actions = act().actions
+        if session.passed_over:
+            print(f"passed over: {session.passed_over}", flush=True)
         if kernels_of is not None:
             step_kernels(session, kernels_of, obs)
         host = timed(act, repeats)

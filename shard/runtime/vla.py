@@ -136,6 +136,7 @@ class VlaSession:
         self.cache = {name: step[name] for name in self.spec.cache_names if name in step}
         self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
         self.wholes: dict[int, ObservationGraph] = {}   # steps -> the observation as one CUDA graph
+        self.passed_over = ""   # why the observation is not one CUDA graph, where its capture failed
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
             steps: int = 10, seed: int = 0) -> Act:
@@ -211,11 +212,16 @@ class VlaSession:
 
     def whole(self, steps: int) -> ObservationGraph | None:
         """The whole observation as one CUDA graph, where every program is one captured stage; captured
-        on first use for each step count."""
+        on first use for each step count. Where its capture fails, the programs run one after another
+        (as each stage whose faster form fails is passed over) and `passed_over` says why."""
         if steps not in self.wholes:
             stages = {name: captured_stage(self.sessions[name]) for name in PROGRAMS} if self.device else {}
-            self.wholes[steps] = ObservationGraph(self.spec, stages, steps) \
-                if stages and all(stages.values()) else None
+            self.wholes[steps] = None
+            if stages and all(stages.values()):
+                try:
+                    self.wholes[steps] = ObservationGraph(self.spec, stages, steps)
+                except RuntimeError as exc:   # torch's errors of capture
+                    self.passed_over = f"the observation as one CUDA graph: {str(exc).splitlines()[0][:200]}"
         return self.wholes[steps]
 
     def on_device(self, array: np.ndarray):
