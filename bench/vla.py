@@ -209,13 +209,15 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
         host = timed(act, repeats)
         parts = [act().seconds for _ in range(repeats)]
         gpu = gpu_seconds(act, repeats)
+        timed_inside = session.wholes.get(steps) is not None and bool(session.wholes[steps].marks)
         session.wholes[steps] = None   # the same session, its programs run one after another
         apart = timed(act, repeats), gpu_seconds(act, repeats)
         same = np.array_equal(actions, act().actions)
     split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     print(f"shard: {1e3 * host:.2f} ms host to host, {1e3 * gpu:.2f} ms GPU; "
           + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in split.items())
-          + f" (GPU time inside the observation's graph); the programs one after another (each its own graph, "
+          + (" (GPU time inside the observation's graph)" if timed_inside else " (host to host)")
+          + f"; the programs one after another (each its own graph, "
             f"the loop one graph): {1e3 * apart[0]:.2f} ms host to host, {1e3 * apart[1]:.2f} ms GPU, "
             f"{'the same' if same else 'NOT the same'} action chunk bit for bit", flush=True)
     return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split}

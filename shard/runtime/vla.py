@@ -291,10 +291,9 @@ class ObservationGraph:
                      "state": pinned(buffers["step"]["state"].shape, buffers["step"]["state"].dtype),
                      "noise": pinned((1, spec.horizon, spec.actions), torch.float32),
                      "actions": pinned((1, spec.horizon, spec.actions), torch.float32)}
-        self.image = embeds.shape[0] - spec.text_tokens
         chunk = torch.zeros((1, spec.horizon, spec.actions), device=device)
         outputs = {name: [t.name for t in stage_spec.outputs] for name, (_, stage_spec, _) in stages.items()}
-        host, image, cache = self.host, self.image, spec.cache_names
+        host, image, cache = self.host, embeds.shape[0] - spec.text_tokens, spec.cache_names
 
         def observation(marks: list) -> None:
             mark = (lambda k: marks[k].record()) if marks else (lambda k: None)
