@@ -53,6 +53,10 @@ def test_the_bundle_acts_as_the_model_in_fp32(bundle):
         assert set(parts) == {"vision", "prefix", "steps"} and all(v > 0 for v in parts.values())
         with pytest.raises(ShardError, match="token ids"):
             session.act(obs["pixel_values"], obs["tokens"][:3], obs["state"])
+        for name, wrong in (("pixel_values", obs["pixel_values"][:1]), ("state", obs["state"][:, :3]),
+                            ("noise", obs["noise"][:, :2])):
+            with pytest.raises(ShardError, match=f"^{name}: .* expected; got"):
+                session.act(**{**{k: obs[k] for k in ("pixel_values", "tokens", "state", "noise")}, name: wrong})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuda backend's CUDA graphs)")

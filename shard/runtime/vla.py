@@ -149,6 +149,11 @@ class VlaSession:
                            f"got {len(tokens)} ids and {steps} steps")
         if noise is None:
             noise = np.random.default_rng(seed).standard_normal((1, s.horizon, s.actions)).astype(np.float32)
+        want = {"pixel_values": (s.cameras, 3, s.image_size, s.image_size), "state": (1, s.actions),
+                "noise": (1, s.horizon, s.actions)}
+        for name, value in (("pixel_values", pixel_values), ("state", state), ("noise", noise)):
+            if np.size(value) != math.prod(want[name]):
+                raise RunError(f"{name}: {list(want[name])} expected; got {list(np.shape(value))}")
         text = self.table[tokens] * np.float32(math.sqrt(s.width))
         state = np.asarray(state, np.float32).reshape(1, s.actions)
         whole = self.whole(steps)
