@@ -60,8 +60,7 @@ def read_observation(path: Path | None, spec, seed: int) -> dict[str, np.ndarray
             obs = {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
         raise ShardError(f"--observation {path}: not an .npz numpy reads ({exc})") from None
-    want = {"pixel_values": (spec.cameras, 3, spec.image_size, spec.image_size), "tokens": (spec.text_tokens,),
-            "state": (1, spec.actions)}
+    want = {k: v for k, v in spec.observation_shapes.items() if k != "noise"}   # noise: optional
     for name, shape in want.items():
         if name not in obs or tuple(np.shape(obs[name])) != shape:
             raise ShardError(f"--observation {path}: {name} of shape {list(shape)} expected; "

@@ -69,6 +69,12 @@ class VlaSpec:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     @property
+    def observation_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What an observation holds, and its noise: each array's shape."""
+        return {"pixel_values": (self.cameras, 3, self.image_size, self.image_size), "tokens": (self.text_tokens,),
+                "state": (1, self.actions), "noise": (1, self.horizon, self.actions)}
+
+    @property
     def cache_names(self) -> list[str]:
         return cache_names(self.layers)
 
@@ -80,12 +86,11 @@ def cache_names(layers: int) -> list[str]:
 
 def seeded_observation(spec: VlaSpec, seed: int = 0) -> dict[str, np.ndarray]:
     """A seeded observation and its noise: each camera's pixels in [-1, 1], prompt ids, a state."""
-    rng = np.random.default_rng(seed)
-    side = spec.image_size
-    return {"pixel_values": rng.uniform(-1, 1, (spec.cameras, 3, side, side)).astype(np.float32),
-            "tokens": rng.integers(0, spec.vocab, spec.text_tokens).astype(np.int64),
-            "state": rng.standard_normal((1, spec.actions)).astype(np.float32),
-            "noise": rng.standard_normal((1, spec.horizon, spec.actions)).astype(np.float32)}
+    rng, shapes = np.random.default_rng(seed), spec.observation_shapes
+    return {"pixel_values": rng.uniform(-1, 1, shapes["pixel_values"]).astype(np.float32),
+            "tokens": rng.integers(0, spec.vocab, shapes["tokens"]).astype(np.int64),
+            "state": rng.standard_normal(shapes["state"]).astype(np.float32),
+            "noise": rng.standard_normal(shapes["noise"]).astype(np.float32)}
 
 
 def is_vla(path: str | Path) -> bool:
@@ -147,10 +152,9 @@ class VlaSession:
         if steps < 1 or len(tokens) != s.text_tokens or tokens.min() < 0 or tokens.max() >= s.vocab:
             raise RunError(f"an observation takes {s.text_tokens} token ids below {s.vocab} and steps >= 1; "
                            f"got {len(tokens)} ids and {steps} steps")
+        want = s.observation_shapes
         if noise is None:
-            noise = np.random.default_rng(seed).standard_normal((1, s.horizon, s.actions)).astype(np.float32)
-        want = {"pixel_values": (s.cameras, 3, s.image_size, s.image_size), "state": (1, s.actions),
-                "noise": (1, s.horizon, s.actions)}
+            noise = np.random.default_rng(seed).standard_normal(want["noise"]).astype(np.float32)
         for name, value in (("pixel_values", pixel_values), ("state", state), ("noise", noise)):
             if np.size(value) != math.prod(want[name]):
                 raise RunError(f"{name}: {list(want[name])} expected; got {list(np.shape(value))}")
@@ -210,7 +214,7 @@ class VlaSession:
             import torch
 
             executor, spec, prepared = step
-            chunk = torch.zeros((1, self.spec.horizon, self.spec.actions), device=self.device)
+            chunk = torch.zeros(self.spec.observation_shapes["noise"], device=self.device)
             graph = executor.capture(lambda: denoise(prepared, spec, chunk, steps))
             self.loops[steps] = (graph, chunk)
         return self.loops[steps]
@@ -294,21 +298,22 @@ class ObservationGraph:
         self.host = {"pixels": pinned(buffers["vision"]["pixel_values"].shape, buffers["vision"]["pixel_values"].dtype),
                      "text": pinned((spec.text_tokens, spec.width), embeds.dtype),
                      "state": pinned(buffers["step"]["state"].shape, buffers["step"]["state"].dtype),
-                     "noise": pinned((1, spec.horizon, spec.actions), torch.float32),
-                     "actions": pinned((1, spec.horizon, spec.actions), torch.float32)}
-        chunk = torch.zeros((1, spec.horizon, spec.actions), device=device)
+                     "noise": pinned(spec.observation_shapes["noise"], torch.float32),
+                     "actions": pinned(spec.observation_shapes["noise"], torch.float32)}
+        chunk = torch.zeros(spec.observation_shapes["noise"], device=device)
         outputs = {name: [t.name for t in stage_spec.outputs] for name, (_, stage_spec, _) in stages.items()}
         host, image, cache = self.host, embeds.shape[0] - spec.text_tokens, spec.cache_names
+        vision, prefix = stages["vision"][2], stages["prefix"][2]
 
         def observation(marks: list) -> None:
             mark = (lambda k: marks[k].record()) if marks else (lambda k: None)
             mark(0)
             buffers["vision"]["pixel_values"].copy_(host["pixels"], non_blocking=True)
             embeds[image:].copy_(host["text"], non_blocking=True)
-            features = stages["vision"][2].stage(stages["vision"][2].inputs)[outputs["vision"].index("image_features")]
+            features = vision.stage(vision.inputs)[outputs["vision"].index("image_features")]
             embeds[:image].copy_(features.reshape(image, spec.width))
             mark(1)
-            made = dict(zip(outputs["prefix"], stages["prefix"][2].stage(stages["prefix"][2].inputs)))
+            made = dict(zip(outputs["prefix"], prefix.stage(prefix.inputs)))
             for name in cache:
                 buffers["step"][name].copy_(made[name].reshape(buffers["step"][name].shape))
             mark(2)
