@@ -16,6 +16,7 @@ from shard.compilation import vla
 from shard.compilation.vla import compile_vla
 from shard.errors import BundleError, ShardError
 from shard.options import CompileOptions
+from shard.runtime import vla as vla_runtime
 from shard.runtime.vla import PROGRAMS, VLA, VlaSession
 from shard.zoo.vla import FEW, Layer, as_sdpa, build_vla, cache_names, export_vla, observation
 
@@ -104,6 +105,21 @@ def test_the_observation_graph_s_work_acts_as_the_model_where_no_gpu_captures_it
     assert set(whole.seconds) == {"observation"}
     assert cosine(whole.actions, torch_actions(model, obs)) >= 0.999
     assert cosine(whole.actions, apart) >= 0.9995   # fp16 inside both: torch's rounding and onnxruntime's
+
+
+def test_the_steps_read_the_prefix_s_keys_and_values_where_it_wrote_them_unless_they_do_not_fit():
+    """handed_over: a key the shape, dtype and strides of the step's buffer is read where the prefix
+    wrote it (no copy); one of another dtype or strides, or sharing its memory with another (views of
+    one tensor), is copied into the step's own buffer, which the steps then read."""
+    buffers = {name: torch.zeros(1, 1, 6, 4, dtype=torch.float16) for name in ("k0", "v0", "k1", "v1", "k2")}
+    both = torch.randn(2, 1, 6, 4).half()   # one tensor's two halves: the same memory
+    made = {"k0": torch.randn(1, 6, 4).half(), "v0": torch.randn(1, 1, 6, 4),   # float32
+            "k1": both[0:1], "v1": both[1:2], "k2": torch.randn(1, 1, 4, 6).half().transpose(2, 3)}
+    read = vla_runtime.handed_over(made, buffers, list(buffers))
+    assert set(read) == {"k0"} and read["k0"].data_ptr() == made["k0"].data_ptr()
+    assert not buffers["k0"].any()   # not copied
+    for name in ("v0", "k1", "v1", "k2"):
+        assert torch.equal(buffers[name], made[name].reshape(buffers[name].shape).half())
 
 
 def test_the_model_with_sdpa_attention_is_the_same_model():

@@ -11,7 +11,9 @@ a chunk of actions out.
 The prefix runs once per observation; its keys and values go into the step program's own input
 buffers where its backend keeps tensors on a device (executors.traits_of: the GPU), and the step runs
 `steps` times against them: on a GPU as one CUDA graph of the whole loop, elsewhere one run a step.
-numpy only, and the executor's library.
+Where every program is one captured stage, the whole observation is one CUDA graph (ObservationGraph),
+in which the steps read the keys and values where the prefix wrote them. numpy only, and the
+executor's library.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ def read_vla(folder: str | Path) -> VlaSpec:
 class Act:
     actions: np.ndarray                     # [1, horizon, actions]
     seconds: dict[str, float]               # vision, prefix, steps: each part's time, host to host
+                                            # (GPU time inside the observation's graph, where it is one)
 
 
 class VlaSession:
@@ -264,11 +267,12 @@ def captured_stage(session: Session) -> tuple | None:
     return (executors[0], shards[0], prepared) if prepared is not None else None
 
 
-def denoise(prepared, spec, chunk, steps: int) -> None:
-    """`steps` Euler steps on the step stage's fixed buffers, t from 1 to 0, in place: before step k its
-    time is set (as a step run one by one is handed it) and the action chunk (float32, as the steps one
-    by one keep it) copied into its x_t; after it, dt times its velocity is added to the chunk."""
-    names, inputs, dt = [t.name for t in spec.inputs], prepared.inputs, -1.0 / steps
+def denoise(prepared, spec, chunk, steps: int, inputs: list | None = None) -> None:
+    """`steps` Euler steps on the step stage's fixed buffers (or `inputs`, the same with some read from
+    elsewhere), t from 1 to 0, in place: before step k its time is set (as a step run one by one is
+    handed it) and the action chunk (float32, as the steps one by one keep it) copied into its x_t;
+    after it, dt times its velocity is added to the chunk."""
+    names, inputs, dt = [t.name for t in spec.inputs], inputs or prepared.inputs, -1.0 / steps
     x, now = names.index("x_t"), names.index("time")
     for k in range(steps):
         inputs[now].fill_(float(np.float32(1.0 + k * dt)))
@@ -276,14 +280,31 @@ def denoise(prepared, spec, chunk, steps: int) -> None:
         chunk.add_((dt * prepared.stage(inputs)[0]).reshape(chunk.shape))
 
 
+def handed_over(made: dict, buffers: dict, names: list[str]) -> dict:
+    """The prefix's keys and values as the steps read them: each where the prefix wrote it, where it has
+    the step's buffer's shape, dtype and strides and no other of them shares its memory (the steps' kept
+    form then reads it as it would its own buffer); the others copied into the step's own buffers."""
+    read, storages = {}, [made[name].untyped_storage().data_ptr() for name in names]
+    for name, storage in zip(names, storages):
+        buffer = buffers[name]
+        tensor = made[name].reshape(buffer.shape)
+        if (tensor.dtype == buffer.dtype and tensor.stride() == buffer.stride() and tensor.storage_offset() == 0
+                and storages.count(storage) == 1):
+            read[name] = tensor
+        else:
+            buffer.copy_(tensor)
+    return read
+
+
 class ObservationGraph:
     """One observation as one CUDA graph: the images and the prompt's embeddings copied up from
     page-locked buffers, the vision stage, its features written into the prefix's input before the
-    prompt's rows, the prefix stage, its keys and values written into the step's input buffers, the
-    denoising steps (`denoise`), the action chunk copied down. The host fills the page-locked buffers,
-    replays and waits once: no host work and no synchronization between the programs (each program
-    run on its own, then the next, left the GPU idle while the host handed over). Timing events
-    recorded inside the graph (where torch records them there) give each program's GPU time."""
+    prompt's rows, the prefix stage, the denoising steps (`denoise`) reading the prefix's keys and
+    values where it wrote them (`handed_over`), the action chunk copied down. The host fills the
+    page-locked buffers, replays and waits once: no host work and no synchronization between the
+    programs (each program run on its own, then the next, left the GPU idle while the host handed
+    over). Timing events recorded inside the graph (where torch records them there) give each
+    program's GPU time."""
 
     def __init__(self, spec: VlaSpec, stages: dict[str, tuple], steps: int):
         import torch
@@ -314,12 +335,11 @@ class ObservationGraph:
             embeds[:image].copy_(features.reshape(image, spec.width))
             mark(1)
             made = dict(zip(outputs["prefix"], prefix.stage(prefix.inputs)))
-            for name in cache:
-                buffers["step"][name].copy_(made[name].reshape(buffers["step"][name].shape))
+            read = handed_over(made, buffers["step"], cache)
             mark(2)
             chunk.copy_(host["noise"], non_blocking=True)
             buffers["step"]["state"].copy_(host["state"], non_blocking=True)
-            denoise(step, step_spec, chunk, steps)
+            denoise(step, step_spec, chunk, steps, [read.get(t.name, b) for t, b in zip(step_spec.inputs, step.inputs)])
             mark(3)
             host["actions"].copy_(chunk, non_blocking=True)
         self.work = lambda: observation(self.marks)
@@ -333,6 +353,12 @@ class ObservationGraph:
                 self.marks = []
                 self.graph = executor.capture(self.work)
 
+    def replay(self) -> None:
+        """The graph queued on its stream over what its page-locked buffers hold, not waited for:
+        replays queued back to back time the GPU's work alone."""
+        with self.torch.cuda.stream(self.stream):
+            self.graph.replay()
+
     def act(self, pixel_values: np.ndarray, text: np.ndarray, state: np.ndarray, noise: np.ndarray) -> Act:
         started = time.perf_counter()
         for name, value in (("pixels", pixel_values), ("text", text), ("state", state), ("noise", noise)):
@@ -341,8 +367,7 @@ class ObservationGraph:
             with self.torch.no_grad():
                 self.work()
         else:
-            with self.torch.cuda.stream(self.stream):
-                self.graph.replay()
+            self.replay()
             self.stream.synchronize()
         actions = self.host["actions"].numpy().copy()
         seconds = {"observation": time.perf_counter() - started}
