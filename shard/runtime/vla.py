@@ -192,9 +192,7 @@ class VlaSession:
         buffer = self.buffers["prefix"].get("prefix_embeds")
         if buffer is None:
             return np.concatenate([to_host(features).reshape(1, -1, self.spec.width), text[None]], axis=1)
-        image = features.numel() // self.spec.width
-        buffer[0, :image].copy_(features.reshape(image, self.spec.width))
-        buffer[0, image:].copy_(self.on_device(text))
+        join_prefix(buffer[0], features, self.on_device(text))
         return buffer
 
     def steps_one_by_one(self, noise: np.ndarray, state: np.ndarray, cache: dict, steps: int) -> np.ndarray:
@@ -280,6 +278,14 @@ def denoise(prepared, spec, chunk, steps: int, inputs: list | None = None) -> No
         chunk.add_((dt * prepared.stage(inputs)[0]).reshape(chunk.shape))
 
 
+def join_prefix(embeds, features, text) -> None:
+    """The prefix's input rows written in place (`embeds`: [rows, width]): the images' features first,
+    then the prompt's embeddings (a device tensor, or a page-locked one copied up without waiting)."""
+    image = embeds.shape[0] - text.shape[0]
+    embeds[:image].copy_(features.reshape(image, embeds.shape[1]))
+    embeds[image:].copy_(text, non_blocking=True)
+
+
 def handed_over(made: dict, buffers: dict, names: list[str]) -> dict:
     """The prefix's keys and values as the steps read them: each where the prefix wrote it, where it has
     the step's buffer's shape, dtype and strides and no other of them shares its memory (the steps' kept
@@ -323,16 +329,14 @@ class ObservationGraph:
                      "actions": pinned(spec.observation_shapes["noise"], torch.float32)}
         chunk = torch.zeros(spec.observation_shapes["noise"], device=device)
         outputs = {name: [t.name for t in stage_spec.outputs] for name, (_, stage_spec, _) in stages.items()}
-        host, image, cache = self.host, embeds.shape[0] - spec.text_tokens, spec.cache_names
+        host, cache = self.host, spec.cache_names
         vision, prefix = stages["vision"][2], stages["prefix"][2]
 
         def observation(marks: list) -> None:
             mark = (lambda k: marks[k].record()) if marks else (lambda k: None)
             mark(0)
             buffers["vision"]["pixel_values"].copy_(host["pixels"], non_blocking=True)
-            embeds[image:].copy_(host["text"], non_blocking=True)
-            features = vision.stage(vision.inputs)[outputs["vision"].index("image_features")]
-            embeds[:image].copy_(features.reshape(image, spec.width))
+            join_prefix(embeds, vision.stage(vision.inputs)[outputs["vision"].index("image_features")], host["text"])
             mark(1)
             made = dict(zip(outputs["prefix"], prefix.stage(prefix.inputs)))
             read = handed_over(made, buffers["step"], cache)
