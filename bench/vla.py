@@ -15,8 +15,10 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
    own buffers, the 10 steps); and, in the same session, the programs one after another (each stage's
    own graph, the loop one graph), the host between them.
 
-The whole run takes longer than one 10-minute device call on an H200 (export 4 min, compile 2 min,
-torch.compile 5 min a mode): --reuse reads back a bundle an earlier call left in --work (a warm
+Ours is exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
+compiles for minutes), and every side is timed after both, one at a time: at full depth on an H100
+the export takes 2.5 min, the compile 1.5, torch.compile 6 a mode, so one 10-minute device call holds
+ours and one torch.compile mode. --reuse reads back a bundle an earlier call left in --work (a warm
 machine keeps it), and --sides picks the PyTorch sides.
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
@@ -25,10 +27,12 @@ leaves the lossy gate: compilation.vla.check_actions); each other precision is p
 fp16 on both measures, with its actions' MSE as a share of their scale (the lossy gate: < 5e-3).
 
 --kernels also prints one denoising step's kernels (the torch profiler), ours beside torch.compile
-of the model's velocity: where a step's time goes.
+of the model's velocity, and a whole observation's, ours beside each torch.compile side: where the
+time goes.
 
 Each side: the median host-to-host time of one observation over --repeats runs (after warm runs),
-its GPU time alone (CUDA events around the same work, inputs already on the GPU), and the action
+its GPU time alone (CUDA events around --repeats runs of the same work queued back to back, inputs
+already on the GPU; ours: the observation's graph replayed, its copies in and out inside it), and the action
 chunk's cosine, max abs diff and MSE against the fp32 reference. Ours also prints vision, prefix and
 the steps apart, beside Thor's published Pi0.5 breakdown (vision 17 ms, prefix 54 ms, 10 steps 102
 ms: FACTS-thor.md). Ends with
@@ -39,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -73,15 +79,16 @@ def timed(run, repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def gpu_seconds(run, repeats: int) -> float:
-    """CUDA events around `repeats` calls of run() (its work queued, the inputs on the GPU already)."""
+def gpu_seconds(run, repeats: int, stream=None) -> float:
+    """CUDA events around `repeats` calls of run() (its work queued on `stream`, the current one by
+    default, the inputs on the GPU already)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     run()
     torch.cuda.synchronize()
-    start.record()
+    start.record(stream)
     for _ in range(repeats):
         run()
-    end.record()
+    end.record(stream)
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / repeats
 
@@ -89,8 +96,9 @@ def gpu_seconds(run, repeats: int) -> float:
 SIDES = ("eager", "eager graph", "sdpa", "sdpa graph", "compile default", "compile reduce-overhead")
 
 
-def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) -> dict:
-    """fp16 PyTorch: eager, the loop as one CUDA graph, torch.compile (default, reduce-overhead)."""
+def pytorch_sides(model, obs: dict, steps: int, asked: list[str]) -> dict:
+    """fp16 PyTorch, each side made and run once (torch.compile's compiling done): eager, the loop as
+    one CUDA graph, torch.compile (default, reduce-overhead). `model` becomes fp16 on the GPU."""
     half = model.half().cuda()
     pinned = {k: torch.from_numpy(v).pin_memory() for k, v in obs.items()}
     static = {k: v.to("cuda", dtype=torch.float16 if v.dtype == torch.float32 else v.dtype) for k, v in pinned.items()}
@@ -110,7 +118,6 @@ def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) 
             return out_host.numpy().copy()
         return run
 
-    sides = {}
     def compiled(mode: str | None):
         c = torch.compile(half.sample_actions, mode=mode)
         return lambda: c(static["pixel_values"], static["tokens"], static["state"], static["noise"], steps).clone()
@@ -118,19 +125,25 @@ def pytorch_sides(model, obs: dict, steps: int, repeats: int, asked: list[str]) 
     forms = {"eager": lambda: loop, "eager graph": lambda: captured_loop(loop),   # name -> what makes its forward
              "sdpa": lambda: partial(loop, sdpa), "sdpa graph": lambda: captured_loop(partial(loop, sdpa)),
              "compile default": lambda: compiled(None), "compile reduce-overhead": lambda: compiled("reduce-overhead")}
+    sides = {}
     for name, make in ((n, m) for n, m in forms.items() if n in asked):
         started = time.perf_counter()
         try:
             forward = make()
             run = host_to_host(forward)
-            actions = run()
-            sides[name] = {"host_s": timed(run, repeats), "gpu_s": gpu_seconds(forward, repeats), "actions": actions,
-                           "warm_s": time.perf_counter() - started}
+            sides[name] = {"run": run, "forward": forward, "actions": run(), "warm_s": time.perf_counter() - started}
         except Exception as exc:  # noqa: BLE001 - a side that fails is reported, the others still run
             print(f"{name}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
             continue
-        print(f"{name}: {1e3 * sides[name]['host_s']:.2f} ms host to host, {1e3 * sides[name]['gpu_s']:.2f} ms GPU "
-              f"(ready after {sides[name]['warm_s']:.0f} s)", flush=True)
+        print(f"{name}: ready after {sides[name]['warm_s']:.0f} s", flush=True)
+    return sides
+
+
+def time_sides(sides: dict, repeats: int) -> dict:
+    """Each side's median host-to-host time and its GPU time, printed."""
+    for name, side in sides.items():
+        side.update(host_s=timed(side.pop("run"), repeats), gpu_s=gpu_seconds(side["forward"], repeats))
+        print(f"{name}: {1e3 * side['host_s']:.2f} ms host to host, {1e3 * side['gpu_s']:.2f} ms GPU", flush=True)
     return sides
 
 
@@ -197,7 +210,8 @@ def step_kernels(session: VlaSession, config, obs: dict) -> None:
 
 
 def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> dict:
-    """shard's bundle on the cuda backend; `kernels_of`, the model's config: one step's kernels printed too."""
+    """shard's bundle on the cuda backend; `kernels_of`, the model's config: one step's kernels printed too,
+    and the whole observation's."""
     with VlaSession(bundle, backend="cuda") as session:
         print("stage forms:\n" + stage_forms(session), flush=True)
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
@@ -206,21 +220,42 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
             print(f"passed over: {session.passed_over}", flush=True)
         if kernels_of is not None:
             step_kernels(session, kernels_of, obs)
+            if session.wholes.get(steps) is not None:
+                kernel_table(session.wholes[steps].replay, "ours, one observation", top=30)
         host = timed(act, repeats)
         parts = [act().seconds for _ in range(repeats)]
-        gpu = gpu_seconds(act, repeats)
-        timed_inside = session.wholes.get(steps) is not None and bool(session.wholes[steps].marks)
+        whole = session.wholes.get(steps)
+        timed_inside = whole is not None and bool(whole.marks)
+        # GPU time as the PyTorch sides': the observation's graph replayed back to back (its copies in
+        # and out included); the programs one after another wait on the host between them
+        gpu = gpu_seconds(whole.replay, repeats, whole.stream) if whole is not None else gpu_seconds(act, repeats)
         session.wholes[steps] = None   # the same session, its programs run one after another
         apart = timed(act, repeats), gpu_seconds(act, repeats)
         same = np.array_equal(actions, act().actions)
     split = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    print(f"shard: {1e3 * host:.2f} ms host to host, {1e3 * gpu:.2f} ms GPU; "
+    print(f"shard: {1e3 * host:.2f} ms host to host, {1e3 * gpu:.2f} ms GPU"
+          + (" (the graph's replays back to back)" if whole is not None else " (the host between the programs)") + "; "
           + ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in split.items())
           + (" (GPU time inside the observation's graph)" if timed_inside else " (host to host)")
           + f"; the programs one after another (each its own graph, "
-            f"the loop one graph): {1e3 * apart[0]:.2f} ms host to host, {1e3 * apart[1]:.2f} ms GPU, "
+            f"the loop one graph): {1e3 * apart[0]:.2f} ms host to host, {1e3 * apart[1]:.2f} ms GPU with the "
+            f"host between them, "
             f"{'the same' if same else 'NOT the same'} action chunk bit for bit", flush=True)
     return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split}
+
+
+def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], reuse: bool) -> None:
+    """The VLA exported into `work` and compiled for thor in each precision (`reuse`: what is there kept)."""
+    if not reuse:
+        t0 = time.perf_counter()
+        export_vla(name, work / "pi0.vla", depth=depth)
+        print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
+    for precision, bundle in bundles.items():
+        if not (reuse and bundle.is_dir()):
+            t0 = time.perf_counter()
+            result = compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
+            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s"
+                  + (f"; {result.actions.line()}" if result.actions else ""), flush=True)
 
 
 def main() -> None:
@@ -234,7 +269,8 @@ def main() -> None:
     parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
     parser.add_argument("--precision", default="fp16", help="ours in each of these (fp16, fp8), fp16 first")
     parser.add_argument("--kernels", action="store_true", help="also print one step's kernels, ours and "
-                                                               "torch.compile's of the model's velocity")
+                                                               "torch.compile's of the model's velocity, and a "
+                                                               "whole observation's, ours and torch.compile's")
     args = parser.parse_args()
     sides_asked = [s for s in args.sides.split(",") if s]
     if set(sides_asked) - set(SIDES) or (args.reuse and not args.work):
@@ -244,30 +280,30 @@ def main() -> None:
     obs = observation(config)
     precisions = list(dict.fromkeys(["fp16", *[p for p in args.precision.split(",") if p]]))
     bundles = {p: work / ("pi0.shard" if p == "fp16" else f"pi0-{p}.shard") for p in precisions}
-    if not args.reuse:
-        t0 = time.perf_counter()
-        export_vla(args.model, work / "pi0.vla", depth=args.depth)
-        print(f"exported in {time.perf_counter() - t0:.1f} s", flush=True)
-    for precision, bundle in bundles.items():
-        if not (args.reuse and bundle.is_dir()):
-            t0 = time.perf_counter()
-            result = compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
-            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s"
-                  + (f"; {result.actions.line()}" if result.actions else ""), flush=True)
+    # ours exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
+    # compiles for minutes); everything is timed after both, one side at a time
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse)
+        model = build_vla(config).cuda()
+        with torch.no_grad():
+            inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
+            reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
+        made = pytorch_sides(model, obs, args.steps, sides_asked)
+        building.result()
     # first: the figure this bench is for
     mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
     others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}
-    model = build_vla(config).cuda()
-    with torch.no_grad():
-        inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
-        reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
     print(f"shard: actions against fp32: {figures(mine['actions'], reference)}", flush=True)
     for precision, side in others.items():
         f = figures(side["actions"], reference)
         print(f"shard {precision}: {mine['gpu_s'] / side['gpu_s']:.3f}x our fp16 on GPU time, "
               f"{mine['host_s'] / side['host_s']:.3f}x host to host; actions against fp32: cosine {f['cosine']:.6f}, "
               f"max abs {f['max_abs']:.4f}, MSE {f['mse']:.2e} = {f['mse'] / f['scale']:.2e} of their scale", flush=True)
-    sides = {**pytorch_sides(model, obs, args.steps, args.repeats, sides_asked), "shard": mine,
+    time_sides(made, args.repeats)
+    if args.kernels:
+        for name in (n for n in made if n.startswith("compile")):
+            kernel_table(made[name]["forward"], f"{name}, one observation", top=30)
+    sides = {**made, "shard": mine,
              **{f"shard {p}": side for p, side in others.items()}}
     for name, side in sides.items():
         f = figures(side["actions"], reference)
@@ -284,7 +320,7 @@ def main() -> None:
           f"vs_best_compile={best['host_s'] / mine['host_s']:.3f} gpu_vs_best_compile={best_gpu / mine['gpu_s']:.3f} "
           f"cosine={mine['cosine']:.6f} parts_ms=" + ",".join(f"{k}:{1e3 * v:.2f}" for k, v in mine["parts"].items()))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "vla.txt").write_text(repr({n: {k: v for k, v in s.items() if k != "actions"}
+        Path(os.environ["OUT"], "vla.txt").write_text(repr({n: {k: v for k, v in s.items() if k not in ("actions", "forward")}
                                                              for n, s in sides.items()}))
 
 
