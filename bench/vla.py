@@ -26,6 +26,10 @@ fp8_linears' search on every program, `pi0-fp8.shard`, which is the fp16 bundle 
 leaves the lossy gate: compilation.vla.check_actions); each other precision is printed against our
 fp16 on both measures, with its actions' MSE as a share of their scale (the lossy gate: < 5e-3).
 
+--target cuda probes this GPU first (`shard probe --target cuda`, no --ops) and compiles for it: each
+program's stage is printed as the compile predicted it on that profile beside its replay as loaded
+(the form kept). The default, thor, predicts on Thor's profile, printed with the compile.
+
 --kernels also prints one denoising step's kernels (the torch profiler), ours beside torch.compile
 of the model's velocity, and a whole observation's, ours beside each torch.compile side: where the
 time goes.
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import multiprocessing
 import os
 import statistics
@@ -57,7 +62,10 @@ import torch
 
 from shard.compilation.vla import compile_vla
 from shard.options import CompileOptions
-from shard.runtime.vla import VlaSession
+from shard.probes.cuda import probe_cuda
+from shard.runtime.executors.gpu import replay_seconds
+from shard.runtime.vla import PROGRAMS, VlaSession
+from shard.targets.chips import GPU_TARGETS
 from shard.zoo.vla import CONFIGS, as_sdpa, build_vla, export_vla, observation, with_depth
 
 
@@ -214,6 +222,9 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
     and the whole observation's."""
     with VlaSession(bundle, backend="cuda") as session:
         print("stage forms:\n" + stage_forms(session), flush=True)
+        replays = {f"{program}/{stage}": (prepared.form, replay_seconds(torch, prepared.graph, executor.stream))
+                   for program, s in session.sessions.items() for executor in s.distinct_executors
+                   for stage, prepared in executor.prepared.items() if prepared.graph is not None}
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
         actions = act().actions
         if session.passed_over:
@@ -241,11 +252,13 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
             f"the loop one graph): {1e3 * apart[0]:.2f} ms host to host, {1e3 * apart[1]:.2f} ms GPU with the "
             f"host between them, "
             f"{'the same' if same else 'NOT the same'} action chunk bit for bit", flush=True)
-    return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split}
+    return {"host_s": host, "gpu_s": gpu, "actions": actions, "parts": split, "replays": replays}
 
 
-def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], reuse: bool) -> None:
-    """The VLA exported into `work` and compiled for thor in each precision (`reuse`: what is there kept)."""
+def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], reuse: bool, target: str,
+          profile: Path | None) -> None:
+    """The VLA exported into `work` and compiled for `target` in each precision (`reuse`: what is there
+    kept); the compile's prediction printed."""
     if not reuse:
         t0 = time.perf_counter()
         export_vla(name, work / "pi0.vla", depth=depth)
@@ -253,9 +266,22 @@ def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], re
     for precision, bundle in bundles.items():
         if not (reuse and bundle.is_dir()):
             t0 = time.perf_counter()
-            result = compile_vla(work / "pi0.vla", "thor", bundle, CompileOptions(precision=precision))
-            print(f"compiled {precision} in {time.perf_counter() - t0:.1f} s"
-                  + (f"; {result.actions.line()}" if result.actions else ""), flush=True)
+            options = CompileOptions(precision=precision, profile=str(profile) if profile else None)
+            result = compile_vla(work / "pi0.vla", target, bundle, options)
+            print(f"compiled {precision} for {target} in {time.perf_counter() - t0:.1f} s"
+                  + (f"; {result.actions.line()}" if result.actions else "")
+                  + (f"; {result.predicted.line(target)}" if result.predicted else ""), flush=True)
+
+
+def predictions(bundle: Path, replays: dict[str, tuple[str, float]], target: str) -> None:
+    """Each program's stage as the compile predicted it on `target`'s profile (report.json) beside its
+    replay as loaded (the form kept)."""
+    for name in PROGRAMS:
+        for row in json.loads((bundle / name / "report.json").read_text())["passes"]["stages"]["stages"]:
+            form, measured = replays[f"{name}/{row['stage']}"]
+            print(f"  {name}/{row['stage']} ({form}): measured {1e3 * measured:.3f} ms, predicted on {target}'s profile "
+                  f"{1e3 * row['predicted_s']:.3f} ms, measured/predicted {measured / row['predicted_s']:.2f}",
+                  flush=True)
 
 
 def main() -> None:
@@ -268,6 +294,10 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="the bundle already in --work: no export, no compile")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
     parser.add_argument("--precision", default="fp16", help="ours in each of these (fp16, fp8), fp16 first")
+    parser.add_argument("--target", default="thor", choices=GPU_TARGETS,
+                        help="thor: the compile predicts on Thor's profile; cuda: on this GPU's, probed first "
+                             "(shard probe --target cuda, no --ops), each program's prediction printed beside "
+                             "its measured replay")
     parser.add_argument("--kernels", action="store_true", help="also print one step's kernels, ours and "
                                                                "torch.compile's of the model's velocity, and a "
                                                                "whole observation's, ours and torch.compile's")
@@ -282,8 +312,13 @@ def main() -> None:
     bundles = {p: work / ("pi0.shard" if p == "fp16" else f"pi0-{p}.shard") for p in precisions}
     # ours exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
     # compiles for minutes); everything is timed after both, one side at a time
+    profile = work / "cuda.profile.json" if args.target == "cuda" else None
+    if profile is not None and not profile.exists():   # first, on a GPU nothing else runs on yet
+        t0 = time.perf_counter()
+        probe_cuda().save(profile)
+        print(f"probed this GPU in {time.perf_counter() - t0:.1f} s", flush=True)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse)
+        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile)
         model = build_vla(config).cuda()
         with torch.no_grad():
             inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
@@ -294,6 +329,9 @@ def main() -> None:
     mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
     others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}
     print(f"shard: actions against fp32: {figures(mine['actions'], reference)}", flush=True)
+    if args.target == "cuda":
+        print("each program's stage, predicted on this GPU's profile (no --ops):", flush=True)
+        predictions(bundles["fp16"], mine["replays"], args.target)
     for precision, side in others.items():
         f = figures(side["actions"], reference)
         print(f"shard {precision}: {mine['gpu_s'] / side['gpu_s']:.3f}x our fp16 on GPU time, "
@@ -320,7 +358,8 @@ def main() -> None:
           f"vs_best_compile={best['host_s'] / mine['host_s']:.3f} gpu_vs_best_compile={best_gpu / mine['gpu_s']:.3f} "
           f"cosine={mine['cosine']:.6f} parts_ms=" + ",".join(f"{k}:{1e3 * v:.2f}" for k, v in mine["parts"].items()))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "vla.txt").write_text(repr({n: {k: v for k, v in s.items() if k not in ("actions", "forward")}
+        Path(os.environ["OUT"], "vla.txt").write_text(repr({n: {k: v for k, v in s.items()
+                                                                 if k not in ("actions", "forward", "replays")}
                                                              for n, s in sides.items()}))
 
 
