@@ -17,8 +17,8 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
 
 Ours is exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
 compiles for minutes), and every side is timed after both, one at a time: at full depth on an H100
-the export takes 2.5 min, the compile 1.5, torch.compile 6 a mode, so one 10-minute device call holds
-ours and one torch.compile mode. --reuse reads back a bundle an earlier call left in --work (a warm
+the export took 2.5 min, the compile 1.5, torch.compile 6 a mode, so one 10-minute device call should
+hold ours and one torch.compile mode. --reuse reads back a bundle an earlier call left in --work (a warm
 machine keeps it), and --sides picks the PyTorch sides.
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
