@@ -62,8 +62,7 @@ import torch
 
 from shard.compilation.vla import compile_vla
 from shard.options import CompileOptions
-from shard.probes.cuda import probe_cuda
-from shard.runtime.executors.gpu import replay_seconds
+from shard.probes.cuda import probe_cuda, stage_replays
 from shard.runtime.vla import PROGRAMS, VlaSession
 from shard.targets.chips import GPU_TARGETS
 from shard.zoo.vla import CONFIGS, as_sdpa, build_vla, export_vla, observation, with_depth
@@ -222,9 +221,8 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
     and the whole observation's."""
     with VlaSession(bundle, backend="cuda") as session:
         print("stage forms:\n" + stage_forms(session), flush=True)
-        replays = {f"{program}/{stage}": (prepared.form, replay_seconds(torch, prepared.graph, executor.stream))
-                   for program, s in session.sessions.items() for executor in s.distinct_executors
-                   for stage, prepared in executor.prepared.items() if prepared.graph is not None}
+        replays = {f"{program}/{stage}": kept for program, s in session.sessions.items()
+                   for stage, kept in stage_replays(torch, s).items()}
         act = lambda: session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], steps)  # noqa: E731
         actions = act().actions
         if session.passed_over:

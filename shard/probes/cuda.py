@@ -171,9 +171,17 @@ def kept_seconds(torch, bundle: Path) -> dict[str, float]:
     """{stage: one replay of it as the cuda executor runs it}: the bundle loaded, each stage in the form
     the executor keeps (the faster of its forms), its CUDA graph replayed alone."""
     with Session(bundle, backend="cuda") as session:
-        return {shard.name: replay_seconds(torch, session.executors[shard.core].prepared[shard.name].graph,
-                                           session.executors[shard.core].stream)
-                for shard in session.manifest.shards}
+        return {name: seconds for name, (_, seconds) in stage_replays(torch, session).items()}
+
+
+def stage_replays(torch, session: Session) -> dict[str, tuple[str, float]]:
+    """{stage: (the form its executor kept, one replay of its CUDA graph alone)} of a loaded session."""
+    out = {}
+    for shard in session.manifest.shards:
+        executor = session.executors[shard.core]
+        prepared = executor.prepared[shard.name]
+        out[shard.name] = (prepared.form, replay_seconds(torch, prepared.graph, executor.stream))
+    return out
 
 
 def timed_steps(torch, graph, inputs, seen: Callable) -> list[tuple[list, float]]:
