@@ -11,8 +11,8 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
    torch.compile of the loop, default and mode="reduce-overhead" (its own CUDA graphs).
 3. shard: the model exported (shard.zoo.vla.export_vla), compiled for --target thor (each program one
    fp16 stage), run by VlaSession on the cuda backend: the whole observation one CUDA graph (the three
-   programs' stages, the features and the prefix's keys and values written into the next program's
-   own buffers, the 10 steps); and, in the same session, the programs one after another (each stage's
+   programs' stages, the features written into the prefix's own input buffer, the 10 steps reading
+   the prefix's keys and values where it wrote them); and, in the same session, the programs one after another (each stage's
    own graph, the loop one graph), the host between them.
 
 Ours is exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
