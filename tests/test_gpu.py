@@ -472,3 +472,42 @@ def test_large_host_copies_split_over_threads_give_what_one_copy_gives(monkeypat
         gpu.copy_into(dst, src)
         np.testing.assert_array_equal(dst, want)
     assert gpu.copy_pool(4)._max_workers == 4 and any(t.name.startswith("shard-copy") for t in gpu.copy_pool(4)._threads)
+
+
+def test_a_capture_runs_after_a_collection_with_the_collector_paused():
+    # Pi0's GPU test aborted on an H100: an observation's graph, dropped in a reference cycle, was
+    # finalized by the collector in the middle of the denoising loop's capture
+    import gc
+
+    from shard.runtime.executors.gpu import collector_paused
+
+    finalized, capturing = [], [False]
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            finalized.append(capturing[0])
+
+    Cycle()
+    with collector_paused():
+        capturing[0] = True
+        assert finalized == [False] and not gc.isenabled()
+        for _ in range(20 * gc.get_threshold()[0]):   # enough to start many collections, were it on
+            Cycle()
+        assert finalized == [False]
+        capturing[0] = False
+    assert gc.isenabled()
+    with pytest.raises(ValueError), collector_paused():
+        raise ValueError("a capture that failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    gc.collect()
+    assert len(finalized) > 1 and not any(finalized)   # every one finalized, none while capturing

@@ -10,7 +10,9 @@ back to the host as numpy. Imports torch, which the cuda and tensorrt executors 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +48,23 @@ class Prepared:
     written: frozenset = frozenset()   # the outputs the stage writes into its own input buffers (OnDevice.writes)
     form: str = "eager"   # which of the stage's forms this is (eager torch ops, torch.compile'd)
     seconds: float | None = None   # one replay, where forms were timed against each other
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector run now, then paused until the block ends: for a CUDA graph's
+    capture. An object it finalized mid-capture (a CUDA graph or a Triton kernel left in a reference
+    cycle) calls the driver, which a capturing stream forbids, and the process aborts; torch no longer
+    collects before a capture (pytorch/pytorch PR 161037). Pi0's GPU test aborted so on an H100, the
+    collector running inside the denoising loop's capture; with the collector off, it passed."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def replay_seconds(torch, graph, stream, repeats: int = 10) -> float:
@@ -154,7 +173,7 @@ class StreamExecutor:
             return Prepared(inputs, outputs, stage, None, host)
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, stream=self.stream):
+        with torch.no_grad(), collector_paused(), torch.cuda.graph(graph, stream=self.stream):
             outputs = stage(inputs)
         return Prepared(inputs, outputs, stage, graph, host)
 
@@ -174,13 +193,11 @@ class StreamExecutor:
             work()   # the work's own ops warmed before capture
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with self.lock, torch.no_grad(), torch.cuda.graph(graph, stream=self.stream):
+        with self.lock, torch.no_grad(), collector_paused(), torch.cuda.graph(graph, stream=self.stream):
             work()
         return graph
 
     def _on_stream(self):
-        import contextlib
-
         return self.torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
 
     def run(self, shard: ShardSpec, inputs: dict) -> dict:
