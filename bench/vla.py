@@ -306,6 +306,7 @@ def main() -> None:
         parser.error(f"--sides: of {', '.join(SIDES)}; --reuse needs --work")
     config = CONFIGS[args.model] if args.depth is None else with_depth(CONFIGS[args.model], args.depth)
     work = Path(args.work or tempfile.mkdtemp(prefix="vla-"))
+    work.mkdir(parents=True, exist_ok=True)   # --target cuda writes its profile there first
     obs = observation(config)
     precisions = list(dict.fromkeys(["fp16", *[p for p in args.precision.split(",") if p]]))
     bundles = {p: work / ("pi0.shard" if p == "fp16" else f"pi0-{p}.shard") for p in precisions}
