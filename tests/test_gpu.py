@@ -5,6 +5,7 @@ and the engine precision check on engine information in TensorRT's JSON format."
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -511,3 +512,53 @@ def test_a_capture_runs_after_a_collection_with_the_collector_paused():
         gc.enable()
     gc.collect()
     assert len(finalized) > 1 and not any(finalized)   # every one finalized, none while capturing
+
+
+def test_the_default_prediction_charges_the_fused_form_s_kernels():
+    # Pi0 on an H100, its programs' stages as the cuda executor keeps them: ops one by one predicted
+    # 1.29-1.88x the measured stages (GELU's eight ops as eight kernels, attention's scores written out)
+    import tempfile
+
+    from shard.targets.gpu.roofline import fused_steps, node_cost, node_seconds, step_seconds
+    from shard.zoo import export_model
+
+    measured = json.loads((DATA / "h100.cuda.profile.json").read_text())["facts"]
+    facts = {k: v for k, v in measured.items() if k != "op_seconds"}   # the default: no ops measured
+    with tempfile.TemporaryDirectory() as tmp:
+        model = export_model("siglip-base-512", Path(tmp) / "s.onnx", layers=2, image_size=64)
+        graph, _ = gpu_graph(onnx.load(str(model)), until="stages")
+    steps = fused_steps(graph.nodes, graph.outputs)
+    runs = [sorted(n.op for n in step) for step in steps if len(step) > 1]
+    # as the executor fuses this stage: 2 attentions, 2 q-k-v products, 6 linears with a bias, 2 GELUs
+    assert sum("Softmax" in ops for ops in runs) == 2 and sum("Tanh" in ops for ops in runs) == 2
+    assert len(runs) == 12 and sum(ops == ["Add"] * 3 + ["MatMul"] * 3 for ops in runs) == 2
+    placed = [id(n) for step in steps for n in step]
+    assert len(placed) == len(set(placed)) and set(placed) <= {id(n) for n in graph.nodes}
+    seconds = node_seconds(graph.nodes, graph.outputs, facts)
+    for step in steps:
+        assert math.isclose(sum(seconds[id(n)] for n in step), step_seconds(step, facts), rel_tol=1e-9)
+        assert step_seconds(step, facts) >= facts["min_kernel_s"] or all(n.op in ("Reshape", "Squeeze", "Unsqueeze",
+                                                                                  "Flatten", "Identity") for n in step)
+    one_by_one = {id(n): node_cost(n, facts).predicted_s for n in graph.nodes}
+    gelu = next(step for step in steps if any(n.op == "Tanh" for n in step))
+    assert step_seconds(gelu, facts) < sum(one_by_one[id(n)] for n in gelu)   # one kernel, not eight
+    assert sum(seconds.values()) < sum(one_by_one.values())
+    # ops measured (shard probe --ops): each op's own, as measured
+    assert node_seconds(graph.nodes, graph.outputs, measured) == {id(n): node_cost(n, measured).predicted_s
+                                                                   for n in graph.nodes}
+
+
+def test_an_op_the_executor_has_no_torch_form_of_is_predicted_op_by_op():
+    from onnx import numpy_helper
+
+    from shard.targets.gpu.roofline import fused_steps, node_cost, node_seconds
+
+    facts = json.loads((DATA / "h100.cuda.profile.json").read_text())["facts"]
+    w = np.ones((16, 16), np.float16)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Einsum", ["h", "h"], ["y"], equation="ij,ij->ij")]
+    graph = gs.import_onnx(helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [16, 16])], [numpy_helper.from_array(w, "w")],
+        value_info=[helper.make_tensor_value_info("h", TensorProto.FLOAT16, [16, 16])])))
+    assert fused_steps(graph.nodes, graph.outputs) is None
+    assert node_seconds(graph.nodes, graph.outputs, facts) == {id(n): node_cost(n, facts).predicted_s for n in graph.nodes}

@@ -45,8 +45,9 @@ LOSSY_GATE = 5e-3
 
 @dataclass
 class VlaPrediction:
-    """An observation's time on the target, predicted from each program's pipeline stages (the roofline of
-    the target's profile: a stage's measured kernels where `probe --ops` gave them, else rates and floors)."""
+    """An observation's time on the target, predicted from each program's pipeline stages (the target's
+    profile: a stage's measured kernels where `probe --ops` gave them, else the kernels of the form the
+    cuda executor runs, at the profile's rates: shard.targets.gpu.roofline.node_seconds)."""
     vision_s: float
     prefix_s: float
     step_s: float
@@ -60,9 +61,9 @@ class VlaPrediction:
         published = THOR_PI05_MS
         return (f"predicted on {target}: vision {1e3 * self.vision_s:.1f} ms, prefix {1e3 * self.prefix_s:.1f} ms, "
                 f"{self.steps} steps {1e3 * self.steps * self.step_s:.1f} ms ({1e3 * self.step_s:.2f} a step): "
-                f"{1e3 * self.seconds:.1f} ms an observation, {1 / self.seconds:.1f} Hz (the stages' roofline, "
-                f"kernels measured only where `shard probe --ops` gave them); Pi0.5 on Thor, published (BF16, "
-                f"an optimized plan): vision {published['vision']:g}, prefix {published['prefix']:g}, "
+                f"{1e3 * self.seconds:.1f} ms an observation, {1 / self.seconds:.1f} Hz (the fused form's kernels "
+                f"on the profile's rates, measured ones where `shard probe --ops` gave them); Pi0.5 on Thor, "
+                f"published (BF16, an optimized plan): vision {published['vision']:g}, prefix {published['prefix']:g}, "
                 f"{STEPS} steps {published['steps']:g} ms: {published['total']:g} ms, "
                 f"{1e3 / published['total']:.1f} Hz")
 

@@ -50,17 +50,24 @@ def to_torch(tensor: onnx.TensorProto, device):
 class TorchGraph:
     """Call with the stage's inputs (torch tensors, in the graph's input order); returns its outputs."""
 
-    def __init__(self, model: onnx.ModelProto, device="cpu", name: str = "stage", fuse: bool = True):
+    def __init__(self, model: onnx.ModelProto, device="cpu", name: str = "stage", fuse: bool = True,
+                 constants: dict | None = None):
+        """`constants`: the graph's constants as torch tensors, where the model's file holds none of them
+        (the cost model plans the fused form over meta tensors: shapes, no data)."""
         import torch
 
         self.name = name
         self.device = device
         graph = model.graph
-        self.values: dict[str, object] = {t.name: to_torch(t, device) for t in graph.initializer}
+        self.values: dict[str, object] = dict(constants) if constants is not None else \
+            {t.name: to_torch(t, device) for t in graph.initializer}
         self.host: dict[str, np.ndarray] = {}   # constant ints that become shape arguments
         for t in graph.initializer:
             if t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
                 self.host[t.name] = numpy_helper.to_array(t)
+        for name, value in (constants or {}).items():
+            if not value.is_floating_point() and not value.is_meta:
+                self.host[name] = value.numpy()
         self.inputs = [i.name for i in graph.input if i.name not in self.values]
         self.outputs = [o.name for o in graph.output]
         self.steps: list[tuple[Callable, list[str], list[str]]] = []
@@ -72,11 +79,15 @@ class TorchGraph:
         with torch.no_grad():
             for node in graph.node:
                 if all(not i or i in self.values for i in node.input):   # constant: computed once, here
-                    results = self._lower(node)(*[self.values.get(i) for i in node.input])
+                    args = [self.values.get(i) for i in node.input]
+                    if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+                        args = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+                    results = self._lower(node)(*args)
                     for name, value in zip(node.output, results if isinstance(results, tuple) else (results,)):
                         self.values[name] = value
                         folded[name] = node
-                        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() < 4096:
+                        if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel() < 4096 \
+                                and not value.is_meta:
                             self.host[name] = value.cpu().numpy()
                 else:
                     live.append(node)

@@ -1,14 +1,18 @@
 """Roofline cost of ops and stages on a GPU, from its profile: the floor each op cannot beat (FLOPs
 over the peak rate of its precision, bytes over DRAM bandwidth) and the predicted time, which uses
-what `shard probe --target cuda` measured where the profile has it: the op's own kernel where its
-signature (op, operand shapes and types, attributes) was timed (`--ops BUNDLE`), else matrix-product
-rates by size and the shortest kernel, else the floor. An op the cuda executor runs inside a fused
-kernel (attention as one sdpa, a linear with its bias, an FP8 product) is charged its share of that
-kernel's measured time, as `--ops` measured it.
+what `shard probe --target cuda` measured where the profile has it: each op's own kernel where its
+signature (op, operand shapes and types, attributes) was timed (`--ops BUNDLE`; an op the cuda
+executor runs inside a fused kernel is charged its share of that kernel's measured time). Without
+`--ops`, the kernels of the form the cuda executor runs (node_seconds: attention as one sdpa, a
+linear with its bias, sibling linears as one product, GELU as one kernel), each at matrix-product
+rates by size, its operands moved once, and at least the shortest kernel; the floor where the
+profile has no rates.
 
 Why measured kernels: on an H100 the floor missed SigLIP-so400m's attention products (head size 72:
 37 us against 8), its LayerNorms (12 us against 1.4) and cuDNN's patch convolution (89.5 us against
-5), and the stage predictions were 1.43-1.75x short of the measured stages.
+5), and the stage predictions were 1.43-1.75x short of the measured stages. Why the fused form's
+kernels: each op charged as a kernel of its own predicted Pi0's programs 1.29-1.88x the measured
+stages on an H100.
 
 A node's precision is its output's float type; a MatMul/Gemm whose operands both come out of
 DequantizeLinear runs in fp8 (TensorRT fuses the pair into the product). Reshapes are views: free.
@@ -123,6 +127,98 @@ def measured_rate(facts: dict, precision: str, flops: float) -> float | None:
     xs = [math.log(g) for g, _ in points]
     ys = [math.log(t * 1e12) for _, t in points]
     return math.exp(float(np.interp(x, xs, ys)))
+
+
+def fused_steps(nodes: list[gs.Node], outputs: list[gs.Tensor]) -> list[list[gs.Node]] | None:
+    """The runs of `nodes` the cuda executor computes as one kernel each (its fused form:
+    shard.runtime.executors.torch_fusions: attention as one sdpa, a linear with its bias, sibling
+    linears as one product, an elementwise function of one tensor), each other node alone, and none
+    of those it computes once at load (constants only); planned over the graph's shapes with its
+    weights as meta tensors (nothing copied). None where the executor cannot plan them (an op it has
+    no torch form of)."""
+    import torch
+    from onnx import helper
+    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+    from shard.runtime.executors.torch_graph import TorchGraph
+
+    constants, variables, made = {}, {}, {}
+    for node in nodes:
+        for t in node.inputs:
+            if isinstance(t, gs.Constant) and t.name not in constants:
+                constants[t.name] = as_torch(torch, t)
+            elif isinstance(t, gs.Variable):
+                variables[t.name] = t
+        made.update({o.name: node for o in node.outputs})
+        variables.update({o.name: o for o in node.outputs})
+    if any(value is None for value in constants.values()):
+        return None
+    def info(t: gs.Variable):  # noqa: E306
+        return OnnxExporter.export_value_info_proto(t, do_type_check=False)
+    graph = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], "stage",
+                              [info(t) for name, t in variables.items() if name not in made],
+                              [info(t) for t in outputs],
+                              value_info=[info(t) for name, t in variables.items() if name in made])
+    try:
+        planned = TorchGraph(helper.make_model(graph), "meta", fuse=True, constants=constants)
+    except Exception:   # noqa: BLE001 - an op, or a fusion's check, the meta form cannot take: ops one by one
+        return None
+    return [[made[n.output[0]] for n in covers] for covers in planned.covers]
+
+
+def as_torch(torch, constant: gs.Constant):
+    """A constant as the cost model's planning needs it: its data where small (a scale, a shape), a meta
+    tensor of its shape and type where large (a weight); None where torch has no such type."""
+    dtype = numpy_dtype(constant)
+    shape = tuple(constant.shape or ())
+    if dtype is None or not is_static(shape):
+        return None
+    if dtype.kind not in "fc" or np.prod(shape, dtype=np.int64) <= 4096:
+        return torch.from_numpy(np.ascontiguousarray(constant.values))
+    try:
+        return torch.empty(shape, dtype=getattr(torch, dtype.name), device="meta")
+    except AttributeError:
+        return None
+
+
+def step_seconds(step: list[gs.Node], facts: dict) -> float:
+    """One kernel of the fused form: its products at the measured rates, its weights, inputs and
+    outputs moved once (what it makes and reads itself never reaches memory), the shortest kernel."""
+    if all(node.op in VIEWS for node in step):
+        return 0.0
+    made = {o.name for node in step for o in node.outputs}
+    compute = 0.0
+    for node in step:
+        cost = node_cost(node, facts)
+        rate = measured_rate(facts, node_precision(node), cost.flops) if node.op in PRODUCTS else None
+        compute += cost.flops / rate if rate else cost.compute_s
+    inside = {id(node) for node in step}
+    read = {t.name: t for node in step for t in node.inputs if t.name and t.name not in made}
+    written = {o.name: o for node in step for o in node.outputs
+               if not o.outputs or any(id(reader) not in inside for reader in o.outputs)}
+    moved = sum(tensor_bytes(t) for t in (*read.values(), *written.values()))
+    return max(compute, moved / (facts["bandwidth_gbs"] * 1e9), facts.get("min_kernel_s", 0.0))
+
+
+def node_seconds(nodes: list[gs.Node], outputs: list[gs.Tensor], facts: dict) -> dict[int, float]:
+    """{id(node): its predicted seconds}. Where `shard probe --ops` measured the ops (op_seconds), each
+    op's own; else the fused form's kernels (fused_steps, step_seconds), each shared among its ops in
+    proportion to their roofline alone (an op the executor computes at load costs 0); where the form
+    cannot be planned, each op as one kernel of its own.
+
+    Why the fused form: Pi0 on an H100 (this GPU's profile, its three programs' stages as the cuda
+    executor keeps them), ops one by one predicted 1.29-1.88x the measured stages (GELU's eight ops,
+    eight kernels; attention's scores written out); the fused form's kernels 0.87-1.20x."""
+    each = {id(node): node_cost(node, facts).predicted_s for node in nodes}
+    steps = None if "op_seconds" in facts else fused_steps(nodes, outputs)
+    if steps is None:
+        return each
+    seconds = dict.fromkeys(each, 0.0)
+    for step in steps:
+        total, alone = step_seconds(step, facts), sum(each[id(n)] for n in step)
+        for node in step:
+            seconds[id(node)] = total * (each[id(node)] / alone if alone else 1.0 / len(step))
+    return seconds
 
 
 def stage_cost(nodes: list[gs.Node], facts: dict) -> Cost:

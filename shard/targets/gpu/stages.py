@@ -19,7 +19,7 @@ from shard.errors import ModelError
 from shard.graph import numpy_dtype
 from shard.passes.context import PassContext
 from shard.passes.partition import build_dataflow, choose_cuts, live_bytes_after, shard_boundaries
-from shard.targets.gpu.roofline import node_cost, stage_cost, stage_floor
+from shard.targets.gpu.roofline import node_seconds, stage_cost, stage_floor
 
 DEFAULT_STAGES = 2   # the seed's two-stream pipeline; --shards K asks for K
 
@@ -37,7 +37,8 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if not graph.nodes:
         raise ModelError("the model has no operators left after constant folding")
     facts = ctx.profile.facts
-    costs = [node_cost(node, facts).predicted_s for node in graph.nodes]
+    seconds = node_seconds(graph.nodes, graph.outputs, facts)
+    costs = [seconds[id(node)] for node in graph.nodes]
     wanted = ctx.options.shards or DEFAULT_STAGES
     dag = build_dataflow(graph)
     if not nx.is_directed_acyclic_graph(dag):
@@ -45,7 +46,8 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     live = live_bytes_after(graph, dag, {name for name, t in graph.tensors().items() if cuttable(t)})
     cuts = choose_cuts(costs, live, min(wanted, len(graph.nodes)))
     ctx.plan = shard_boundaries(graph, cuts)
-    table = [{"stage": plan.name, "nodes": len(plan.nodes), **asdict(stage_cost(plan.nodes, facts)),
+    table = [{"stage": plan.name, "nodes": len(plan.nodes),
+              **asdict(stage_cost(plan.nodes, facts)), "predicted_s": sum(seconds[id(n)] for n in plan.nodes),
               **stage_floor(plan.nodes, plan.inputs, plan.outputs, facts)} for plan in ctx.plan]
     return graph, {"requested": wanted, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts],
                    "stages": table, "macs": [p.macs for p in ctx.plan]}
