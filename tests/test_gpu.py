@@ -543,6 +543,11 @@ def test_the_default_prediction_charges_the_fused_form_s_kernels():
     gelu = next(step for step in steps if any(n.op == "Tanh" for n in step))
     assert step_seconds(gelu, facts) < sum(one_by_one[id(n)] for n in gelu)   # one kernel, not eight
     assert sum(seconds.values()) < sum(one_by_one.values())
+    # an FP8 stage is planned too (its weights FP8 meta tensors), each weight's dequantize done at load
+    fp8, _ = gpu_graph(mlp_chain(2, 64), precision="fp8", until="stages")
+    planned = fused_steps(fp8.nodes, fp8.outputs)
+    assert planned is not None and any(n.op == "QuantizeLinear" for step in planned for n in step)
+    assert not any(n.op == "DequantizeLinear" and isinstance(n.inputs[0], gs.Constant) for step in planned for n in step)
     # ops measured (shard probe --ops): each op's own, as measured
     assert node_seconds(graph.nodes, graph.outputs, measured) == {id(n): node_cost(n, measured).predicted_s
                                                                    for n in graph.nodes}

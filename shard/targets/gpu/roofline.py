@@ -20,14 +20,19 @@ DequantizeLinear runs in fp8 (TensorRT fuses the pair into the product). Reshape
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
+from onnx import helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from shard.graph import is_static, numpy_dtype
 from shard.macs import estimate_macs
+from shard.runtime.executors.torch_graph import TorchGraph
 
 PRODUCTS = ("MatMul", "Gemm", "Conv")
 VIEWS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
@@ -137,10 +142,6 @@ def fused_steps(nodes: list[gs.Node], outputs: list[gs.Tensor]) -> list[list[gs.
     weights as meta tensors (nothing copied). None where the executor cannot plan them (an op it has
     no torch form of)."""
     import torch
-    from onnx import helper
-    from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
-
-    from shard.runtime.executors.torch_graph import TorchGraph
 
     constants, variables, made = {}, {}, {}
     for node in nodes:
@@ -153,8 +154,7 @@ def fused_steps(nodes: list[gs.Node], outputs: list[gs.Tensor]) -> list[list[gs.
         variables.update({o.name: o for o in node.outputs})
     if any(value is None for value in constants.values()):
         return None
-    def info(t: gs.Variable):  # noqa: E306
-        return OnnxExporter.export_value_info_proto(t, do_type_check=False)
+    info = functools.partial(OnnxExporter.export_value_info_proto, do_type_check=False)
     graph = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], "stage",
                               [info(t) for name, t in variables.items() if name not in made],
                               [info(t) for t in outputs],
@@ -168,11 +168,15 @@ def fused_steps(nodes: list[gs.Node], outputs: list[gs.Tensor]) -> list[list[gs.
 
 def as_torch(torch, constant: gs.Constant):
     """A constant as the cost model's planning needs it: its data where small (a scale, a shape), a meta
-    tensor of its shape and type where large (a weight); None where torch has no such type."""
+    tensor of its shape and type where large (a weight) or FP8 (a type numpy has not); None where torch
+    has no such type."""
     dtype = numpy_dtype(constant)
     shape = tuple(constant.shape or ())
-    if dtype is None or not is_static(shape):
+    if not is_static(shape):
         return None
+    if dtype is None:
+        fp8 = constant.dtype == onnx.TensorProto.FLOAT8E4M3FN
+        return torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta") if fp8 else None
     if dtype.kind not in "fc" or np.prod(shape, dtype=np.int64) <= 4096:
         return torch.from_numpy(np.ascontiguousarray(constant.values))
     try:
