@@ -476,8 +476,8 @@ def test_large_host_copies_split_over_threads_give_what_one_copy_gives(monkeypat
 
 
 def test_a_capture_runs_after_a_collection_with_the_collector_paused():
-    # Pi0's GPU test aborted on an H100: an observation's graph, dropped in a reference cycle, was
-    # finalized by the collector in the middle of the denoising loop's capture
+    # Pi0's GPU test aborted on an H100: the collector ran inside the denoising loop's capture and
+    # finalized something whose release calls the driver (with the collector off, it passed)
     import gc
 
     from shard.runtime.executors.gpu import collector_paused
@@ -558,7 +558,8 @@ def test_an_op_the_executor_has_no_torch_form_of_is_predicted_op_by_op():
 
     from shard.targets.gpu.roofline import fused_steps, node_cost, node_seconds
 
-    facts = json.loads((DATA / "h100.cuda.profile.json").read_text())["facts"]
+    facts = {k: v for k, v in json.loads((DATA / "h100.cuda.profile.json").read_text())["facts"].items()
+             if k != "op_seconds"}   # no ops measured: the fused form, where it can be planned
     w = np.ones((16, 16), np.float16)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Einsum", ["h", "h"], ["y"], equation="ij,ij->ij")]
     graph = gs.import_onnx(helper.make_model(helper.make_graph(
