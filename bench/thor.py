@@ -63,7 +63,7 @@ from shard.calibration import run_each
 from shard.compilation import compile_model
 from shard.options import CompileOptions
 from shard.runtime import Session, random_inputs
-from shard.runtime.executors.gpu import collector_paused
+from shard.runtime.executors.gpu import capturing
 from shard.compare import lowest
 from shard.verifier import compare
 
@@ -144,7 +144,7 @@ def baseline(name: str, batch: int, mode: str, frames: int) -> dict:
                 forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with collector_paused(), torch.cuda.graph(graph):
+            with capturing(torch, graph):
                 out = forward()
             run = lambda: (graph.replay(), out)[1]  # noqa: E731
         else:

@@ -63,7 +63,7 @@ import torch
 from shard.compilation.vla import compile_vla
 from shard.options import CompileOptions
 from shard.probes.cuda import probe_cuda, stage_replays
-from shard.runtime.executors.gpu import collector_paused
+from shard.runtime.executors.gpu import capturing
 from shard.runtime.vla import PROGRAMS, VlaSession
 from shard.targets.chips import GPU_TARGETS
 from shard.zoo.vla import CONFIGS, as_sdpa, build_vla, export_vla, observation, with_depth
@@ -165,7 +165,7 @@ def captured_loop(loop):
         with torch.cuda.stream(stream):
             loop(), loop()
         torch.cuda.current_stream().wait_stream(stream)
-        with collector_paused(), torch.cuda.graph(graph):
+        with capturing(torch, graph):
             captured = loop()
     return lambda: (graph.replay(), captured)[1]
 

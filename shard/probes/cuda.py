@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 from shard.bundle import read_manifest
 from shard.profile import Profile
 from shard.runtime import Session, random_inputs
-from shard.runtime.executors.gpu import collector_paused, replay_seconds, require_cuda
+from shard.runtime.executors.gpu import capturing, replay_seconds, require_cuda
 from shard.runtime.executors.torch_graph import TorchGraph
 from shard.targets.gpu.roofline import op_signature
 
@@ -39,7 +39,7 @@ def time_graph(torch, fn: Callable[[], object], repeats: int = REPEATS) -> float
             fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with collector_paused(), torch.cuda.graph(graph, stream=stream):
+    with capturing(torch, graph, stream):
         for _ in range(repeats):
             fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

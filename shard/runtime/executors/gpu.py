@@ -67,6 +67,14 @@ def collector_paused():
             gc.enable()
 
 
+@contextlib.contextmanager
+def capturing(torch, graph, stream=None):
+    """torch.cuda.graph(graph, stream=stream) with the collector paused (collector_paused): every CUDA
+    graph shard and its benches capture goes through here."""
+    with collector_paused(), torch.cuda.graph(graph, stream=stream):
+        yield
+
+
 def replay_seconds(torch, graph, stream, repeats: int = 10) -> float:
     """One replay of a captured graph, the median of `repeats` timed with CUDA events."""
     times = []
@@ -173,7 +181,7 @@ class StreamExecutor:
             return Prepared(inputs, outputs, stage, None, host)
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), collector_paused(), torch.cuda.graph(graph, stream=self.stream):
+        with torch.no_grad(), capturing(torch, graph, self.stream):
             outputs = stage(inputs)
         return Prepared(inputs, outputs, stage, graph, host)
 
@@ -193,7 +201,7 @@ class StreamExecutor:
             work()   # the work's own ops warmed before capture
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with self.lock, torch.no_grad(), collector_paused(), torch.cuda.graph(graph, stream=self.stream):
+        with self.lock, torch.no_grad(), capturing(torch, graph, self.stream):
             work()
         return graph
 
