@@ -90,6 +90,47 @@ def test_fused_attention_keeps_its_plain_form_for_the_compiled_alternative():
     assert not TorchGraph(linear, "cpu").plain_steps
 
 
+@settings(max_examples=25, deadline=None)
+@given(heads=st.integers(1, 4), length=st.integers(1, 9), keys=st.integers(1, 30), mask=st.sampled_from(
+    ["none", "full", "column", "bool"]), alignment=st.sampled_from([4, 8]))
+def test_keys_padded_to_an_aligned_count_attend_as_before(heads, length, keys, mask, alignment):
+    """aligned_keys (the compiled as-ops form's attention on a GPU): the keys' count a multiple of the
+    alignment, the added keys zero and -inf in the mask, the attention the same; an aligned count and a
+    boolean mask are left as they are."""
+    from shard.runtime.executors.torch_fusions import aligned_keys, plain
+
+    g = torch.Generator().manual_seed(keys * 31 + length)
+    q, kt, v = (torch.randn(1, heads, length, 8, generator=g), torch.randn(1, heads, 8, keys, generator=g),
+                torch.randn(1, heads, keys, 4, generator=g))
+    m = {"none": None, "full": torch.where(torch.rand(length, keys, generator=g) < 0.3, -1e4, 0.0),
+         "column": torch.zeros(length, 1), "bool": torch.rand(length, keys, generator=g) < 0.7}[mask]
+    got = aligned_keys(q, kt, v, m, alignment)
+    if mask == "bool" or keys % alignment == 0:
+        assert all(a is b for a, b in zip(got, (q, kt, v, m)))
+        return
+    padded = keys + -keys % alignment
+    assert got[1].shape[-1] == got[2].shape[-2] == got[3].shape[-1] == padded
+    assert torch.equal(got[1][..., :keys], kt) and not got[1][..., keys:].any() and not got[2][..., keys:, :].any()
+    assert torch.isneginf(got[3][..., keys:]).all()
+    torch.testing.assert_close(plain(*got, 0.3), plain(q, kt, v, m, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_form_pads_the_keys_on_a_gpu_only(monkeypatch):
+    """The as-ops form of a fused attention over 6 keys: on the CPU the keys stay 6 (nothing there
+    reads alignment), the eager form never pads."""
+    from shard.runtime.executors import torch_fusions
+
+    model, inputs = attention_model(4, 4, 5, 6, 8, "Div", True)
+    feeds = {n: torch.from_numpy(rng.standard_normal(s).astype(np.float32)) for n, s in inputs.items()}
+    seen, real = [], torch_fusions.plain
+    monkeypatch.setattr(torch_fusions, "plain", lambda q, kt, v, mask, scale: seen.append(kt.shape[-1])
+                        or real(q, kt, v, mask, scale))
+    graph = TorchGraph(model, "cpu")
+    with torch.no_grad():
+        graph.unfused(*[feeds[n] for n in graph.inputs])
+    assert seen == [6]
+
+
 def test_attention_whose_probabilities_are_an_output_is_not_fused():
     model, inputs = attention_model(2, 2, 5, 6, 8, "Mul", False, probs_out=True)
     graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})

@@ -155,13 +155,45 @@ def attention(node, stage: Nodes) -> Fused | None:
             return plain(q, kt, v, mask, scale)   # batch dims broadcast (one key head for several)
         return sdpa(q, k, v, attn_mask=mask, scale=scale)
     return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), [product, *chain],
-                 plain=lambda q, kt, v, mask=None: plain(q, kt, v, mask, scale))
+                 plain=lambda q, kt, v, mask=None: plain(*(aligned_keys(q, kt, v, mask) if q.is_cuda
+                                                            else (q, kt, v, mask)), scale))
 
 
 def plain(q, kt, v, mask, scale: float):
     """Attention as its ops say: the scores, the mask added, softmax, the values (batch dims broadcast)."""
     s = (q @ kt) * scale
     return ((s if mask is None else s + mask).softmax(-1)) @ v
+
+
+KEY_ALIGNMENT = 8   # half-precision elements in 16 bytes
+
+
+def aligned_keys(q, kt, v, mask, alignment: int = KEY_ALIGNMENT) -> tuple:
+    """(q, kt, v, mask) with the keys' count padded to a multiple of `alignment` by keys no query sees
+    (zero keys and values, -inf in the mask), the same attention: on a GPU the scores' and the
+    probabilities' rows then start 16-byte aligned, where an odd count (a cache of 816 plus 51 of the
+    suffix's own) leaves cuBLAS only its align-1 kernels for the two products. Left as they are where
+    the mask is not an additive one over the keys."""
+    import torch
+
+    keys = kt.shape[-1]
+    pad = -keys % alignment
+    if not pad or kt.dim() < 2 or v.shape[-2] != keys \
+            or (mask is not None and (mask.dtype == torch.bool or mask.dim() == 0 or mask.shape[-1] not in (1, keys))):
+        return q, kt, v, mask
+    return (q, torch.nn.functional.pad(kt, (0, pad)), torch.nn.functional.pad(v, (0, 0, 0, pad)),
+            unseen(mask, keys, pad, q))
+
+
+def unseen(mask, keys: int, pad: int, q):
+    """The additive mask over `keys` keys widened by `pad` keys no query sees (-inf)."""
+    import torch
+
+    if mask is None:
+        mask = torch.zeros(keys, dtype=q.dtype, device=q.device)
+    elif mask.shape[-1] != keys:   # one column broadcast over the keys
+        mask = mask.expand(*mask.shape[:-1], keys)
+    return torch.nn.functional.pad(mask, (0, pad), value=float("-inf"))
 
 
 def linear(node, stage: Nodes) -> Fused | None:

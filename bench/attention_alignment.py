@@ -1,0 +1,86 @@
+"""The attention of Pi0's denoising step (the expert's rows over the prefix's cache and their own keys,
+one key head for all query heads) in the form the cuda executor hands torch.compile ("attention as
+ops"), with the keys' count as it is beside it padded to a multiple of 8 (torch_fusions.aligned_keys),
+each compiled and captured as a CUDA graph, the replays timed side by side in one run. Needs a GPU.
+
+    python bench/attention_alignment.py [--cache 816 --rows 51 --heads 8 --head-dim 256]
+
+Prints each side's replay, its longest kernels, and
+    RESULT keys=867 padded=872 plain_us=... aligned_us=... speedup=... max_abs=...
+"""
+import argparse
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from shard.runtime.executors.gpu import capturing
+from shard.runtime.executors.torch_fusions import aligned_keys, plain
+
+
+def attention_of(heads: int, scale: float, aligned: bool):
+    """One layer's attention as the step's ONNX has it: the cache's keys and the rows' own concatenated,
+    repeated for every query head, the scores scaled, the mask added, softmax, the values."""
+    def attend(q, past_k, k, past_v, v, mask):
+        kt = torch.cat([past_k, k], dim=2).repeat_interleave(heads, dim=1).transpose(-1, -2)
+        vv = torch.cat([past_v, v], dim=2).repeat_interleave(heads, dim=1)
+        return plain(*(aligned_keys(q, kt, vv, mask) if aligned else (q, kt, vv, mask)), scale)
+    return attend
+
+
+def replay_us(run, inputs, repeats: int = 200) -> tuple[float, object]:
+    """The median of `repeats` replays of run(*inputs) captured as one CUDA graph (microseconds), and
+    its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            run(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with capturing(torch, graph, stream):
+        out = run(*inputs)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    for e in rows[:4]:
+        print(f"    {e.device_time_total:7.1f} us  {e.key[:100]}")
+    return statistics.median(times), out.clone()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", type=int, default=816, help="the prefix's keys (3 cameras x 256 patches + 48 tokens)")
+    ap.add_argument("--rows", type=int, default=51, help="the suffix: the state and 50 actions")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=256)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    h, d, t, p = args.heads, args.head_dim, args.rows, args.cache
+    half = dict(device="cuda", dtype=torch.float16)
+    inputs = (torch.randn(1, h, t, d, **half), torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half),
+              torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half), torch.zeros(t, p + t, **half))
+    inputs[-1][0, p + 1:] = -1e4   # the state sees the prefix and itself
+    results = {}
+    for aligned in (False, True):
+        name = "aligned" if aligned else "plain"
+        print(f"{name}:")
+        results[name] = replay_us(torch.compile(attention_of(h, d ** -0.5, aligned), dynamic=False), inputs)
+        print(f"  {results[name][0]:.2f} us a replay")
+    (plain_us, want), (aligned_us, got) = results["plain"], results["aligned"]
+    keys = p + t
+    print(f"RESULT keys={keys} padded={keys + (-keys % 8)} plain_us={plain_us:.2f} aligned_us={aligned_us:.2f} "
+          f"speedup={plain_us / aligned_us:.3f} max_abs={(got.float() - want.float()).abs().max().item():.2e}")
+
+
+if __name__ == "__main__":
+    main()
