@@ -514,6 +514,29 @@ def test_a_capture_runs_after_a_collection_with_the_collector_paused():
     assert len(finalized) > 1 and not any(finalized)   # every one finalized, none while capturing
 
 
+def test_every_form_that_fails_is_passed_over_with_what_failed_inside(vit_bundles):
+    # SigLIP-so400m's compiled form was passed over on an H100 as "BackendCompilerFailed: backend='inductor'
+    # raised:", the line that only introduces the cause
+    from shard.bundle import read_manifest
+    from shard.runtime.executors.gpu import StreamExecutor
+    from shard.runtime.executors.torch_graph import TorchGraph
+
+    def broken(gm, example_inputs):
+        raise ValueError("no kernel for this shape")
+
+    bundle = Path(vit_bundles[1]["fp16"])
+    shard = read_manifest(bundle).shards[0]
+    graph = TorchGraph(onnx.load(str(bundle / shard.onnx)), "cpu", shard.name)
+    order = [[t.name for t in shard.inputs].index(name) for name in graph.inputs]
+    eager = lambda inputs: graph(*[inputs[k] for k in order])   # noqa: E731
+    executor = StreamExecutor(bundle, [shard], set(), lambda shard, buffers: {
+        "eager": eager, "compiled": torch.compile(eager, backend=broken), "other": lambda inputs: 1 / 0}, device="cpu")
+    assert executor.prepared[shard.name].form == "eager"
+    why = executor.passed_over[shard.name]
+    assert why.startswith("compiled: BackendCompilerFailed: ValueError: no kernel for this shape; "), why
+    assert why.endswith("other: ZeroDivisionError: division by zero"), why
+
+
 def test_the_default_prediction_charges_the_fused_form_s_kernels():
     # Pi0 on an H100, its programs' stages as the cuda executor keeps them: ops one by one predicted
     # 1.29-1.88x the measured stages (GELU's eight ops as eight kernels, attention's scores written out)

@@ -29,7 +29,7 @@ import numpy as np
 from shard.bundle import read_manifest, read_versioned, sealed_digest
 from shard.errors import BundleError, RunError
 from shard.runtime.executors import to_host, traits_of
-from shard.runtime.executors.gpu import copy_into
+from shard.runtime.executors.gpu import copy_into, failure
 from shard.runtime.generative_bundle import EMBEDDINGS, load_checked
 from shard.runtime.session import OnDevice, Session, default_backend
 
@@ -231,7 +231,7 @@ class VlaSession:
                 try:
                     self.wholes[steps] = ObservationGraph(self.spec, stages, steps)
                 except RuntimeError as exc:   # torch's errors of capture
-                    self.passed_over = f"the observation as one CUDA graph: {str(exc).splitlines()[0][:200]}"
+                    self.passed_over = f"the observation as one CUDA graph: {failure(exc)}"
         return self.wholes[steps]
 
     def on_device(self, array: np.ndarray):

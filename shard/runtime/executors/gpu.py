@@ -75,6 +75,16 @@ def capturing(torch, graph, stream=None):
         yield
 
 
+def failure(exc: BaseException, width: int = 200) -> str:
+    """One line for why `exc` was raised: its type and first line, and where that line only introduces
+    what was raised inside (torch.compile's "backend='inductor' raised:"), the inner error's."""
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if inner is not None and inner is not exc and (not first or first.endswith(":")):
+        return f"{type(exc).__name__}: {failure(inner, width)}"
+    return f"{type(exc).__name__}: {first[:width]}"
+
+
 def replay_seconds(torch, graph, stream, repeats: int = 10) -> float:
     """One replay of a captured graph, the median of `repeats` timed with CUDA events."""
     times = []
@@ -142,7 +152,8 @@ class StreamExecutor:
             except Exception as exc:   # noqa: BLE001 - a faster form that does not build is not used
                 if k == 0:
                     raise
-                self.passed_over[shard.name] = f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                why = f"{form}: {failure(exc)}"
+                self.passed_over[shard.name] = "; ".join(filter(None, [self.passed_over.get(shard.name), why]))
                 continue
             prepared.form, prepared.written = form, written_names
             if len(forms) > 1 and prepared.graph is not None:
