@@ -1,12 +1,14 @@
 """The attention of Pi0's denoising step (the expert's rows over the prefix's cache and their own keys,
 one key head for all query heads) in the form the cuda executor hands torch.compile ("attention as
 ops"), with the keys' count as it is beside it padded to a multiple of 8 (torch_fusions.aligned_keys),
-each compiled and captured as a CUDA graph, the replays timed side by side in one run. Needs a GPU.
+and, padded, with the key head not repeated (every query head's rows in one product against it), each
+compiled and captured as a CUDA graph, the replays timed side by side in one run. Needs a GPU.
 
     python bench/attention_alignment.py [--cache 816 --rows 51 --heads 8 --head-dim 256]
 
 Prints each side's replay, its longest kernels, and
-    RESULT keys=867 padded=872 plain_us=... aligned_us=... speedup=... max_abs=...
+    RESULT keys=867 padded=872 plain_us=... aligned_us=... grouped_us=... speedup=... grouped_vs_aligned=...
+        aligned_max_abs=... grouped_max_abs=...
 """
 import argparse
 import statistics
@@ -25,6 +27,19 @@ def attention_of(heads: int, scale: float, aligned: bool):
         kt = torch.cat([past_k, k], dim=2).repeat_interleave(heads, dim=1).transpose(-1, -2)
         vv = torch.cat([past_v, v], dim=2).repeat_interleave(heads, dim=1)
         return plain(*(aligned_keys(q, kt, vv, mask) if aligned else (q, kt, vv, mask)), scale)
+    return attend
+
+
+def one_key_head(heads: int, scale: float):
+    """The same attention, the keys padded, with the one key head not repeated: every query head's rows
+    stacked into one product against it (what a fused form could take from the graph's repeat)."""
+    def attend(q, past_k, k, past_v, v, mask):
+        b, h, t, d = q.shape
+        kt = torch.cat([past_k, k], dim=2).transpose(-1, -2)
+        vv = torch.cat([past_v, v], dim=2)
+        _, kt, vv, mask = aligned_keys(q, kt, vv, mask)
+        scores = (q.reshape(b, 1, h * t, d) @ kt).view(b, h, t, -1) * scale + mask
+        return (scores.softmax(-1).view(b, 1, h * t, -1) @ vv).view(b, h, t, -1)
     return attend
 
 
@@ -70,16 +85,21 @@ def main() -> None:
     inputs = (torch.randn(1, h, t, d, **half), torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half),
               torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half), torch.zeros(t, p + t, **half))
     inputs[-1][0, p + 1:] = -1e4   # the state sees the prefix and itself
+    sides = {"plain": attention_of(h, d ** -0.5, False), "aligned": attention_of(h, d ** -0.5, True),
+             "grouped": one_key_head(h, d ** -0.5)}
     results = {}
-    for aligned in (False, True):
-        name = "aligned" if aligned else "plain"
+    for name, attend in sides.items():
         print(f"{name}:")
-        results[name] = replay_us(torch.compile(attention_of(h, d ** -0.5, aligned), dynamic=False), inputs)
+        results[name] = replay_us(torch.compile(attend, dynamic=False), inputs)
         print(f"  {results[name][0]:.2f} us a replay")
-    (plain_us, want), (aligned_us, got) = results["plain"], results["aligned"]
+    want = results["plain"][1].float()
     keys = p + t
-    print(f"RESULT keys={keys} padded={keys + (-keys % 8)} plain_us={plain_us:.2f} aligned_us={aligned_us:.2f} "
-          f"speedup={plain_us / aligned_us:.3f} max_abs={(got.float() - want.float()).abs().max().item():.2e}")
+    print(f"RESULT keys={keys} padded={keys + (-keys % 8)} "
+          + " ".join(f"{name}_us={us:.2f}" for name, (us, _) in results.items())
+          + f" speedup={results['plain'][0] / results['aligned'][0]:.3f}"
+          + f" grouped_vs_aligned={results['aligned'][0] / results['grouped'][0]:.3f} "
+          + " ".join(f"{name}_max_abs={(out.float() - want).abs().max().item():.2e}"
+                     for name, (_, out) in results.items() if name != "plain"))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ Ours is exported and compiled in a process of its own while the PyTorch sides ar
 compiles for minutes), and every side is timed after both, one at a time: at full depth on an H100
 the export took 2.5 min, the compile 1.5, torch.compile 6 a mode, so one 10-minute device call should
 hold ours and one torch.compile mode. --reuse reads back a bundle an earlier call left in --work (a warm
-machine keeps it), and --sides picks the PyTorch sides.
+machine keeps it), and --sides picks the PyTorch sides. On a machine whose compile caches are empty the
+whole run does not fit one call (an H100: export 208 s, compile 120 s, loading ours past 170 s,
+reduce-overhead's compile past 380 s after the fp32 model is built): --warm-only does everything but the
+timing (ours loaded and acting once in the process that compiled it, beside torch.compile's compile),
+and a --reuse call on the same machine then reads each compile back.
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
 fp8_linears' search on every program, `pi0-fp8.shard`, which is the fp16 bundle where its action chunk
@@ -255,9 +259,10 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
 
 
 def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], reuse: bool, target: str,
-          profile: Path | None) -> None:
+          profile: Path | None, warm_steps: int | None = None) -> None:
     """The VLA exported into `work` and compiled for `target` in each precision (`reuse`: what is there
-    kept); the compile's prediction printed."""
+    kept); the compile's prediction printed. `warm_steps`: each bundle then loaded on the cuda backend
+    and acting once at that many steps (its forms compiled into torch.compile's caches), nothing timed."""
     if not reuse:
         t0 = time.perf_counter()
         export_vla(name, work / "pi0.vla", depth=depth)
@@ -270,6 +275,12 @@ def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], re
             print(f"compiled {precision} for {target} in {time.perf_counter() - t0:.1f} s"
                   + (f"; {result.actions.line()}" if result.actions else "")
                   + (f"; {result.predicted.line(target)}" if result.predicted else ""), flush=True)
+        if warm_steps is not None:
+            t0 = time.perf_counter()
+            obs = observation(CONFIGS[name] if depth is None else with_depth(CONFIGS[name], depth))
+            with VlaSession(bundle, backend="cuda") as session:
+                session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], warm_steps)
+            print(f"{precision}: loaded and acted once in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def predictions(bundle: Path, replays: dict[str, tuple[str, float]], target: str) -> None:
@@ -297,6 +308,9 @@ def main() -> None:
                         help="thor: the compile predicts on Thor's profile; cuda: on this GPU's, probed first "
                              "(shard probe --target cuda, no --ops), each program's prediction printed beside "
                              "its measured replay")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="export and compile ours, make each side asked and load ours once, time nothing: "
+                             "fills torch.compile's caches on a fresh machine for a --reuse call after it")
     parser.add_argument("--kernels", action="store_true", help="also print one step's kernels, ours and "
                                                                "torch.compile's of the model's velocity, and a "
                                                                "whole observation's, ours and torch.compile's")
@@ -318,13 +332,17 @@ def main() -> None:
         probe_cuda().save(profile)
         print(f"probed this GPU in {time.perf_counter() - t0:.1f} s", flush=True)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile)
+        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile,
+                               args.steps if args.warm_only else None)
         model = build_vla(config).cuda()
         with torch.no_grad():
             inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
             reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
         made = pytorch_sides(model, obs, args.steps, sides_asked)
         building.result()
+    if args.warm_only:
+        print("nothing timed (--warm-only)", flush=True)
+        return
     # first: the figure this bench is for
     mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
     others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}
