@@ -131,6 +131,27 @@ def test_the_as_ops_form_leaves_the_keys_as_they_are_on_the_cpu(monkeypatch):
     assert seen == [6]
 
 
+def test_the_as_ops_form_of_an_exported_vit_s_attention_compiles():
+    """An exported ViT's attention, kt a permute of four axes of the keys as projected ([1, keys, heads,
+    dim] to [1, heads, dim, keys]), no mask: the as-ops form compiled (torch.compile on the CPU) gives
+    onnxruntime's outputs; with the scale after the product, inductor's attention pattern failed on it."""
+    heads, length, dim = 3, 5, 8
+    nodes = [helper.make_node("Transpose", ["qi"], ["q"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["ki"], ["kt"], perm=[0, 2, 3, 1]),
+             helper.make_node("Transpose", ["vi"], ["v"], perm=[0, 2, 1, 3]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "c"], ["s2"]),
+             helper.make_node("Softmax", ["s2"], ["p"], axis=-1), helper.make_node("MatMul", ["p", "v"], ["y"])]
+    inputs = {n: [1, length, heads, dim] for n in ("qi", "ki", "vi")}
+    model = model_of(nodes, inputs, {"y": [1, heads, length, dim]}, {"c": np.array(dim ** -0.5, np.float32)})
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()}
+    graph = fused_and_checked(model, feeds)
+    assert graph.fused == {"attention": 1} and graph.plain_steps
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(graph.unfused, dynamic=False)(*[torch.from_numpy(feeds[n]) for n in graph.inputs])
+    np.testing.assert_allclose(got[0].numpy(), run_ort(model, feeds, optimize=False)[0], atol=1e-4, rtol=1e-4)
+
+
 def test_attention_whose_probabilities_are_an_output_is_not_fused():
     model, inputs = attention_model(2, 2, 5, 6, 8, "Mul", False, probs_out=True)
     graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})
