@@ -162,9 +162,10 @@ def attention(node, stage: Nodes) -> Fused | None:
 def plain(q, kt, v, mask, scale: float):
     """Attention as its ops say: the scores, the mask added, softmax, the values (batch dims broadcast).
     Unmasked, the scale goes on q: torch.compile's attention pattern for scores scaled after the product
-    (inductor's fuse_attention, replacement 2) takes the keys of an exported ViT's kt, a permute of
-    four axes, for a transpose of the last two, and fails to compile (SigLIP-so400m on an H100, every
-    zoo encoder on the CPU: "Attempting to broadcast a dimension of length 729")."""
+    (inductor's fuse_attention, replacement 2; its serialized form matches a permute whatever its axes:
+    pytorch/pytorch issue 195282) takes the keys of an exported ViT's kt, a permute of four axes, for a
+    transpose of the last two, and fails to compile (SigLIP-so400m on an H100, every zoo encoder on the
+    CPU: "Attempting to broadcast a dimension of length 729")."""
     if mask is None:
         return ((q * scale) @ kt).softmax(-1) @ v
     return ((q @ kt) * scale + mask).softmax(-1) @ v
