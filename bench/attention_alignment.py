@@ -11,12 +11,11 @@ Prints each side's replay, its longest kernels, and
         aligned_max_abs=... grouped_max_abs=...
 """
 import argparse
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from shard.runtime.executors.gpu import capturing
+from shard.runtime.executors.gpu import capturing, replay_seconds
 from shard.runtime.executors.torch_fusions import aligned_keys, plain
 
 
@@ -44,8 +43,8 @@ def one_key_head(heads: int, scale: float):
 
 
 def replay_us(run, inputs, repeats: int = 200) -> tuple[float, object]:
-    """The median of `repeats` replays of run(*inputs) captured as one CUDA graph (microseconds), and
-    its output."""
+    """The median of `repeats` replays of run(*inputs) captured as one CUDA graph (microseconds: the
+    executor's own replay_seconds), and its output."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,21 +54,14 @@ def replay_us(run, inputs, repeats: int = 200) -> tuple[float, object]:
     graph = torch.cuda.CUDAGraph()
     with capturing(torch, graph, stream):
         out = run(*inputs)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+    seconds = replay_seconds(torch, graph, stream, repeats)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
     rows = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     for e in rows[:4]:
         print(f"    {e.device_time_total:7.1f} us  {e.key[:100]}")
-    return statistics.median(times), out.clone()
+    return 1e6 * seconds, out.clone()
 
 
 def main() -> None:
