@@ -16,14 +16,14 @@ same GPU, the same observation and noise in, the same action chunk out (numpy to
    own graph, the loop one graph), the host between them.
 
 Ours is exported and compiled in a process of its own while the PyTorch sides are made (torch.compile
-compiles for minutes), and every side is timed after both, one at a time: at full depth on an H100
-the export took 2.5 min, the compile 1.5, torch.compile 6 a mode, so one 10-minute device call should
-hold ours and one torch.compile mode. --reuse reads back a bundle an earlier call left in --work (a warm
-machine keeps it), and --sides picks the PyTorch sides. On a machine whose compile caches are empty the
-whole run does not fit one call (an H100: export 208 s, compile 120 s, loading ours past 170 s,
-reduce-overhead's compile past 380 s after the fp32 model is built): --warm-only does everything but the
-timing (ours loaded and acting once in the process that compiled it, beside torch.compile's compile),
-and a --reuse call on the same machine then reads each compile back.
+compiles for minutes), and every side is timed after both, one at a time. --reuse reads back a bundle
+an earlier call left in --work (a warm machine keeps it), and --sides picks the PyTorch sides. On a
+machine whose compile caches are empty the whole run does not fit one 10-minute call (full depth on an
+H100: export 147-208 s, compile 88-120 s, loading ours past 170 s, reduce-overhead's compile 377 s and
+more after the fp32 model is built): --warm-only does everything but the timing (ours loaded and acting
+once in the process that compiled it, beside torch.compile's compile), and a --reuse call on the same
+machine then reads each compile back (reduce-overhead ready after 38 s, ours loaded, the whole call
+311 s).
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
 fp8_linears' search on every program, `pi0-fp8.shard`, which is the fp16 bundle where its action chunk
