@@ -392,3 +392,17 @@ def test_a_packs_runtime_code_runs_only_as_it_was_packed(save, tmp_path):
     assert res.returncode == 1 and "extra.py: not the runtime code" in res.stderr
     (here / "shard" / "runtime" / "extra.py").unlink()
     assert run("run.py", "--backend", "cpu").returncode == 0   # __pycache__ the runs wrote is Python's own
+
+
+@pytest.mark.parametrize("args, written", [
+    (["compile", "--help"], "Bundle directory [default: MODEL.shard]."),
+    (["act", "--help"], "An .npz of pixel_values [cameras, 3, S, S], tokens [T] and state [1, actions]"),
+    (["zoo", "export", "--help"], "[default: the real model's]"),   # a command of a sub-app
+])
+def test_help_prints_bracketed_text_as_written(args, written):
+    # typer reads help as rich markup: "[default: MODEL.shard]" was a tag, and vanished
+    import re
+
+    res = shard_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert written in re.sub(r"[│\s]+", " ", res.stdout), res.stdout

@@ -34,7 +34,19 @@ class Commands(TyperGroup):
         # a module of several commands (pack) is a group of them; a sub-app (cache) is the group itself
         command = made.commands[name] if isinstance(made, TyperGroup) and name in made.commands else made
         command.name = name
-        return command
+        return literal_help(command)
+
+
+def literal_help(command):
+    """`command` (and a group's commands) with its help and its options' help escaped for rich: typer
+    reads help as rich markup, where "[default: MODEL.shard]" or "pixel_values [cameras, 3, S, S]"
+    is a tag and vanished from the help printed."""
+    for item in (command, *command.params):
+        if getattr(item, "help", None):
+            item.help = escape(item.help)
+    for sub in getattr(command, "commands", {}).values():
+        literal_help(sub)
+    return command
 
 
 app = typer.Typer(cls=Commands, help="Make models that edge NPUs choke on compile, run and stay accurate on them.",
