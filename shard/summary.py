@@ -801,8 +801,10 @@ def stage_table(stages: list[Stage], title: str) -> Table:
     return table
 
 
-def stage_lines(s: StageSummary) -> list[str]:
-    """The warnings, the FP8 rounds, the prediction (the slowest stage paces a pipeline), --batch auto."""
+def stage_lines(s: StageSummary, engines: bool = True) -> list[str]:
+    """The warnings, the FP8 rounds, the prediction (the slowest stage paces a pipeline), --batch auto;
+    `engines`: the bundle runs on TensorRT too, and the prediction says how to build its engines (a VLA's
+    and a decoder's programs run on the cuda and cpu backends only)."""
     lines = [warning(w) for w in s.warnings]
     frames = f" of {s.fp8.frames} frames, each frame on its own" if s.fp8.frames > 1 else ""
     for r in s.fp8.rounds:
@@ -817,7 +819,8 @@ def stage_lines(s: StageSummary) -> list[str]:
         slowest = max(stage.predicted_s for stage in s.stages)
         pipelined = f"{s.batch / slowest:.1f} frames/s" if slowest > 0 else "- frames/s"
         lines.append(f"predicted: {one_run(s.batch)} {1e3 * sum(stage.predicted_s for stage in s.stages):.3f} ms, "
-                     f"pipelined {pipelined} (the slowest stage); engines: `shard build-engines BUNDLE` on the device")
+                     f"pipelined {pipelined} (the slowest stage)"
+                     + ("; engines: `shard build-engines BUNDLE` on the device" if engines else ""))
     auto = s.batch_auto
     if auto is not None:
         budget = auto.latency_budget_s

@@ -180,11 +180,11 @@ def compile_decoder(model: Path, target: str, output: Path | None, options, step
     vision = result.spec.vision
     if vision:
         console.rule(f"program vision: an image of {vision['image_size']} x {vision['image_size']} to its features")
-        print_compile_report(result.reports[vision["program"]])
+        print_compile_report(result.reports[vision["program"]], engines=False)
     for program in result.spec.programs:
         console.rule(f"program {program.name}: {program.width} token{'s' * (program.width > 1)} a step over a "
                      f"cache of {program.capacity}")
-        print_compile_report(result.reports[program.name])
+        print_compile_report(result.reports[program.name], engines=False)
     if result.chunk is not None:
         console.print(f"--chunk auto: {result.chunk.chunk} tokens a prompt step: {result.chunk.why}")
     rows = [SpeedRow.of(row, f"predicted[{k}]") for k, row in enumerate(result.predicted)]
@@ -206,7 +206,7 @@ def compile_vla_command(model: Path, target: str, output: Path | None, options) 
         result = compile_vla(model, target, output or model.with_suffix(".shard"), options, progress)
     for name, report in result.reports.items():
         console.rule(f"program {name}")
-        print_compile_report(report)
+        print_compile_report(report, engines=False)
     if result.predicted is not None:
         console.print(escape(result.predicted.line(target)))
     if result.actions is not None:
@@ -239,12 +239,13 @@ def parse_shapes(items: list[str]) -> tuple[dict, list[dict]]:
     return fixed, buckets
 
 
-def print_compile_report(report: dict) -> None:
-    """The shards' table and the summary under it, from the report's typed records (shard.summary)."""
+def print_compile_report(report: dict, engines: bool = True) -> None:
+    """The shards' table and the summary under it, from the report's typed records (shard.summary);
+    `engines` False: a program of a VLA or decoder bundle, which no TensorRT engine runs."""
     if staged(report):   # a GPU target's pipeline stages
         stages = StageSummary.of(report)
         console.print(stage_table(stages.stages, f"{len(stages.stages)} pipeline stages, {stages.precision}"))
-        for line in stage_lines(stages):
+        for line in stage_lines(stages, engines):
             console.print(line)
         return
     summary = Summary.of(report)

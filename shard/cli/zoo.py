@@ -65,4 +65,5 @@ def export_vla_folder(name: str, output: Path, layers: int | None, seed: int) ->
         warnings.simplefilter("ignore")
         export_vla(name, output, seed=seed, depth=layers)
     size = sum(p.stat().st_size for p in output.rglob("*") if p.is_file())
-    console.print(f"wrote {output} ({size / 1e6:.1f} MB): compile it with `shard compile {output} --target cuda`")
+    console.print(f"wrote {output} ({size / 1e6:.1f} MB): compile it with `shard compile {output} --target thor` "
+                  f"(or `--target cuda --profile P`, P this GPU's from `shard probe --target cuda`)")
