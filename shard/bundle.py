@@ -228,6 +228,12 @@ def read_manifest(bundle: str | Path) -> Manifest:
         if (root / "generative.json").is_file():
             raise BundleError(f"{root}: a decoder's bundle of several programs: write text with `shard generate`, check "
                               f"it with `shard verify`, run one program with `shard run {root}/decode`")
+        if (root / "vla.json").is_file():
+            if (root / "vision" / MANIFEST).is_file():
+                raise BundleError(f"{root}: a VLA's bundle of three programs: act with `shard act {root}`; each "
+                                  f"program runs and verifies on its own (`shard run {root}/step`)")
+            raise BundleError(f"{root}: a VLA folder, its programs as ONNX: compile it with "
+                              f"`shard compile {root} --target thor`")
         raise BundleError(f"{root}: not a shard bundle (no {MANIFEST}); make one with `shard compile`")
     try:
         data = json.loads(path.read_text())

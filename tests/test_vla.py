@@ -191,6 +191,16 @@ def test_a_changed_bundle_is_refused(bundle, tmp_path):
         VlaSession(copy, backend="cpu")
 
 
+def test_a_program_that_cannot_load_closes_the_session_with_the_program_s_error(bundle):
+    # `shard act` without --backend on a machine with no GPU died in close() (AttributeError) instead
+    # of saying the cuda backend needs one
+    from shard.errors import ShardError
+
+    with pytest.raises(ShardError) as raised:
+        VlaSession(bundle.bundle, backend="board")   # not a thor bundle's: its first program fails to load
+    assert not isinstance(raised.value.__context__, AttributeError)
+
+
 def test_the_cli_exports_compiles_and_acts(tmp_path):
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
     assert res.returncode == 0 and "--target thor" in res.stdout, res.stderr   # a target that ships its profile
@@ -203,6 +213,11 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     np.savez(tmp_path / "obs.npz", pixel_values=np.zeros((1, 3, 8, 8), np.float32))
     res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "obs.npz")
     assert res.returncode == 1 and "pixel_values of shape" in res.stderr and "Traceback" not in res.stderr
+    for args, fragment in ((["run", tmp_path / "few.shard"], "act with `shard act"),
+                           (["verify", tmp_path / "few.shard", "-r", tmp_path / "few.vla"], "act with `shard act"),
+                           (["run", tmp_path / "few.vla"], "a VLA folder, its programs as ONNX: compile it")):
+        res = shard_cli(*args)
+        assert res.returncode == 1 and fragment in res.stderr and "Traceback" not in res.stderr, res.stderr
     res = shard_cli("compile", tmp_path / "few.vla", "--target", "rk3588", "-o", tmp_path / "rk.shard")
     assert res.returncode == 1 and "a VLA compiles for the GPU targets" in res.stderr and not (tmp_path / "rk.shard").exists()
     res = shard_cli("act", tmp_path / "few.vla" / "vision")

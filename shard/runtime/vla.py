@@ -132,6 +132,8 @@ class VlaSession:
         self.device = traits_of(self.backend).device   # where tensors stay
         kept = {"vision": ["image_features"], "prefix": self.spec.cache_names, "step": ["velocity"]}
         self.sessions: dict[str, Session] = {}
+        self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
+        self.wholes: dict[int, ObservationGraph] = {}   # steps -> the observation as one CUDA graph
         try:
             for name in PROGRAMS:
                 self.sessions[name] = Session(self.bundle / name, self.backend, **session_args,
@@ -142,8 +144,6 @@ class VlaSession:
         self.buffers = {name: self.sessions[name].input_buffers() if self.device else {} for name in ("prefix", "step")}
         step = self.buffers["step"]
         self.cache = {name: step[name] for name in self.spec.cache_names if name in step}
-        self.loops: dict[int, tuple] = {}   # steps -> (the loop's CUDA graph, its action chunk), once captured
-        self.wholes: dict[int, ObservationGraph] = {}   # steps -> the observation as one CUDA graph
         self.passed_over = ""   # why the observation is not one CUDA graph, where its capture failed
 
     def act(self, pixel_values: np.ndarray, tokens: np.ndarray, state: np.ndarray, noise: np.ndarray | None = None,
