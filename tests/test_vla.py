@@ -17,7 +17,7 @@ from shard.compilation.vla import compile_vla
 from shard.errors import BundleError, ShardError
 from shard.options import CompileOptions
 from shard.runtime import vla as vla_runtime
-from shard.runtime.vla import PROGRAMS, VLA, VlaSession
+from shard.runtime.vla import PROGRAMS, VLA, VlaSession, read_vla, seeded_observation
 from shard.zoo.vla import FEW, Layer, as_sdpa, build_vla, cache_names, export_vla, observation
 
 
@@ -213,6 +213,13 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     np.savez(tmp_path / "obs.npz", pixel_values=np.zeros((1, 3, 8, 8), np.float32))
     res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "obs.npz")
     assert res.returncode == 1 and "pixel_values of shape" in res.stderr and "Traceback" not in res.stderr
+    obs = seeded_observation(read_vla(tmp_path / "few.shard"))
+    np.savez(tmp_path / "floats.npz", **{**obs, "tokens": obs["tokens"].astype(np.float32)})
+    res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "floats.npz")
+    assert res.returncode == 1 and "tokens: integer ids expected" in res.stderr and "Traceback" not in res.stderr
+    np.savez(tmp_path / "nan.npz", **{**obs, "pixel_values": np.full_like(obs["pixel_values"], np.nan)})
+    res = shard_cli("act", tmp_path / "few.shard", "--backend", "cpu", "--observation", tmp_path / "nan.npz")
+    assert res.returncode == 0 and "[nan nan nan nan nan nan]" in res.stdout, res.stderr   # not read as markup
     for args, fragment in ((["run", tmp_path / "few.shard"], "act with `shard act"),
                            (["verify", tmp_path / "few.shard", "-r", tmp_path / "few.vla"], "act with `shard act"),
                            (["run", tmp_path / "few.vla"], "a VLA folder, its programs as ONNX: compile it")):

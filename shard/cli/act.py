@@ -7,6 +7,7 @@ from typing import Optional
 
 import numpy as np
 import typer
+from rich.markup import escape
 
 from shard.cli.common import console
 from shard.errors import ShardError
@@ -43,7 +44,7 @@ def act_command(
     actions = acts[-1].actions
     parts = {k: float(np.median([a.seconds[k] for a in acts])) for k in acts[0].seconds}
     first = np.array2string(actions[0, 0, :6], precision=3)
-    console.print(f"actions {list(actions.shape)} on {session.backend}: the first's first six {first}")
+    console.print(f"actions {list(actions.shape)} on {session.backend}: the first's first six {escape(first)}")
     console.print(", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in parts.items())
                   + f"; {1e3 * sum(parts.values()):.2f} ms in all ({steps} steps)")
     if save is not None:

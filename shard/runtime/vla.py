@@ -152,6 +152,11 @@ class VlaSession:
         none is given), t from 1 to 0."""
         s = self.spec
         tokens = np.asarray(tokens).reshape(-1)
+        if tokens.dtype.kind not in "iu":
+            raise RunError(f"tokens: integer ids expected; got {tokens.dtype}")
+        for name, value in (("pixel_values", pixel_values), ("state", state), ("noise", noise)):
+            if value is not None and np.asarray(value).dtype.kind not in "biuf":
+                raise RunError(f"{name}: real numbers expected; got {np.asarray(value).dtype}")
         if steps < 1 or len(tokens) != s.text_tokens or tokens.min() < 0 or tokens.max() >= s.vocab:
             raise RunError(f"an observation takes {s.text_tokens} token ids below {s.vocab} and steps >= 1; "
                            f"got {len(tokens)} ids and {steps} steps")
