@@ -194,8 +194,6 @@ def test_a_changed_bundle_is_refused(bundle, tmp_path):
 def test_a_program_that_cannot_load_closes_the_session_with_the_program_s_error(bundle):
     # `shard act` without --backend on a machine with no GPU died in close() (AttributeError) instead
     # of saying the cuda backend needs one
-    from shard.errors import ShardError
-
     with pytest.raises(ShardError) as raised:
         VlaSession(bundle.bundle, backend="board")   # not a thor bundle's: its first program fails to load
     assert not isinstance(raised.value.__context__, AttributeError)
