@@ -268,9 +268,11 @@ class TransformersReference:
     def greedy(self, ids: list[int], new: int) -> list[int]:
         import torch
 
-        with torch.no_grad():
-            return self.model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        prompt = torch.tensor([ids])
+        with torch.no_grad():   # every prompt token attended: without a mask, generate hides those equal to the pad id
+            return self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                       min_new_tokens=new, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)[0, len(ids):].tolist()
 
 
 def check_prompt(run, table: np.ndarray, cache, chunk: int, model, ids: list[int], new: int, forced: int,

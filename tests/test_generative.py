@@ -58,6 +58,20 @@ def checkpoint(tmp_path_factory):
     return folder, model
 
 
+def test_the_reference_s_greedy_attends_to_every_prompt_token(checkpoint):
+    # transformers' generate without a mask hides the prompt's tokens equal to the pad id: verify's
+    # reference answered a prompt of the tiny tokenizer's unknown words (id 0) as if they were not there,
+    # and every greedy answer "differed" from token 1 while the teacher-forced logits agreed
+    from shard.verifier import TransformersReference
+
+    _, model = checkpoint
+    ids, seq = [0, 5, 0, 17, 0], [0, 5, 0, 17, 0]
+    with torch.no_grad():
+        for _ in range(4):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert TransformersReference(model).greedy(ids, 4) == seq[len(ids):]
+
+
 def transformers_greedy(model, ids: list[int], new: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
