@@ -22,7 +22,9 @@ def load_model(path: str | Path) -> onnx.ModelProto:
     if not path.exists():
         raise ModelError(f"{path}: no such file")
     if not path.is_file():
-        raise ModelError(f"{path}: not a file")
+        programs = sorted(path.glob("*/*.onnx")) if (path / "vla.json").is_file() else []
+        raise ModelError(f"{path}: " + (f"a VLA folder; each of its programs is an ONNX file: "
+                                        f"{', '.join(str(p) for p in programs)}" if programs else "not a file"))
     try:
         model = onnx.load(str(path), load_external_data=False)
         if external_data_files(path, model):

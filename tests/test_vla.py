@@ -220,7 +220,8 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     assert res.returncode == 0 and "[nan nan nan nan nan nan]" in res.stdout, res.stderr   # not read as markup
     for args, fragment in ((["run", tmp_path / "few.shard"], "act with `shard act"),
                            (["verify", tmp_path / "few.shard", "-r", tmp_path / "few.vla"], "act with `shard act"),
-                           (["run", tmp_path / "few.vla"], "a VLA folder, its programs as ONNX: compile it")):
+                           (["run", tmp_path / "few.vla"], "a VLA folder, its programs as ONNX: compile it"),
+                           (["inspect", tmp_path / "few.vla", "--target", "thor"], "step/step.onnx")):
         res = shard_cli(*args)
         assert res.returncode == 1 and fragment in res.stderr and "Traceback" not in res.stderr, res.stderr
     res = shard_cli("compile", tmp_path / "few.vla", "--target", "rk3588", "-o", tmp_path / "rk.shard")
