@@ -58,6 +58,7 @@ def inspect_model(model: str | Path, target: str = DEFAULT_TARGET, options=None)
         for left in report.not_fixed + report.tried:
             result.findings.append(Finding(left.node, left.op, left.reason, left.action, "not fixed"))
         for cpu in report.reported:
-            result.findings.append(Finding(cpu.node, cpu.op, cpu.reason, "left to the vendor compiler (runs on the CPU)",
+            result.findings.append(Finding(cpu.node, cpu.op, cpu.reason, "left to the vendor compiler (alone it runs on the CPU; in the model "
+                                           "it may fuse: the compile counts what stays there)",
                                            "cpu"))
     return result

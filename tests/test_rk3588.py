@@ -439,3 +439,17 @@ def test_one_row_of_a_sequence_the_vendor_overflows_on_builds_split(save, tmp_pa
     assert result.report["totals"]["overflow_lines"] == 0 and versus["vendor"]["builds"] is False
     assert versus["verdict"] == "better" and versus["fidelity"]["shard"] >= 0.9999
     assert [s["op"] for s in result.manifest.host_pre] == ["slice", "slice"]
+
+
+def test_inspect_says_an_op_runs_on_the_cpu_when_built_alone_not_in_the_model(save):
+    # inspect said "ops that would run on the CPU" of one-op builds, where the whole model's build ran
+    # none there (ViT-tiny: 6 against the compile's 0)
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 64])
+    model = helper.make_model(helper.make_graph([helper.make_node("Erf", ["x"], ["y"])], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    res = shard_cli("inspect", save(model), "--target", "rk3588")
+    assert res.returncode == 0, res.stderr
+    assert "1 ops that run on the CPU when built alone" in res.stdout and "would run" not in res.stdout, res.stdout

@@ -56,4 +56,5 @@ def inspect_command(
             console.print(f"host step {when}: {describe_step(step)}")
     counts = {k: sum(1 for f in result.findings if f.kind == k) for k in order}
     console.print(f"{counts['rewrite']} rewrites, {counts['not fixed']} over a limit and not fixed, "
-                  f"{counts['cpu']} ops that would run on the CPU")
+                  f"{counts['cpu']} ops that run on the CPU when built alone (`shard compile` counts those that "
+                  f"still do in the whole model's build)")
