@@ -154,9 +154,6 @@ class VlaSession:
         tokens = np.asarray(tokens).reshape(-1)
         if tokens.dtype.kind not in "iu":
             raise RunError(f"tokens: integer ids expected; got {tokens.dtype}")
-        for name, value in (("pixel_values", pixel_values), ("state", state), ("noise", noise)):
-            if value is not None and np.asarray(value).dtype.kind not in "biuf":
-                raise RunError(f"{name}: real numbers expected; got {np.asarray(value).dtype}")
         if steps < 1 or len(tokens) != s.text_tokens or tokens.min() < 0 or tokens.max() >= s.vocab:
             raise RunError(f"an observation takes {s.text_tokens} token ids below {s.vocab} and steps >= 1; "
                            f"got {len(tokens)} ids and {steps} steps")
@@ -164,6 +161,8 @@ class VlaSession:
         if noise is None:
             noise = np.random.default_rng(seed).standard_normal(want["noise"]).astype(np.float32)
         for name, value in (("pixel_values", pixel_values), ("state", state), ("noise", noise)):
+            if np.asarray(value).dtype.kind not in "biuf":
+                raise RunError(f"{name}: real numbers expected; got {np.asarray(value).dtype}")
             if np.size(value) != math.prod(want[name]):
                 raise RunError(f"{name}: {list(want[name])} expected; got {list(np.shape(value))}")
         text = self.table[tokens] * np.float32(math.sqrt(s.width))

@@ -185,15 +185,17 @@ def as_torch(torch, constant: gs.Constant):
         return None
 
 
-def step_seconds(step: list[gs.Node], facts: dict) -> float:
+def step_seconds(step: list[gs.Node], facts: dict, costs: dict[int, Cost] | None = None) -> float:
     """One kernel of the fused form: its products at the measured rates, its weights, inputs and
-    outputs moved once (what it makes and reads itself never reaches memory), the shortest kernel."""
+    outputs moved once (what it makes and reads itself never reaches memory), the shortest kernel.
+    `costs`: node_costs of its nodes, where the caller has them."""
     if all(node.op in VIEWS for node in step):
         return 0.0
+    costs = costs or node_costs(step, facts)
     made = {o.name for node in step for o in node.outputs}
     compute = 0.0
     for node in step:
-        cost = node_cost(node, facts)
+        cost = costs[id(node)]
         rate = measured_rate(facts, node_precision(node), cost.flops) if node.op in PRODUCTS else None
         compute += cost.flops / rate if rate else cost.compute_s
     inside = {id(node) for node in step}
@@ -204,7 +206,13 @@ def step_seconds(step: list[gs.Node], facts: dict) -> float:
     return max(compute, moved / (facts["bandwidth_gbs"] * 1e9), facts.get("min_kernel_s", 0.0))
 
 
-def node_seconds(nodes: list[gs.Node], outputs: list[gs.Tensor], facts: dict) -> dict[int, float]:
+def node_costs(nodes: list[gs.Node], facts: dict) -> dict[int, Cost]:
+    """{id(node): node_cost}: each node's roofline, computed once for every sum that reads it."""
+    return {id(node): node_cost(node, facts) for node in nodes}
+
+
+def node_seconds(nodes: list[gs.Node], outputs: list[gs.Tensor], facts: dict,
+                 costs: dict[int, Cost] | None = None) -> dict[int, float]:
     """{id(node): its predicted seconds}. Where `shard probe --ops` measured the ops (op_seconds), each
     op's own; else the fused form's kernels (fused_steps, step_seconds), each shared among its ops in
     proportion to their roofline alone (an op the executor computes at load costs 0); where the form
@@ -213,30 +221,32 @@ def node_seconds(nodes: list[gs.Node], outputs: list[gs.Tensor], facts: dict) ->
     Why the fused form: Pi0 on an H100 (this GPU's profile, its three programs' stages as the cuda
     executor keeps them), ops one by one predicted 1.29-1.88x the measured stages (GELU's eight ops,
     eight kernels; attention's scores written out); the fused form's kernels 0.87-1.20x."""
-    each = {id(node): node_cost(node, facts).predicted_s for node in nodes}
+    costs = costs or node_costs(nodes, facts)
+    each = {key: cost.predicted_s for key, cost in costs.items()}
     steps = None if "op_seconds" in facts else fused_steps(nodes, outputs)
     if steps is None:
         return each
     seconds = dict.fromkeys(each, 0.0)
     for step in steps:
-        total, alone = step_seconds(step, facts), sum(each[id(n)] for n in step)
+        total, alone = step_seconds(step, facts, costs), sum(each[id(n)] for n in step)
         for node in step:
             seconds[id(node)] = total * (each[id(node)] / alone if alone else 1.0 / len(step))
     return seconds
 
 
-def stage_cost(nodes: list[gs.Node], facts: dict) -> Cost:
+def stage_cost(nodes: list[gs.Node], facts: dict, costs: dict[int, Cost] | None = None) -> Cost:
     total = Cost()
     for node in nodes:
-        total += node_cost(node, facts)
+        total += costs[id(node)] if costs else node_cost(node, facts)
     return total
 
 
-def stage_floor(nodes: list[gs.Node], inputs: list[gs.Tensor], outputs: list[gs.Tensor], facts: dict) -> dict:
+def stage_floor(nodes: list[gs.Node], inputs: list[gs.Tensor], outputs: list[gs.Tensor], facts: dict,
+                ops: Cost | None = None) -> dict:
     """What no implementation of the stage can beat, however its ops are fused: its FLOPs at the peak
     rate, and its weights plus its own inputs and outputs moved once over DRAM (stage_cost's floor
     sums every op's operands and results, which fused kernels never write)."""
-    ops = stage_cost(nodes, facts)
+    ops = ops or stage_cost(nodes, facts)
     compute = ops.compute_s   # each op's FLOPs at its precision's peak
     memory = (ops.weight_bytes + sum(tensor_bytes(t) for t in (*inputs, *outputs))) / (facts["bandwidth_gbs"] * 1e9)
     return {"floor_s": max(compute, memory), "bound": "compute" if compute >= memory else "memory",

@@ -19,7 +19,7 @@ from shard.errors import ModelError
 from shard.graph import numpy_dtype
 from shard.passes.context import PassContext
 from shard.passes.partition import build_dataflow, choose_cuts, live_bytes_after, shard_boundaries
-from shard.targets.gpu.roofline import node_seconds, stage_cost, stage_floor
+from shard.targets.gpu.roofline import node_costs, node_seconds, stage_cost, stage_floor
 
 DEFAULT_STAGES = 2   # the seed's two-stream pipeline; --shards K asks for K
 
@@ -37,7 +37,8 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     if not graph.nodes:
         raise ModelError("the model has no operators left after constant folding")
     facts = ctx.profile.facts
-    seconds = node_seconds(graph.nodes, graph.outputs, facts)
+    rooflines = node_costs(graph.nodes, facts)   # each node's, once: the cuts, the table and the floors read them
+    seconds = node_seconds(graph.nodes, graph.outputs, facts, rooflines)
     costs = [seconds[id(node)] for node in graph.nodes]
     wanted = ctx.options.shards or DEFAULT_STAGES
     dag = build_dataflow(graph)
@@ -46,8 +47,9 @@ def stages(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     live = live_bytes_after(graph, dag, {name for name, t in graph.tensors().items() if cuttable(t)})
     cuts = choose_cuts(costs, live, min(wanted, len(graph.nodes)))
     ctx.plan = shard_boundaries(graph, cuts)
+    totals = [stage_cost(plan.nodes, facts, rooflines) for plan in ctx.plan]
     table = [{"stage": plan.name, "nodes": len(plan.nodes),
-              **asdict(stage_cost(plan.nodes, facts)), "predicted_s": sum(seconds[id(n)] for n in plan.nodes),
-              **stage_floor(plan.nodes, plan.inputs, plan.outputs, facts)} for plan in ctx.plan]
+              **asdict(ops), "predicted_s": sum(seconds[id(n)] for n in plan.nodes),
+              **stage_floor(plan.nodes, plan.inputs, plan.outputs, facts, ops)} for plan, ops in zip(ctx.plan, totals)]
     return graph, {"requested": wanted, "shards": len(ctx.plan), "cut_bytes": [live[c] for c in cuts],
                    "stages": table, "macs": [p.macs for p in ctx.plan]}
