@@ -1,22 +1,28 @@
 """The attention of Pi0's denoising step (the expert's rows over the prefix's cache and their own keys,
 one key head for all query heads) in the form the cuda executor hands torch.compile ("attention as
 ops"), with the keys' count as it is beside it padded to a multiple of 8 (torch_fusions.aligned_keys),
-and, padded, with the key head not repeated (every query head's rows in one product against it), each
+and, padded, with the key head not repeated (every query head's rows in one product against it); and
+"executor": that attention as the step's ONNX spells it (the key head repeated by Unsqueeze, Tile and
+Reshape) in the executor's as-ops form (TorchGraph.unfused: torch_fusions.grouped on padded keys). Each
 compiled and captured as a CUDA graph, the replays timed side by side in one run. Needs a GPU.
 
     python bench/attention_alignment.py [--cache 816 --rows 51 --heads 8 --head-dim 256]
 
 Prints each side's replay, its longest kernels, and
-    RESULT keys=867 padded=872 plain_us=... aligned_us=... grouped_us=... speedup=... grouped_vs_aligned=...
-        aligned_max_abs=... grouped_max_abs=...
+    RESULT keys=867 padded=872 plain_us=... aligned_us=... grouped_us=... executor_us=... speedup=...
+        grouped_vs_aligned=... executor_vs_aligned=... aligned_max_abs=... grouped_max_abs=... executor_max_abs=...
 """
 import argparse
 
+import numpy as np
+import onnx
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from torch.profiler import ProfilerActivity, profile
 
 from shard.runtime.executors.gpu import capturing, replay_seconds
 from shard.runtime.executors.torch_fusions import aligned_keys, plain
+from shard.runtime.executors.torch_graph import TorchGraph
 
 
 def attention_of(heads: int, scale: float, aligned: bool):
@@ -40,6 +46,31 @@ def one_key_head(heads: int, scale: float):
         scores = (q.reshape(b, 1, h * t, d) @ kt).view(b, h, t, -1) * scale + mask
         return (scores.softmax(-1).view(b, 1, h * t, -1) @ vv).view(b, h, t, -1)
     return attend
+
+
+def as_onnx(heads: int, rows: int, cache: int, dim: int, scale: float) -> onnx.ModelProto:
+    """attention_of's attention as the step's ONNX spells it (fp16, shapes recorded as a compiled stage's)."""
+    keys, half = cache + rows, TensorProto.FLOAT16
+    nodes = [helper.make_node("Concat", ["past_k", "k"], ["kc"], axis=2),
+             helper.make_node("Concat", ["past_v", "v"], ["vc"], axis=2)]
+    for x in ("k", "v"):
+        nodes += [helper.make_node("Unsqueeze", [f"{x}c", "axis"], [f"{x}1"]),
+                  helper.make_node("Tile", [f"{x}1", "repeats"], [f"{x}2"]),
+                  helper.make_node("Reshape", [f"{x}2", "merged"], [f"{x}r"])]
+    nodes += [helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "c"], ["s2"]),
+              helper.make_node("Add", ["s2", "mask"], ["s3"]), helper.make_node("Softmax", ["s3"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vr"], ["y"])]
+    inputs = [helper.make_tensor_value_info(n, half, s) for n, s in (
+        ("q", [1, heads, rows, dim]), ("past_k", [1, 1, cache, dim]), ("k", [1, 1, rows, dim]),
+        ("past_v", [1, 1, cache, dim]), ("v", [1, 1, rows, dim]), ("mask", [rows, keys]))]
+    inits = [numpy_helper.from_array(np.array(a, t), n) for n, a, t in (
+        ("axis", [2], np.int64), ("repeats", [1, 1, heads, 1, 1], np.int64),
+        ("merged", [1, heads, keys, dim], np.int64), ("c", scale, np.float16))]
+    graph = helper.make_graph(nodes, "attention", inputs, [helper.make_tensor_value_info("y", half, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    return onnx.shape_inference.infer_shapes(model)
 
 
 def replay_us(run, inputs, repeats: int = 200) -> tuple[float, object]:
@@ -77,8 +108,9 @@ def main() -> None:
     inputs = (torch.randn(1, h, t, d, **half), torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half),
               torch.randn(1, 1, p, d, **half), torch.randn(1, 1, t, d, **half), torch.zeros(t, p + t, **half))
     inputs[-1][0, p + 1:] = -1e4   # the state sees the prefix and itself
+    executor = TorchGraph(as_onnx(h, t, p, d, d ** -0.5), "cuda")
     sides = {"plain": attention_of(h, d ** -0.5, False), "aligned": attention_of(h, d ** -0.5, True),
-             "grouped": one_key_head(h, d ** -0.5)}
+             "grouped": one_key_head(h, d ** -0.5), "executor": lambda *xs: executor.unfused(*xs)[0]}
     results = {}
     for name, attend in sides.items():
         print(f"{name}:")
@@ -89,7 +121,8 @@ def main() -> None:
     print(f"RESULT keys={keys} padded={keys + (-keys % 8)} "
           + " ".join(f"{name}_us={us:.2f}" for name, (us, _) in results.items())
           + f" speedup={results['plain'][0] / results['aligned'][0]:.3f}"
-          + f" grouped_vs_aligned={results['aligned'][0] / results['grouped'][0]:.3f} "
+          + f" grouped_vs_aligned={results['aligned'][0] / results['grouped'][0]:.3f}"
+          + f" executor_vs_aligned={results['aligned'][0] / results['executor'][0]:.3f} "
           + " ".join(f"{name}_max_abs={(out.float() - want).abs().max().item():.2e}"
                      for name, (_, out) in results.items() if name != "plain"))
 

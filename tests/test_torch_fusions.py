@@ -166,6 +166,70 @@ def test_attention_over_one_shared_key_head_broadcasts():
     assert graph.fused == {"attention": 1}
 
 
+def repeated_heads_model(heads: int, kv_heads: int, length: int, keys: int, dim: int, mask: bool, repeat: str,
+                         read_elsewhere: bool = False) -> tuple[onnx.ModelProto, dict]:
+    """Attention whose keys and values have one head for every heads // kv_heads query heads, repeated as
+    torch's repeat_interleave exports it (Unsqueeze at axis 2, Tile or Expand, Reshape), shapes inferred
+    as a compiled stage records them. `read_elsewhere`: the repeated values are an output too."""
+    groups = heads // kv_heads
+    wide = {"tile": [1, 1, groups, 1, 1], "expand": [1, kv_heads, groups, keys, dim], "expand ones": [1, 1, groups, 1, 1]}
+    nodes = []
+    for x in ("k", "v"):
+        nodes += [helper.make_node("Unsqueeze", [x, "axis"], [f"{x}1"]),
+                  helper.make_node("Tile" if repeat == "tile" else "Expand", [f"{x}1", "wide"], [f"{x}2"]),
+                  helper.make_node("Reshape", [f"{x}2", "merged"], [f"{x}r"])]
+    nodes += [helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "c"], ["s2"])]
+    if mask:
+        nodes.append(helper.make_node("Add", ["s2", "m"], ["s3"]))
+    nodes += [helper.make_node("Softmax", ["s3" if mask else "s2"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vr"], ["y"])]
+    inputs = {"q": [1, heads, length, dim], "k": [1, kv_heads, keys, dim], "v": [1, kv_heads, keys, dim],
+              **({"m": [length, keys]} if mask else {})}
+    outputs = {"y": [1, heads, length, dim], **({"vr": [1, heads, keys, dim]} if read_elsewhere else {})}
+    inits = {"axis": np.array([2], np.int64), "wide": np.array(wide[repeat], np.int64),
+             "merged": np.array([1, heads, keys, dim], np.int64), "c": np.array(dim ** -0.5, np.float32)}
+    return onnx.shape_inference.infer_shapes(model_of(nodes, inputs, outputs, inits)), inputs
+
+
+@settings(max_examples=25, deadline=None)
+@given(kv_heads=st.integers(1, 2), groups=st.sampled_from([2, 4, 8]), length=st.integers(1, 9),
+       keys=st.integers(1, 30), mask=st.booleans(), repeat=st.sampled_from(["tile", "expand", "expand ones"]))
+def test_key_heads_repeated_for_their_query_heads_are_read_once(kv_heads, groups, length, keys, mask, repeat):
+    """A key and value head repeated for its query heads (Pi0's step, a GQA decoder): the attention is one
+    step reading the heads as they were before the repeat, its eager form and its as-ops form (each key
+    head's query heads in one product, on a GPU with the keys padded to 8) onnxruntime's attention."""
+    from shard.runtime.executors.torch_fusions import aligned_keys, grouped, plain
+
+    model, inputs = repeated_heads_model(kv_heads * groups, kv_heads, length, keys, 8, mask, repeat)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()}
+    if mask:
+        feeds["m"] = np.where(rng.random(inputs["m"]) < 0.3, -1e4, 0.0).astype(np.float32)
+    graph = fused_and_checked(model, feeds)
+    assert graph.fused == {"attention": 1} and len(graph.steps) == 1
+    assert graph.steps[0][1][:3] == ["q", "k", "v"]   # the heads before their repeat
+    args = {n: torch.from_numpy(f) for n, f in feeds.items()}
+    want = run_ort(model, feeds, optimize=False)[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(graph.unfused(*[args[n] for n in graph.inputs])[0].numpy(), want,
+                                   atol=1e-4, rtol=1e-4)
+        kt, m = args["k"].transpose(-1, -2), args.get("m")
+        padded = grouped(*aligned_keys(args["q"], kt, args["v"], m), 8 ** -0.5, groups)
+        repeated = plain(args["q"], kt.repeat_interleave(groups, 1), args["v"].repeat_interleave(groups, 1), m,
+                         8 ** -0.5)
+    np.testing.assert_allclose(padded.numpy(), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(repeated.numpy(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_repeated_heads_read_elsewhere_stay_repeated():
+    """The repeated values are an output of the stage too: the attention reads them as repeated."""
+    model, inputs = repeated_heads_model(4, 1, 5, 6, 8, True, "tile", read_elsewhere=True)
+    graph = fused_and_checked(model, {n: rng.standard_normal(s).astype(np.float32) for n, s in inputs.items()})
+    assert graph.fused == {"attention": 1}
+    attention = next(ins for fn, ins, outs in graph.steps if outs == ["y"])
+    assert attention[1:3] == ["kt", "vr"]
+
+
 def test_linear_with_its_bias():
     w, b = rng.standard_normal((16, 24)).astype(np.float32), rng.standard_normal(24).astype(np.float32)
     model = model_of([helper.make_node("MatMul", ["x", "w"], ["t"]), helper.make_node("Add", ["b", "t"], ["y"])],

@@ -121,7 +121,7 @@ def attention(node, stage: Nodes) -> Fused | None:
     soft = producer.get(probs)
     if soft is None or soft.op_type != "Softmax" or not single_use(probs, uses):
         return None
-    if {a.name: onnx.helper.get_attribute_value(a) for a in soft.attribute}.get("axis", -1) != -1:
+    if attributes(soft).get("axis", -1) != -1:
         return None
     chain, mask, scale = [soft, node], None, 1.0
     scores = soft.input[0]
@@ -154,9 +154,86 @@ def attention(node, stage: Nodes) -> Fused | None:
                 or (mask is not None and mask.dtype not in (q.dtype, torch.bool)):
             return plain(q, kt, v, mask, scale)   # batch dims broadcast (one key head for several)
         return sdpa(q, k, v, attn_mask=mask, scale=scale)
-    return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), [product, *chain],
-                 plain=lambda q, kt, v, mask=None: plain(*(aligned_keys(q, kt, v, mask) if q.is_cuda
-                                                            else (q, kt, v, mask)), scale))
+    chain = [product, *chain]
+    shared = shared_key_heads(kt, v, stage)
+    if shared is not None:   # each key head repeated for its query heads: the as-ops form takes it once
+        k, v, groups, repeats = shared
+        chain = sorted(chain + repeats, key=lambda n: stage.position[id(n)])
+
+        def repeated(q, k, v, mask=None):
+            return run(q, k.repeat_interleave(groups, 1).transpose(-1, -2), v.repeat_interleave(groups, 1), mask)
+        return Fused("attention", repeated, [q, k, v] + ([mask] if mask else []), list(node.output), chain,
+                     plain=lambda q, k, v, mask=None: grouped(*(aligned_keys if q.is_cuda else unaligned)(
+                         q, k.transpose(-1, -2), v, mask), scale, groups))
+    return Fused("attention", run, [q, kt, v] + ([mask] if mask else []), list(node.output), chain,
+                 plain=lambda q, kt, v, mask=None: plain(*(aligned_keys if q.is_cuda else unaligned)(q, kt, v, mask),
+                                                         scale))
+
+
+def shared_key_heads(kt: str, v: str, stage: Nodes) -> tuple | None:
+    """(k, v, G, the nodes that repeat them) where kt is the transpose of the last two axes of k's heads
+    each repeated G times, and v of v's the same (torch's repeat_interleave on the heads, transformers'
+    repeat_kv: Unsqueeze at axis 2, Tile or Expand to G, Reshape merging the two head axes), every tensor
+    between read by nothing else; else None."""
+    transpose = stage.producer.get(kt)
+    if transpose is None or transpose.op_type != "Transpose" or not single_use(kt, stage.uses) \
+            or list(attributes(transpose).get("perm", [])) != [0, 1, 3, 2]:
+        return None
+    keys, values = repeated_heads(transpose.input[0], stage), repeated_heads(v, stage)
+    if keys is None or values is None or keys[1] != values[1]:
+        return None
+    return keys[0], values[0], keys[1], [transpose, *keys[2], *values[2]]
+
+
+def repeated_heads(tensor: str, stage: Nodes) -> tuple | None:
+    """(x, G, the nodes) where `tensor` [B, H*G, T, D] is x [B, H, T, D] with each head repeated G times
+    (G > 1) by Unsqueeze at axis 2, Tile or Expand to G on that axis, and Reshape, each read once."""
+    producer, uses, values, shapes = stage.producer, stage.uses, stage.values, stage.shapes
+    reshape = producer.get(tensor)
+    repeat = producer.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
+    unsqueeze = producer.get(repeat.input[0]) if repeat is not None and repeat.op_type in ("Tile", "Expand") \
+        else None
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" \
+            or not all(single_use(t, uses) for t in (tensor, reshape.input[0], repeat.input[0])):
+        return None
+    x = unsqueeze.input[0]
+    before, after = shapes.get(x), shapes.get(tensor)
+    axes = values.get(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else attributes(unsqueeze).get("axes")
+    factor = values.get(repeat.input[1])
+    if before is None or after is None or len(before) != 4 or len(after) != 4 or axes is None or factor is None \
+            or [int(a) for a in (axes.tolist() if hasattr(axes, "tolist") else axes)] not in ([2], [-3]):
+        return None
+    groups = after[1] // before[1] if before[1] else 0
+    factor = [int(f) for f in factor.reshape(-1).tolist()]
+    wanted = [1, 1, groups, 1, 1] if repeat.op_type == "Tile" else [before[0], before[1], groups, *before[2:]]
+    if groups < 2 or after != [before[0], before[1] * groups, *before[2:]] or len(factor) != 5 \
+            or any(f != w and not (repeat.op_type == "Expand" and f == 1 and k != 2)
+                   for k, (f, w) in enumerate(zip(factor, wanted))):
+        return None
+    return x, groups, [unsqueeze, repeat, reshape]
+
+
+def attributes(node) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def unaligned(q, kt, v, mask) -> tuple:
+    return q, kt, v, mask
+
+
+def grouped(q, kt, v, mask, scale: float, groups: int):
+    """plain's attention where each key head (kt [B, H, D, T], v [B, H, T, D']) serves `groups` query heads
+    in turn (q [B, H*groups, N, D]): every query head of a key head in one product against it, where the
+    repeated keys would be as many products against copies (one layer of Pi0's denoising step, compiled
+    and captured on an H100: 20.77 us against 25.22; bench/attention_alignment.py)."""
+    b, heads, rows, _ = q.shape if q.dim() == 4 else (None, None, None, None)
+    if heads is None or heads != kt.shape[1] * groups or kt.shape[0] != b or v.shape[:2] != kt.shape[:2]:
+        return plain(q, kt.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), mask, scale)
+    stacked = (b, kt.shape[1], groups * rows, -1)
+    if mask is None:   # the scale on q, as plain has it
+        return ((q * scale).reshape(stacked) @ kt).softmax(-1).matmul(v).view(b, heads, rows, -1)
+    scores = ((q.reshape(stacked) @ kt).view(b, heads, rows, -1) * scale + mask).softmax(-1)
+    return (scores.view(b, kt.shape[1], groups * rows, -1) @ v).view(b, heads, rows, -1)
 
 
 def plain(q, kt, v, mask, scale: float):
@@ -289,7 +366,7 @@ def fp8_linear(node, stage: Nodes) -> Fused | None:
     if values[dequantize.input[1]].dtype != torch.float16:   # the product is fp16, as the ONNX's
         return None
     w8, scales = values.get(made.input[0]), values.get(made.input[1])
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in made.attribute}
+    attrs = attributes(made)
     if w8 is None or w8.dtype != torch.float8_e4m3fn or w8.dim() != 2 or attrs.get("axis", 1) != 1 \
             or scales is None or scales.numel() not in (1, w8.shape[1]) or w8.shape[0] % 16 or w8.shape[1] % 16:
         return None
