@@ -20,6 +20,7 @@ fell short (bisect_prefix), for the most int8 that still reaches it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,18 @@ class Candidate:
     macs: int
     error: float          # 1 - the output's cosine when this linear alone runs in int8 (int8_replica)
     cosine_after: float = 1.0   # the replica's cosine with this linear and every one before it in fp16
+
+
+def named(graph: gs.Graph, nodes: list[gs.Node], prefix: str) -> list[gs.Node]:
+    """`nodes`, each with a name no other node of the graph has (a search ranks and promotes linears by
+    name: a model's unnamed ones would all be one); a node named so already keeps its name."""
+    taken = Counter(n.name for n in graph.nodes)
+    for k, node in enumerate(nodes):
+        if not node.name or taken[node.name] > 1:
+            taken[node.name] -= 1
+            node.name = next(f"{prefix}{k}_{j}" for j in range(len(graph.nodes) + 1) if f"{prefix}{k}_{j}" not in taken)
+            taken[node.name] += 1
+    return nodes
 
 
 def weight_axis(node: gs.Node) -> int:

@@ -46,7 +46,7 @@ from shard.errors import ModelError
 from shard.graph import float_ranks, tensor_spec
 from shard.macs import estimate_macs
 from shard.passes.context import PassContext
-from shard.precision import (GATES, SAFETY, by_frame, gated_quantize, gated_weight, gates_input, is_linear,
+from shard.precision import (GATES, SAFETY, by_frame, gated_quantize, gated_weight, gates_input, is_linear, named,
                              next_count, next_prefix, single_errors, weight_axis, worst_cosine)
 
 E4M3_MAX = 448.0
@@ -57,14 +57,16 @@ MAX_SUBNORMAL = 1e-3   # a weight's share under E4M3's normal range past which i
 # gave 0.99427 on another and 0.99853 on an unseen one (a short sentence averages fewer tokens).
 CHECK_SAMPLES = 32
 SEARCH_FILE, SEARCH_VERSION = "fp8_search.json", 4   # the build cache's entry of a search (search_fp8)
+SHARE = "fp8_linear_macs"   # a round's share of the linears' MACs in FP8
 FP8 = onnx.TensorProto.FLOAT8E4M3FN
 
 
 def linears(graph: gs.Graph) -> list[tuple[gs.Node, int]]:
-    """(node, axis of its weight's output channels) for each product of an activation and a 2-D constant."""
-    return [(node, weight_axis(node)) for node in graph.nodes
-            if is_linear(node) and node.op != "Conv" and len(node.inputs[1].shape) == 2
-            and not node.attrs.get("transA", 0)]
+    """(node, axis of its weight's output channels) for each product of an activation and a 2-D constant,
+    each named apart (precision.named)."""
+    found = named(graph, [node for node in graph.nodes if is_linear(node) and node.op != "Conv"
+                          and len(node.inputs[1].shape) == 2 and not node.attrs.get("transA", 0)], "fp8_linear_")
+    return [(node, weight_axis(node)) for node in found]
 
 
 def e4m3(values: np.ndarray) -> np.ndarray:
@@ -158,16 +160,27 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
 
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,
                weights: dict, target: float, frames: int = 1, faster: Callable | None = None) -> dict:
-    """The linears ranked (rank_fp8), then rounds of fp8_replica, gated as each round asks, on the
-    samples search_samples checks on against every gate off, as many as next_count asks (in torch on
-    the GPU where there is one: seconds a round where onnxruntime on a CPU takes minutes at batch 16); the real Q/DQ
-    graph in onnxruntime against the graph itself then confirms the round kept (confirmed_round). Each
+    """search_linears with fp8_replica and quantize_linears: which linears go to FP8."""
+    return search_linears(graph, found, samples, model, weights, target, frames, faster,
+                          fp8_replica(graph, stats, found), lambda subset: quantize_linears(graph, subset, stats),
+                          SHARE)
+
+
+def search_linears(graph: gs.Graph, found: list, samples: list[dict], model: onnx.ModelProto, weights: dict,
+                   target: float, frames: int, faster: Callable | None, replica: gs.Graph,
+                   quantize: Callable[[list], list], share: str) -> dict:
+    """The linears ranked (rank_fp8), then rounds of `replica` (each linear's gate on: that linear in the
+    lower precision), gated as each round asks, on the samples search_samples checks on against every
+    gate off, as many as next_count asks (in torch on the GPU where there is one: seconds a round where
+    onnxruntime on a CPU takes minutes at batch 16); the real graph (`quantize` of a subset of `found`
+    rewrites it) in onnxruntime against the graph itself then confirms the round kept (confirmed). Each
     of a sample's `frames` frames (a `--batch` compile's) is checked on its own (by_frame). `faster`:
     the target's own runner of the replica (PassContext.replica), where it has one for this graph.
+    `share` names each round's share of the linears' MACs in the lower precision.
     {"ranking", "rounds", "kept" (None where no round holds `target`), "rounds_on"}. The graph is left
     as it came."""
     (check, ranked), outputs = search_samples(samples), [t.name for t in graph.outputs]
-    replica = gs.export_onnx(fp8_replica(graph, stats, found), do_type_check=False)
+    replica = gs.export_onnx(replica, do_type_check=False)
     runner = (faster and faster(replica, outputs)) or ort_runner(replica, outputs)
     del replica
     ranking = rank_fp8(found, lambda gates: by_frame(runner(gates, [ranked]), frames), outputs)
@@ -187,11 +200,11 @@ def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], m
         rounds.append({"round": len(rounds) + 1, "promoted": promoted,
                        "cosine": worst_cosine(outputs, plain, run(gates)),
                        "predicted": float(ranking[count - 1]["cosine_after"] if count else ranking[0]["cosine_before"]),
-                       "fp8_linear_macs": 1 - sum(c["macs"] for c in ranking[:count]) / total})
+                       share: 1 - sum(c["macs"] for c in ranking[:count]) / total})
         count = next_count(rounds, ranking, target)
     return {"ranking": [{"node": c["node"], "macs": int(c["macs"]), "error": float(c["error"])} for c in ranking],
             "rounds": rounds, "rounds_on": runner.where,
-            "kept": confirmed_round(graph, found, stats, rounds, model, weights, check, target, frames)}
+            "kept": confirmed(graph, found, quantize, rounds, model, weights, check, target, frames, share)}
 
 
 def search_samples(samples: list) -> tuple[list, dict]:
@@ -202,24 +215,32 @@ def search_samples(samples: list) -> tuple[list, dict]:
 
 
 def in_fp8(found: list, promoted: list[str]) -> list:
-    """The linears of `found` (node, axis) not promoted to fp16."""
+    """The linears of `found` ((node, its detail) pairs) not promoted to fp16."""
     back = set(promoted)
     return [(n, a) for n, a in found if n.name not in back]
 
 
 def confirmed_round(graph: gs.Graph, found: list, stats: dict, rounds: list[dict], model: onnx.ModelProto,
                     weights: dict, check: list[dict], target: float, frames: int = 1) -> int | None:
-    """Of the rounds whose replica holds `target`, the most FP8 whose real Q/DQ graph, in onnxruntime on
-    `check` against the graph itself, holds it too (each one run gets its "confirmed" cosine): the
-    reference the replica is only a fast stand-in for. None where none does."""
+    """confirmed, each round's linears in FP8 as quantize_linears writes them."""
+    return confirmed(graph, found, lambda subset: quantize_linears(graph, subset, stats), rounds, model, weights,
+                     check, target, frames, SHARE)
+
+
+def confirmed(graph: gs.Graph, found: list, quantize: Callable[[list], list], rounds: list[dict],
+              model: onnx.ModelProto, weights: dict, check: list[dict], target: float, frames: int,
+              share: str) -> int | None:
+    """Of the rounds whose replica holds `target`, the one with the largest `share` whose real graph
+    (`quantize` of its linears), in onnxruntime on `check` against the graph itself, holds it too (each
+    one run gets its "confirmed" cosine): the reference the replica is only a fast stand-in for. None
+    where none does. The graph is left as it came."""
     outputs = [t.name for t in graph.outputs]
-    held = sorted((r for r in rounds if r["cosine"] >= target and r["fp8_linear_macs"] > 0),
-                  key=lambda r: -r["fp8_linear_macs"])
+    held = sorted((r for r in rounds if r["cosine"] >= target and r[share] > 0), key=lambda r: -r[share])
     expected = by_frame([[e[n] for n in outputs] for e in run_each(model, [{**s, **weights} for s in check], outputs,
                                                                    optimize=False)], frames) if held else []
     inputs = {id(n): list(n.inputs) for n, _ in found}
     for r in held:
-        quantize_linears(graph, in_fp8(found, r["promoted"]), stats)
+        quantize(in_fp8(found, r["promoted"]))
         got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
         restore(graph, found, inputs)
         r["confirmed"] = worst_cosine(outputs, expected, by_frame([[g[n] for n in outputs] for g in got], frames))
