@@ -2,7 +2,7 @@
 bundle on the cuda backend against what a PyTorch user runs instead, every side in the same run on the
 same GPU, the same observation and noise in, the same action chunk out (numpy to numpy).
 
-    python bench/vla.py [--depth 18] [--steps 10] [--repeats 10] [--work DIR] [--precision fp16,fp8]
+    python bench/vla.py [--depth 18] [--steps 10] [--repeats 10] [--work DIR] [--precision fp16,fp8,w4a16]
 
 1. The model in fp32 on the GPU: the reference action chunk.
 2. PyTorch in fp16 (the same weights, .half()): "eager" (sample_actions as written), "eager graph"
@@ -26,8 +26,10 @@ machine then reads each compile back (reduce-overhead ready after 38 s, ours loa
 311 s).
 
 --precision compiles and runs one bundle of ours per precision (fp16 first: `--precision fp8` is
-fp8_linears' search on every program, `pi0-fp8.shard`, which is the fp16 bundle where its action chunk
-leaves the lossy gate: compilation.vla.check_actions); each other precision is printed against our
+fp8_linears' search on every program, `pi0-fp8.shard`, w4a16 w4a16_linears', `pi0-w4a16.shard`, each
+the fp16 bundle where its action chunk leaves the lossy gate: compilation.vla.check_actions; the cuda
+executor dequantizes w4a16's weights once, at load, so on a GPU it runs at fp16's speed, and only a
+TensorRT engine reads them as int4); each other precision is printed against our
 fp16 on both measures, with its actions' MSE as a share of their scale (the lossy gate: < 5e-3).
 
 --target cuda probes this GPU first (`shard probe --target cuda`, no --ops) and compiles for it: each
@@ -303,7 +305,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="where the VLA folder and the bundle go; with --reuse, read back")
     parser.add_argument("--reuse", action="store_true", help="the bundle already in --work: no export, no compile")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"PyTorch sides to run, of {', '.join(SIDES)}")
-    parser.add_argument("--precision", default="fp16", help="ours in each of these (fp16, fp8), fp16 first")
+    parser.add_argument("--precision", default="fp16", help="ours in each of these (fp16, fp8, w4a16), fp16 first")
     parser.add_argument("--target", default="thor", choices=GPU_TARGETS,
                         help="thor: the compile predicts on Thor's profile; cuda: on this GPU's, probed first "
                              "(shard probe --target cuda, no --ops), each program's prediction printed beside "

@@ -755,6 +755,20 @@ class Fp8:
 
 
 @dataclass(frozen=True)
+class W4a16:
+    """w4a16_linears: how many linears read int4 weights, the weights' bytes before and after, and those
+    left in the model's type."""
+
+    linears: int = 0
+    left: int = 0
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    int4_linear_macs: float = 0.0
+    cosine: float | None = None      # the kept round's, against the graph itself on the calibration samples
+    checked_on: int = 0
+
+
+@dataclass(frozen=True)
 class BatchChoice:
     batch: int
     fps: float
@@ -776,6 +790,7 @@ class StageSummary:
     precision: str = "fp16"
     warnings: list[str] = field(default_factory=list)
     fp8: Fp8 = field(default_factory=Fp8)
+    w4a16: W4a16 = field(default_factory=W4a16)
     batch: int = 1
     batch_auto: BatchAuto | None = None
 
@@ -783,10 +798,12 @@ class StageSummary:
     def of(cls, report: dict) -> StageSummary:
         passes = take(report, "passes", "the report")
         take(passes.get("stages", {}), "stages", "passes.stages")
-        fp8 = passes.get("fp8_linears") or {}
+        fp8, w4a16 = passes.get("fp8_linears") or {}, passes.get("w4a16_linears") or {}
         return cls(stages=stages_of(passes),
                    precision=report.get("precision", "fp16"), warnings=list(report.get("warnings", [])),
                    fp8=record(Fp8, {**fp8, "linears": len(fp8.get("changes", []))}, "passes.fp8_linears"),
+                   w4a16=record(W4a16, {**w4a16, "linears": len(w4a16.get("changes", [])),
+                                        "left": len(w4a16.get("left", []))}, "passes.w4a16_linears"),
                    batch=report.get("batch", 1), batch_auto=maybe(BatchAuto, report.get("batch_auto"), "batch_auto"))
 
 
@@ -815,6 +832,13 @@ def stage_lines(s: StageSummary, engines: bool = True) -> list[str]:
     if s.fp8.linears:
         lines.append(f"fp8_linears: {s.fp8.linears} linears in FP8 E4M3 with explicit Q/DQ "
                      f"({s.fp8.samples} calibration samples); the rest fp16")
+    if s.w4a16.linears:
+        w = s.w4a16
+        lines.append(f"w4a16_linears: {w.linears} linears read int4 weights, {w.int4_linear_macs:.1%} of the "
+                     f"linears' MACs ({w.weight_bytes_before / 1e6:.1f} MB of weights -> {w.weight_bytes_after / 1e6:.1f}"
+                     f" MB)" + (f", cosine {w.cosine:.5f} on {w.checked_on} calibration samples" if w.cosine is not None
+                                else "") + "; the rest as they were"
+                     + (f" ({w.left} whose rows no block of 16 to 128 divides)" if w.left else ""))
     if s.stages:
         slowest = max(stage.predicted_s for stage in s.stages)
         pipelined = f"{s.batch / slowest:.1f} frames/s" if slowest > 0 else "- frames/s"

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -232,6 +233,30 @@ def test_the_cli_exports_compiles_and_acts(tmp_path):
     assert res.returncode == 1 and "not an empty folder" in res.stderr
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "a.npy")   # a file
     assert res.returncode == 1 and "not an empty folder" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("gate", [5e-3, 1e-9])
+def test_w4a16_is_judged_on_the_action_chunk_like_fp8(tmp_path, monkeypatch, gate):
+    """--precision w4a16: each program keeps in int4 the share of its linears' weights that holds
+    --min-cosine (the few-layer config: 8-30 % of their MACs), and the chunk is judged against fp16's
+    (about 1e-3 of its scale on the CPU): inside the gate every program's stage reads INT4 weights; past
+    it (a gate no rounding meets) none does and the compile says so."""
+    monkeypatch.setattr(vla, "LOSSY_GATE", gate)
+    export_vla("pi0-few", tmp_path / "few.vla")
+    result = compile_vla(tmp_path / "few.vla", "thor", tmp_path / "few.shard", CompileOptions(precision="w4a16"))
+    check, kept = result.actions, gate > 1e-6
+    assert 0 < check.share < 5e-3 and check.cosine > 0.998 and check.kept == kept
+    assert ("the bundle is fp16" in check.line()) != kept
+    for name in PROGRAMS:
+        report = json.loads((result.bundle / name / "report.json").read_text())
+        assert report["precision"] == ("w4a16" if kept else "fp16")
+        int4 = [t for s in read_manifest(result.bundle / name).shards
+                for t in onnx.load(str(result.bundle / name / s.onnx)).graph.initializer
+                if t.data_type == onnx.TensorProto.INT4]
+        assert bool(int4) == kept
+        if kept:
+            w4a16 = report["passes"]["w4a16_linears"]
+            assert 0 < w4a16["int4_linear_macs"] < 1 and w4a16["cosine"] >= 0.999
 
 
 def test_the_cli_says_how_fp8_moved_the_actions_or_that_it_did_not_look(tmp_path):

@@ -48,7 +48,8 @@ COMPILE_HELP = {   # the longer option helps of `shard compile`
         " run and verify beside shard's.",
     "precision": 'fp16; int8 (every shard quantized by the vendor from the calibration samples each shard sees); or '
         'mixed (linears in int8, the rest in fp16, the most sensitive linears moved to fp16 until --min-'
-        'cosine holds on the simulator).',
+        'cosine holds on the simulator). GPU targets (thor, cuda): fp16; fp8 (linears in FP8 E4M3 where --min-cosine '
+        'holds); or w4a16 (linear weights in int4, one scale per 16-128 rows, where --min-cosine holds; activations fp16).',
     "allow_low_fidelity": 'Write a bundle under the fidelity floor, with a warning.',
     "calib": "Calibration samples: an .npz of arrays named after the model's inputs, each with a leading sample "
         'axis ([N, 1, 128] for input_ids) [default: 8 seeded random samples, with a warning].',

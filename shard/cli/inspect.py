@@ -25,7 +25,7 @@ def inspect_command(
     input_shape: list[str] = typer.Option([], "--input-shape", help="NAME=D0,D1,... for a dynamic input."),
     profile: Optional[Path] = typer.Option(None, help="A profile from `shard probe` [default: the shipped one]."),
     disable: list[str] = typer.Option([], "--disable", help="Skip an optional pass (repeatable)."),
-    precision: str = typer.Option("fp16", help="fp16, int8 or mixed: which scale sandwiches apply (thor, cuda: fp16 or fp8)."),
+    precision: str = typer.Option("fp16", help="fp16, int8 or mixed: which scale sandwiches apply (thor, cuda: fp16, fp8 or w4a16)."),
     calib: Optional[Path] = typer.Option(None, help="Calibration samples (.npz, as compile takes them): the ranges "
                                                     "the scale sandwich works from [default: seeded random]."),
 ) -> None:

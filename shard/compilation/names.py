@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
-PRECISIONS = ("fp16", "int8", "mixed", "fp8")
+PRECISIONS = ("fp16", "int8", "mixed", "fp8", "w4a16")
 QUANTIZED = ("int8", "mixed")   # precisions that need calibration samples
 VENDOR_ALONE = "vendor_alone"     # the job building the model as it came, as the vendor alone would
 SHARD_BY_SHARD = "vendor alone shard by shard"   # its figures where the whole model's build is not made

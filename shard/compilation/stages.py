@@ -157,7 +157,7 @@ def rewrite(s: Setup, ld: Loaded, queue: BuildQueue) -> Rewritten:
     fix_input_values(ld.proto, s.options.input_values)   # after the vendor alone took the model as it came
     proto, prepared = prepare_model(ld.proto, s.tgt.min_opset)
     ld.proto = None
-    opset = default_opset(proto)
+    opset = default_opset(proto)   # the shards' (a pass may need a newer one: w4a16_linears)
     graph = own_values(gs.import_onnx(proto))
     del proto
     graph, ctx = run_passes(graph, s.tgt, s.profile, s.options, s.progress,
@@ -177,7 +177,7 @@ def rewrite(s: Setup, ld: Loaded, queue: BuildQueue) -> Rewritten:
     if s.options.precision == "mixed":
         ctx.reports["mixed"] = {"promoted": sorted(s.options.promote)}
         rank = lambda: mixed_ranking(graph, feeds, progress)   # noqa: E731 - for compile_mixed, if it needs one
-    return Rewritten(graph=graph, ctx=ctx, opset=opset, plans=plans, canonical=canonical, originals=originals,
+    return Rewritten(graph=graph, ctx=ctx, opset=max(opset, graph.opset), plans=plans, canonical=canonical, originals=originals,
                      passes_seconds=time.monotonic() - s.started, samples=samples, values=values, feeds=feeds,
                      rank=rank)
 

@@ -44,6 +44,9 @@ def to_torch(tensor: onnx.TensorProto, device):
     if tensor.data_type == onnx.TensorProto.FLOAT8E4M3FN:
         raw = np.asarray(numpy_helper.to_array(tensor)).view(np.uint8)
         return torch.from_numpy(raw.copy()).to(device).view(torch.float8_e4m3fn)
+    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):   # one int8 a value
+        wide = np.int8 if tensor.data_type == onnx.TensorProto.INT4 else np.uint8
+        return torch.from_numpy(numpy_helper.to_array(tensor).astype(wide)).to(device)
     return torch.from_numpy(np.array(numpy_helper.to_array(tensor))).to(device)
 
 
@@ -634,10 +637,16 @@ def _quantize(g, node, attrs):
 @lowering("DequantizeLinear")
 def _dequantize(g, node, attrs):
     torch = _torch()
-    axis = attrs.get("axis", 1)
+    axis, block = attrs.get("axis", 1), attrs.get("block_size", 0)
+
+    def blocks(x, q):   # a blocked scale or zero point [.., K / block, ..] to q's shape: each row `block` times
+        return x.repeat_interleave(block, dim=axis % q.dim())[tuple(slice(0, n) for n in q.shape)]
 
     def run(q, scale, zero=None):
-        s = scale if scale.dim() == 0 else scale.reshape([-1 if k == axis % q.dim() else 1 for k in range(q.dim())])
+        if block:
+            scale, zero = blocks(scale, q), (None if zero is None else blocks(zero, q))
+        s = scale if scale.dim() in (0, q.dim()) else \
+            scale.reshape([-1 if k == axis % q.dim() else 1 for k in range(q.dim())])
         if q.dtype == torch.float8_e4m3fn:
             return (q.float() * s.float()).to(scale.dtype)
         z = 0 if zero is None else zero.reshape(s.shape).to(torch.int32)

@@ -1,7 +1,7 @@
 """GPU targets: Jetson Thor (`thor`, TensorRT on the board) and any NVIDIA GPU with torch (`cuda`).
 
-Compile writes, per pipeline stage, a strongly typed ONNX (fp16, explicit FP8 Q/DQ where the
-precision asks for it) and the recipe its TensorRT engine is built with; engines are built on the
+Compile writes, per pipeline stage, a strongly typed ONNX (fp16, explicit FP8 Q/DQ or INT4 weights
+behind a blocked DequantizeLinear where the precision asks for it) and the recipe its TensorRT engine is built with; engines are built on the
 device that runs them (`shard build-engines`, shard.targets.gpu.engines). The `cuda` executor runs
 the same stage files through torch, so a bundle runs, and is measured, without TensorRT.
 
@@ -11,13 +11,14 @@ profile what `shard probe --target cuda` measured on the GPU at hand (shard.prob
 
 from __future__ import annotations
 
-from shard.passes import canonicalize, fp8_linears, strong_types
+from shard.passes import canonicalize, fp8_linears, strong_types, w4a16_linears
 from shard.targets import Target
 from shard.targets.gpu import stages
 from shard.targets.gpu.replica import torch_runner
 
 # Its passes, in order: strongly typed stages of equal predicted time.
-PIPELINE = (canonicalize.canonicalize, strong_types.strong_types, fp8_linears.fp8_linears, stages.stages)
+PIPELINE = (canonicalize.canonicalize, strong_types.strong_types, fp8_linears.fp8_linears,
+            w4a16_linears.w4a16_linears, stages.stages)
 
 MIN_OPSET = 19            # QuantizeLinear takes FP8 from opset 19
 WORKSPACE_BYTES = 4 << 30
@@ -27,10 +28,10 @@ class GpuTarget(Target):
     executors = ("cuda", "tensorrt", "cpu")
     artifact_suffix = None     # engines are built on the device: shard build-engines
     vendor = False             # no vendor build at compile time to stand beside
-    precisions = ("fp16", "fp8")
+    precisions = ("fp16", "fp8", "w4a16")
     pipeline = PIPELINE
     min_opset = MIN_OPSET
-    max_opset = MIN_OPSET      # its stage files at opset 19, as its executors and engines were measured on
+    max_opset = w4a16_linears.OPSET   # a newer model is lowered to 21 (w4a16's blocked INT4 DequantizeLinear)
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
     # compiling needs no TensorRT (check_environment, toolchain: none); building engines does
     build_note = ("stage ONNX written; its TensorRT engine is built on the device by `shard build-engines` "

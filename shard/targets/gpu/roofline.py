@@ -24,6 +24,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -60,11 +61,15 @@ class Cost:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
 
+FOUR_BITS = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}   # two values a byte (w4a16's weights)
+
+
 def tensor_bytes(tensor: gs.Tensor) -> float:
     if not is_static(tensor.shape) or tensor.dtype is None:
         return 0.0
     dtype = numpy_dtype(tensor)   # None: fp8 constants graphsurgeon keeps as ONNX types, one byte each
-    return float(np.prod(tensor.shape, dtype=np.int64)) * (dtype.itemsize if dtype is not None else 1)
+    size = 0.5 if dtype in FOUR_BITS else dtype.itemsize if dtype is not None else 1
+    return float(np.prod(tensor.shape, dtype=np.int64)) * size
 
 
 def node_precision(node: gs.Node) -> str:
@@ -177,6 +182,8 @@ def as_torch(torch, constant: gs.Constant):
     if dtype is None:
         fp8 = constant.dtype == onnx.TensorProto.FLOAT8E4M3FN
         return torch.empty(shape, dtype=torch.float8_e4m3fn, device="meta") if fp8 else None
+    if dtype in FOUR_BITS:   # as the executor holds them: one int8 a value
+        return torch.empty(shape, dtype=torch.int8, device="meta")
     if dtype.kind not in "fc" or np.prod(shape, dtype=np.int64) <= 4096:
         return torch.from_numpy(np.ascontiguousarray(constant.values))
     try:
@@ -202,8 +209,19 @@ def step_seconds(step: list[gs.Node], facts: dict, costs: dict[int, Cost] | None
     read = {t.name: t for node in step for t in node.inputs if t.name and t.name not in made}
     written = {o.name: o for node in step for o in node.outputs
                if not o.outputs or any(id(reader) not in inside for reader in o.outputs)}
-    moved = sum(tensor_bytes(t) for t in (*read.values(), *written.values()))
+    moved = sum(stored_bytes(t, facts) for t in read.values()) + sum(tensor_bytes(t) for t in written.values())
     return max(compute, moved / (facts["bandwidth_gbs"] * 1e9), facts.get("min_kernel_s", 0.0))
+
+
+def stored_bytes(tensor: gs.Tensor, facts: dict) -> float:
+    """What a kernel reads of an operand: on a target that runs TensorRT (its profile names it), a weight
+    dequantized from constants (w4a16's INT4 and scales) as stored, the dequantization in the product's
+    prologue; elsewhere the tensor (the cuda executor dequantizes a weight once, at load)."""
+    made = tensor.inputs[0] if tensor.inputs else None
+    if "tensorrt" in facts and made is not None and made.op == "DequantizeLinear" \
+            and all(isinstance(t, gs.Constant) for t in made.inputs):
+        return sum(tensor_bytes(t) for t in made.inputs)
+    return tensor_bytes(tensor)
 
 
 def node_costs(nodes: list[gs.Node], facts: dict) -> dict[int, Cost]:
