@@ -334,3 +334,21 @@ def test_outlier_splits_keep_int8_linears_accurate_on_the_simulator(tmp_path, sa
     assert not any(c["form"] == "outlier split" for c in report["passes"]["scale_sandwich"]["changes"])
     print(f"outlier splits: worst cosine {split:.6f}, without them {plain:.6f}")
     assert split >= 0.999 and plain < split - 0.002, (split, plain)
+
+
+def test_linears_a_search_ranks_are_named_apart():
+    """A model's unnamed products (and two of one name) get names of their own for the FP8 and int4
+    searches, which rank and promote linears by name; a name no other node has is kept."""
+    import onnx_graphsurgeon as gs
+
+    from shard.passes.fp8_linears import linears
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["a"]), helper.make_node("MatMul", ["a", "w1"], ["b"]),
+             helper.make_node("MatMul", ["b", "w2"], ["c"], name="same"),
+             helper.make_node("MatMul", ["c", "w3"], ["d"], name="same"),
+             helper.make_node("MatMul", ["d", "w4"], ["y"], name="mine")]
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), f"w{k}") for k in range(5)]
+    graph = gs.import_onnx(make_model(nodes, [("x", [2, 4])], [("y", [2, 4])], inits))
+    names = [n.name for n, _ in linears(graph)]
+    assert len(set(names)) == 5 and names[-1] == "mine" and "" not in names
