@@ -318,8 +318,10 @@ def main() -> None:
                                                                "whole observation's, ours and torch.compile's")
     args = parser.parse_args()
     sides_asked = [s for s in args.sides.split(",") if s]
-    if set(sides_asked) - set(SIDES) or (args.reuse and not args.work):
-        parser.error(f"--sides: of {', '.join(SIDES)}; --reuse needs --work")
+    if set(sides_asked) - set(SIDES):
+        parser.error(f"--sides {', '.join(sorted(set(sides_asked) - set(SIDES)))}: the sides are {', '.join(SIDES)}")
+    if args.reuse and not args.work:
+        parser.error("--reuse reads the bundle an earlier call left in --work: give --work")
     config = CONFIGS[args.model] if args.depth is None else with_depth(CONFIGS[args.model], args.depth)
     work = Path(args.work or tempfile.mkdtemp(prefix="vla-"))
     work.mkdir(parents=True, exist_ok=True)   # --target cuda writes its profile there first
@@ -337,9 +339,9 @@ def main() -> None:
         building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile,
                                args.steps if args.warm_only else None)
         model = build_vla(config).cuda()
-        with torch.no_grad():
+        with torch.no_grad():   # the fp32 reference, where anything is timed against it
             inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
-            reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
+            reference = None if args.warm_only else model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
         made = pytorch_sides(model, obs, args.steps, sides_asked)
         building.result()
     if args.warm_only:
