@@ -794,6 +794,13 @@ class StageSummary:
     batch: int = 1
     batch_auto: BatchAuto | None = None
 
+    @property
+    def lowered(self) -> float:
+        """The share of the linears' MACs in the lower precision (fp8: the kept round's; w4a16: int4 weights)."""
+        if self.precision == "w4a16":
+            return self.w4a16.int4_linear_macs
+        return next((r.fp8_linear_macs for r in self.fp8.rounds if r.round == self.fp8.kept), 0.0)
+
     @classmethod
     def of(cls, report: dict) -> StageSummary:
         passes = take(report, "passes", "the report")

@@ -247,6 +247,8 @@ def test_w4a16_is_judged_on_the_action_chunk_like_fp8(tmp_path, monkeypatch, gat
     check, kept = result.actions, gate > 1e-6
     assert 0 < check.share < 5e-3 and check.cosine > 0.998 and check.kept == kept
     assert ("the bundle is fp16" in check.line()) != kept
+    assert set(check.lowered) == set(PROGRAMS) and all(0 < share < 1 for share in check.lowered.values())
+    assert f"the linears' MACs in w4a16: vision {check.lowered['vision']:.1%}" in check.line()
     for name in PROGRAMS:
         report = json.loads((result.bundle / name / "report.json").read_text())
         assert report["precision"] == ("w4a16" if kept else "fp16")

@@ -15,7 +15,7 @@ compound (Pi0 at four layers: every program's search held, the chunk moved 3.7e-
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -84,10 +84,13 @@ class ActionCheck:
     cosine: float
     backend: str      # where both ran
     kept: bool        # inside LOSSY_GATE: the bundle is in `precision`; else it is the fp16 one
+    lowered: dict[str, float] = field(default_factory=dict)   # each program's share of its linears' MACs in it
 
     def line(self) -> str:
+        held = ", ".join(f"{name} {share:.1%}" for name, share in self.lowered.items())
         said = (f"--precision {self.precision}: the action chunk against the fp16 bundle's ({STEPS} steps of a seeded "
-                f"observation, {self.backend}): MSE {self.share:.2e} of its mean square, cosine {self.cosine:.6f}")
+                f"observation, {self.backend}): MSE {self.share:.2e} of its mean square, cosine {self.cosine:.6f}"
+                + (f" (the linears' MACs in {self.precision}: {held})" if held else ""))
         return said + (f", inside the lossy gate ({LOSSY_GATE:g})" if self.kept else
                        f", past the lossy gate ({LOSSY_GATE:g}): the bundle is fp16")
 
@@ -125,6 +128,7 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
             fp16 = compile_programs(source, target, twin, spec, replace(options, precision="fp16"), progress)
             progress("the action chunk beside fp16's", 0, 1)
             check = check_actions(staging, twin, options.precision)
+            check.lowered = {name: StageSummary.of(reports[name]).lowered for name in PROGRAMS}
             if not check.kept:
                 for name in PROGRAMS:
                     shutil.rmtree(staging / name)
