@@ -261,6 +261,30 @@ def test_w4a16_is_judged_on_the_action_chunk_like_fp8(tmp_path, monkeypatch, gat
             assert 0 < w4a16["int4_linear_macs"] < 1 and w4a16["cosine"] >= 0.999
 
 
+@pytest.mark.parametrize("precision,gate", [("fp8", 5e-4), ("w4a16", 1e-3)])
+def test_past_the_gate_the_programs_are_searched_again_closer_to_fp16(tmp_path, monkeypatch, precision, gate):
+    """The few-layer config, each program's search at --min-cosine 0.999: fp8 moves the chunk 1.0e-3 of
+    its scale, past a gate of 5e-4; searched again at 0.9999 it keeps less in FP8 and the chunk moves
+    7.9e-5, inside, so the bundle is fp8 and both tries are said. w4a16 at 0.9999 keeps no weight in
+    int4: the bundle is fp16, and the compile says why."""
+    monkeypatch.setattr(vla, "LOSSY_GATE", gate)
+    export_vla("pi0-few", tmp_path / "few.vla")
+    result = compile_vla(tmp_path / "few.vla", "thor", tmp_path / "few.shard", CompileOptions(precision=precision))
+    check = result.actions
+    assert [t.min_cosine for t in check.tried] == ([0.999] if precision == "fp8" else [])
+    line = check.line()
+    if precision == "fp8":
+        first = check.tried[0]
+        assert check.kept and first.share > gate > check.share and check.min_cosine == pytest.approx(0.9999)
+        assert sum(check.lowered.values()) < sum(first.lowered.values())
+        assert "at --min-cosine 0.999: MSE" in line and "at --min-cosine 0.9999: MSE" in line and "inside" in line
+    else:
+        assert not check.kept and check.share > gate and check.emptied == pytest.approx(0.9999)
+        assert "at --min-cosine 0.9999 no linear stays in w4a16: the bundle is fp16" in line
+    precisions = {json.loads((result.bundle / name / "report.json").read_text())["precision"] for name in PROGRAMS}
+    assert precisions == {"fp8" if precision == "fp8" else "fp16"}
+
+
 def test_the_cli_says_how_fp8_moved_the_actions_or_that_it_did_not_look(tmp_path):
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
     assert res.returncode == 0, res.stderr

@@ -4,12 +4,14 @@ on a GPU target (the steps run one after another: stages could never overlap, an
 between them costs the host), the embedding table and the spec beside them, each file recorded by
 its sha256.
 
-A precision other than fp16 (fp8) is judged where a user judges it, on the action chunk (unless
+A precision other than fp16 (fp8, w4a16) is judged where a user judges it, on the action chunk (unless
 --no-check-fidelity): the same programs are compiled in fp16 beside it and both bundles act on one
-seeded observation here (the GPU where the machine has one, else onnxruntime). Past the lossy gate
-(the chunk's MSE against fp16's over its mean square, LOSSY_GATE) the bundle is the fp16 one, and the
-compile says so: fp8_linears judges each program on its own outputs, which the ten steps of the loop
-compound (Pi0 at four layers: every program's search held, the chunk moved 3.7e-2 of its scale).
+seeded observation here (the GPU where the machine has one, else onnxruntime). fp8_linears and
+w4a16_linears judge each program on its own outputs, which the ten steps of the loop compound (Pi0 at
+four layers: every program's FP8 search held, the chunk moved 3.7e-2 of its scale). Past the lossy
+gate (the chunk's MSE against fp16's over its mean square, LOSSY_GATE) the programs are compiled again
+with their searches held closer to fp16 (TIGHTER, TRIES); past it still, the bundle is the fp16 one,
+and the compile says so, every try's figure.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ STEPS = 10   # the Euler steps an observation takes by default (VlaSession.act)
 # square (FastWAM's gate for lossy methods on Thor, MSE < 5e-3: FACTS-thor.md); here against fp16's chunk,
 # itself 3.3e-5 of the scale from fp32's for Pi0 on an H100
 LOSSY_GATE = 5e-3
+# Past the gate, the programs are compiled again with their --min-cosine this much closer to 1, at most
+# TRIES times in all: each program's search holds its own outputs, which the loop's ten steps compound
+# (Pi0 at depth 2, full widths, w4a16: each program at 0.999, the chunk at 8.3e-3 of its scale)
+TIGHTER, TRIES = 10, 3
 
 
 @dataclass
@@ -85,14 +91,24 @@ class ActionCheck:
     backend: str      # where both ran
     kept: bool        # inside LOSSY_GATE: the bundle is in `precision`; else it is the fp16 one
     lowered: dict[str, float] = field(default_factory=dict)   # each program's share of its linears' MACs in it
+    min_cosine: float | None = None   # the floor each program's search held
+    tried: list[ActionCheck] = field(default_factory=list)   # the earlier tries, past the gate
+    emptied: float | None = None   # the floor at which no program kept a linear in the precision (fp16 then)
 
     def line(self) -> str:
-        held = ", ".join(f"{name} {share:.1%}" for name, share in self.lowered.items())
+        earlier = "".join(f"at --min-cosine {t.min_cosine:g}: MSE {t.share:.2e} of its mean square{t.held()}, past the "
+                          f"lossy gate ({LOSSY_GATE:g}); " for t in self.tried)
+        floor = f"at --min-cosine {self.min_cosine:g}: " if self.tried else ""
         said = (f"--precision {self.precision}: the action chunk against the fp16 bundle's ({STEPS} steps of a seeded "
-                f"observation, {self.backend}): MSE {self.share:.2e} of its mean square, cosine {self.cosine:.6f}"
-                + (f" (the linears' MACs in {self.precision}: {held})" if held else ""))
+                f"observation, {self.backend}): {earlier}{floor}MSE {self.share:.2e} of its mean square, cosine "
+                f"{self.cosine:.6f}{self.held()}")
+        emptied = f"; at --min-cosine {self.emptied:g} no linear stays in {self.precision}" if self.emptied else ""
         return said + (f", inside the lossy gate ({LOSSY_GATE:g})" if self.kept else
-                       f", past the lossy gate ({LOSSY_GATE:g}): the bundle is fp16")
+                       f", past the lossy gate ({LOSSY_GATE:g}){emptied}: the bundle is fp16")
+
+    def held(self) -> str:
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in self.lowered.items())
+        return f" (the linears' MACs in {self.precision}: {shares})" if shares else ""
 
 
 @dataclass
@@ -126,9 +142,18 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
         if options.precision != "fp16" and options.check_fidelity is not False:
             twin = staging_folder(output)
             fp16 = compile_programs(source, target, twin, spec, replace(options, precision="fp16"), progress)
-            progress("the action chunk beside fp16's", 0, 1)
-            check = check_actions(staging, twin, options.precision)
-            check.lowered = {name: StageSummary.of(reports[name]).lowered for name in PROGRAMS}
+            floor = options.min_cosine
+            check = judged(staging, twin, options.precision, reports, floor, [], progress)
+            while not check.kept and len(check.tried) + 1 < TRIES:   # again, the searches held closer to fp16
+                floor = 1 - (1 - floor) / TIGHTER
+                for name in PROGRAMS:
+                    shutil.rmtree(staging / name)
+                again = compile_programs(source, target, staging, spec, replace(options, min_cosine=floor), progress)
+                if not any(StageSummary.of(again[name]).lowered for name in PROGRAMS):
+                    check.emptied = floor   # nothing left in the precision there: the fp16 bundle
+                    break
+                reports = again
+                check = judged(staging, twin, options.precision, reports, floor, [*check.tried, check], progress)
             if not check.kept:
                 for name in PROGRAMS:
                     shutil.rmtree(staging / name)
@@ -153,6 +178,17 @@ def compile_programs(source: Path, target: str, folder: Path, spec: VlaSpec, opt
     shutil.copyfile(source / EMBEDDINGS, folder / EMBEDDINGS)
     (folder / VLA).write_text(replace(spec, files=record_files(folder)).to_json())   # the table's size and sha256
     return reports
+
+
+def judged(bundle: Path, fp16: Path, precision: str, reports: dict, floor: float, tried: list,
+           progress: Progress) -> ActionCheck:
+    """check_actions, with each program's share in the precision, the floor its search held, and the
+    earlier tries."""
+    progress("the action chunk beside fp16's", len(tried), TRIES)
+    check = check_actions(bundle, fp16, precision)
+    check.lowered = {name: StageSummary.of(reports[name]).lowered for name in PROGRAMS}
+    check.min_cosine, check.tried = floor, tried
+    return check
 
 
 def check_actions(bundle: Path, fp16: Path, precision: str) -> ActionCheck:
