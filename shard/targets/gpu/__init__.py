@@ -31,7 +31,8 @@ class GpuTarget(Target):
     precisions = ("fp16", "fp8", "w4a16")
     pipeline = PIPELINE
     min_opset = MIN_OPSET
-    max_opset = w4a16_linears.OPSET   # a newer model is lowered to 21 (w4a16's blocked INT4 DequantizeLinear)
+    max_opset = w4a16_linears.OPSET   # w4a16's blocked INT4 DequantizeLinear; a newer model is lowered to 21
+    #                                   (TensorRT 11's ONNX parser takes opsets up to 25)
     stage_streams = True       # one stream per stage: shard k runs on "core" (stream) k
     # compiling needs no TensorRT (check_environment, toolchain: none); building engines does
     build_note = ("stage ONNX written; its TensorRT engine is built on the device by `shard build-engines` "
