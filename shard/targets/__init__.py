@@ -152,7 +152,8 @@ class Target:
         raise TargetError(f"{self.name}: `shard probe` learns the limits of targets with a vendor compiler")
 
     def replica_runner(self, model, outputs: list[str]):
-        """A faster runner than onnxruntime of fp8_linears' gated replica (PassContext.replica), or None."""
+        """A faster runner than onnxruntime of a search's gated replica (fp8_linears', w4a16_linears':
+        PassContext.replica), or None."""
         return None
 
 

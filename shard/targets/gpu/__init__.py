@@ -42,7 +42,7 @@ class GpuTarget(Target):
         self.name = name
 
     def replica_runner(self, model, outputs: list[str]):
-        """fp8_linears' replica in torch on the GPU, where this machine has one."""
+        """A search's replica (fp8_linears', w4a16_linears') in torch on the GPU, where this machine has one."""
         return torch_runner(model, outputs)
 
     def build_options(self, options) -> dict:

@@ -1,5 +1,6 @@
-"""The GPU target's runner of fp8_linears' replica (a graph whose linears each go to FP8 behind a gate):
-torch on the GPU, where a round of the search takes seconds that onnxruntime on a CPU takes minutes."""
+"""The GPU target's runner of a search's replica (fp8_linears' and w4a16_linears': a graph whose linears each go
+to the lower precision behind a gate): torch on the GPU, where a round of the search takes seconds that
+onnxruntime on a CPU takes minutes."""
 
 from __future__ import annotations
 
