@@ -89,8 +89,8 @@ FIDELITY_HELP = ("Run the bundle and the vendor alone's on the simulator (the fi
 
 
 MIN_COSINE_HELP = ("fp16: the floor under the bundle's simulator cosine wherever fidelity is checked (a bundle under "
-                   "it, or with a NaN or an Inf in any precision, is not written); --precision mixed: the cosine on "
-                   "the calibration samples to reach.")
+                   "it, or with a NaN or an Inf in any precision, is not written); --precision mixed, fp8 or w4a16: the "
+                   "cosine on the calibration samples that their search holds.")
 
 
 def parse_ids(text: str, option: str = "--ids") -> list[int]:
