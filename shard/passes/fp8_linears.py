@@ -31,6 +31,7 @@ first), SigLIP-base-512 held 0.999 with half of the linears' MACs in FP8.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Callable
 
 import ml_dtypes
@@ -128,34 +129,45 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     cache = stats_cache(ctx)
     stats = collect_stats(model, samples, sorted({node.inputs[0].name for node, _ in found}), ranks=float_ranks(graph),
                           cache=cache, weights=weights)
-    key = content_key(f"fp8 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES}", model, samples,
-                      weights, "fp8") if cache is not None else None
-    found_entry = key and entry_file(cache, key, SEARCH_FILE)
-    if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
-        search = {**json.loads(found_entry.read_text()), "cached": True}
-    else:
-        search = search_fp8(graph, found, stats, samples, model, weights, ctx.options.min_cosine, frames,
-                            ctx.replica)
-        if key:
-            store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
+    search = cached_search(cache, f"fp8 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES}", model,
+                           samples, weights, "fp8", SEARCH_FILE,
+                           partial(search_fp8, graph, found, stats, samples, model, weights, ctx.options.min_cosine,
+                                   frames, ctx.replica))
     del model, weights
     best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
     changes = quantize_linears(graph, in_fp8(found, best["promoted"]), stats) if best else []
     if not changes:
-        # each round's cosine, onnxruntime's where it confirmed one
-        held = {r["round"]: min(r["cosine"], r.get("confirmed", 1.0)) for r in search["rounds"]}
-        tried = max((r for r in search["rounds"] if r["fp8_linear_macs"] > 0), key=lambda r: held[r["round"]],
-                    default=None)
-        closest = f" (at best {held[tried['round']]:.5f} with {tried['fp8_linear_macs']:.0%} of their MACs in FP8)" \
-            if tried else ""
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
-                            f"calibration samples{closest}: every linear stays fp16")
+                            f"calibration samples{closest_round(search, SHARE, 'FP8')}: every linear stays fp16")
     return graph, {**search, "changes": changes, "samples": len(samples),
                    "checked_on": len(search_samples(samples)[0]), "ranked_on": 1,
                    "frames": frames,
                    "format": "FP8 E4M3: activations per tensor, weights per tensor (per output channel where many "
                              "would be subnormal)",
                    "fp8_linear_macs": best["fp8_linear_macs"] if best else 0.0}
+
+
+def cached_search(cache, what: str, model: onnx.ModelProto, samples: list[dict], weights: dict, precision: str,
+                  file: str, search: Callable[[], dict]) -> dict:
+    """search(), or, where the same graph, samples and target were searched before (`what` names the
+    search and its settings), its rounds read back from the build cache (`cache`: stats_cache's), nothing
+    run."""
+    key = content_key(what, model, samples, weights, precision) if cache is not None else None
+    entry = key and entry_file(cache, key, file)
+    if entry:
+        return {**json.loads(entry.read_text()), "cached": True}
+    result = search()
+    if key:
+        store_entry(cache, key, lambda folder: (folder / file).write_text(json.dumps(result)))
+    return result
+
+
+def closest_round(search: dict, share: str, precision: str) -> str:
+    """Where no round held: the one that came closest (its cosine, onnxruntime's where it confirmed one),
+    as " (at best C with S% of their MACs in PRECISION)"; "" where no round lowered anything."""
+    held = {r["round"]: min(r["cosine"], r.get("confirmed", 1.0)) for r in search["rounds"]}
+    tried = max((r for r in search["rounds"] if r[share] > 0), key=lambda r: held[r["round"]], default=None)
+    return f" (at best {held[tried['round']]:.5f} with {tried[share]:.0%} of their MACs in {precision})" if tried else ""
 
 
 def search_fp8(graph: gs.Graph, found: list, stats: dict, samples: list[dict], model: onnx.ModelProto,

@@ -21,7 +21,7 @@ again on its action chunk (compilation.vla.check_actions): its loop compounds wh
 
 from __future__ import annotations
 
-import json
+from functools import partial
 
 import ml_dtypes
 import numpy as np
@@ -29,11 +29,11 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from shard.cache_folder import entry_file, store_entry
-from shard.calibration import calibration_samples, content_key, lifted, stats_cache
+from shard.calibration import calibration_samples, lifted, stats_cache
 from shard.graph import tensor_spec
 from shard.passes.context import PassContext
-from shard.passes.fp8_linears import CHECK_SAMPLES, in_fp8, search_linears, search_samples
+from shard.passes.fp8_linears import (CHECK_SAMPLES, cached_search, closest_round, in_fp8, search_linears,
+                                      search_samples)
 from shard.precision import gated_weight, gates_input, is_linear, named
 
 BLOCKS = (128, 64, 32, 16)   # rows of K under one scale: the first that divides K
@@ -78,27 +78,17 @@ def w4a16_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
     samples = calibration_samples(ctx, [tensor_spec(t) for t in graph.inputs])
     frames = ctx.options.batch or 1
     model, weights = lifted(graph)
-    cache = stats_cache(ctx)
-    key = content_key(f"w4a16 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES} {BLOCKS}", model,
-                      samples, weights, "w4a16") if cache is not None else None
-    found_entry = key and entry_file(cache, key, SEARCH_FILE)
-    if found_entry:   # the same graph, samples and target searched before: its rounds, nothing run
-        search = {**json.loads(found_entry.read_text()), "cached": True}
-    else:
-        search = search_linears(graph, found, samples, model, weights, ctx.options.min_cosine, frames, ctx.replica,
-                                int4_replica(graph, found), lambda subset: quantize_int4(graph, subset), SHARE)
-        if key:
-            store_entry(cache, key, lambda folder: (folder / SEARCH_FILE).write_text(json.dumps(search)))
+    rounded = Rounded()   # each weight's int4 values and scales, made once for the replica and every rewrite
+    search = cached_search(stats_cache(ctx), f"w4a16 search {SEARCH_VERSION} {ctx.options.min_cosine} {CHECK_SAMPLES} "
+                           f"{BLOCKS}", model, samples, weights, "w4a16", SEARCH_FILE,
+                           partial(search_w4a16, graph, found, samples, model, weights, ctx, rounded))
     del model, weights
     best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
-    changes = quantize_int4(graph, in_fp8(found, best["promoted"])) if best else []
+    changes = quantize_int4(graph, in_fp8(found, best["promoted"]), rounded) if best else []
     if not changes:
-        tried = max((r for r in search["rounds"] if r[SHARE] > 0), key=lambda r: min(r["cosine"], r.get("confirmed", 1)),
-                    default=None)
-        closest = f" (at best {min(tried['cosine'], tried.get('confirmed', 1)):.5f} with {tried[SHARE]:.0%} of " \
-                  f"their MACs in int4)" if tried else ""
         ctx.warnings.append(f"w4a16: no share of the linears' weights in int4 keeps --min-cosine "
-                            f"{ctx.options.min_cosine} on the calibration samples{closest}: every weight stays as it was")
+                            f"{ctx.options.min_cosine} on the calibration samples{closest_round(search, SHARE, 'int4')}: "
+                            f"every weight stays as it was")
     stored = {c["weight"]: c for c in changes}
     before = sum(c["shape"][0] * c["shape"][1] * c["itemsize"] for c in stored.values())
     after = sum(c["shape"][0] * c["shape"][1] // 2 + c["shape"][0] // c["block"] * c["shape"][1] * c["itemsize"]
@@ -107,6 +97,14 @@ def w4a16_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                    "checked_on": len(search_samples(samples)[0]), "frames": frames,
                    SHARE: best[SHARE] if best else 0.0, "cosine": best.get("confirmed", best["cosine"]) if best else None,
                    "weight_bytes_before": before, "weight_bytes_after": after}
+
+
+def search_w4a16(graph: gs.Graph, found: list, samples: list[dict], model: onnx.ModelProto, weights: dict,
+                 ctx: PassContext, rounded: Rounded) -> dict:
+    """search_linears with int4_replica and quantize_int4: which linears' weights go to int4."""
+    return search_linears(graph, found, samples, model, weights, ctx.options.min_cosine, ctx.options.batch or 1,
+                          ctx.replica, int4_replica(graph, found, rounded),
+                          lambda subset: quantize_int4(graph, subset, rounded), SHARE)
 
 
 def candidates(graph: gs.Graph) -> tuple[list, list]:
@@ -124,7 +122,17 @@ def candidates(graph: gs.Graph) -> tuple[list, list]:
     return found, left
 
 
-def int4_replica(graph: gs.Graph, found: list) -> gs.Graph:
+class Rounded(dict):
+    """{a weight's name: (its int4 values, its scales)}, each made once (int4_weight) however often a pass
+    asks: the replica, and the rewrite of every round the search confirms, read the same rounding."""
+
+    def of(self, weight: gs.Constant, block: int) -> tuple[np.ndarray, np.ndarray]:
+        if weight.name not in self:
+            self[weight.name] = int4_weight(weight.values, block)
+        return self[weight.name]
+
+
+def int4_replica(graph: gs.Graph, found: list, rounded: Rounded) -> gs.Graph:
     """A copy of the graph whose linear k reads its weight as int4 gives it back (dequantized) where its gate
     (input GATES, one fp16 per linear, 0 or 1) says so; with every gate at 0, the graph itself."""
     graph = graph.copy()
@@ -133,20 +141,20 @@ def int4_replica(graph: gs.Graph, found: list) -> gs.Graph:
     for (node, block), gate, where in zip(found, gates_input(graph, wheres, np.float16), wheres):
         node = by_name[node.name]
         weight = np.asarray(node.inputs[1].values)
-        q, scale = int4_weight(weight, block)
+        q, scale = rounded.of(node.inputs[1], block)
         back = q.astype(np.float32) * np.repeat(scale.astype(np.float32), block, axis=0)
         gated_weight(graph, node, gate, (back - weight).astype(weight.dtype), where)
     return graph.toposort()
 
 
-def quantize_int4(graph: gs.Graph, found: list) -> list[dict]:
+def quantize_int4(graph: gs.Graph, found: list, rounded: Rounded) -> list[dict]:
     """Each linear of `found` reads its weight through DequantizeLinear of its INT4 values and scales (one
-    per weight, whatever reads it), the graph at opset 21."""
+    per weight, whatever reads it; `rounded` holds them), the graph at opset 21."""
     changes, read = [], {}
     for node, block in found:
         weight = node.inputs[1]
         if weight.name not in read:   # the scales in the weight's own type: the product's operands agree
-            q, scale = int4_weight(weight.values, block)
+            q, scale = rounded.of(weight, block)
             out = gs.Variable(f"{weight.name}_w4a16", dtype=weight.dtype, shape=list(weight.shape))
             # right before its first reader (the stable toposort keeps it there), so stages can cut between
             # layers: a weight's DequantizeLinear at the graph's start would be live throughout
