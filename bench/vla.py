@@ -261,10 +261,11 @@ def ours(bundle: Path, obs: dict, steps: int, repeats: int, kernels_of=None) -> 
 
 
 def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], reuse: bool, target: str,
-          profile: Path | None, warm_steps: int | None = None) -> None:
+          profile: Path | None, warm: dict | None = None, steps: int = 10) -> None:
     """The VLA exported into `work` and compiled for `target` in each precision (`reuse`: what is there
-    kept); the compile's prediction printed. `warm_steps`: each bundle then loaded on the cuda backend
-    and acting once at that many steps (its forms compiled into torch.compile's caches), nothing timed."""
+    kept); the compile's prediction printed. `warm`: main's observation, each bundle then loaded on the
+    cuda backend and acting on it once at `steps` steps (its forms compiled into torch.compile's caches),
+    nothing timed."""
     if not reuse:
         t0 = time.perf_counter()
         export_vla(name, work / "pi0.vla", depth=depth)
@@ -277,11 +278,10 @@ def build(name: str, depth: int | None, work: Path, bundles: dict[str, Path], re
             print(f"compiled {precision} for {target} in {time.perf_counter() - t0:.1f} s"
                   + (f"; {result.actions.line()}" if result.actions else "")
                   + (f"; {result.predicted.line(target)}" if result.predicted else ""), flush=True)
-        if warm_steps is not None:
+        if warm is not None:
             t0 = time.perf_counter()
-            obs = observation(CONFIGS[name] if depth is None else with_depth(CONFIGS[name], depth))
             with VlaSession(bundle, backend="cuda") as session:
-                session.act(obs["pixel_values"], obs["tokens"], obs["state"], obs["noise"], warm_steps)
+                session.act(warm["pixel_values"], warm["tokens"], warm["state"], warm["noise"], steps)
             print(f"{precision}: loaded and acted once in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -337,7 +337,7 @@ def main() -> None:
         print(f"probed this GPU in {time.perf_counter() - t0:.1f} s", flush=True)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile,
-                               args.steps if args.warm_only else None)
+                               obs if args.warm_only else None, args.steps)
         model = build_vla(config).cuda()
         with torch.no_grad():   # the fp32 reference, where anything is timed against it
             inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
