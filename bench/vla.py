@@ -21,7 +21,8 @@ an earlier call left in --work (a warm machine keeps it), and --sides picks the 
 machine whose compile caches are empty the whole run does not fit one 10-minute call (full depth on an
 H100: export 147-208 s, compile 88-120 s, loading ours past 170 s, reduce-overhead's compile 377 s and
 more after the fp32 model is built): --warm-only does everything but the timing (ours loaded and acting
-once in the process that compiled it, beside torch.compile's compile), and a --reuse call on the same
+once in the process that compiled it, each PyTorch side asked made in a process of its own beside it, so
+that torch.compile's two modes compile at once), and a --reuse call on the same
 machine then reads each compile back (reduce-overhead ready after 38 s, ours loaded, the whole call
 311 s).
 
@@ -151,6 +152,12 @@ def pytorch_sides(model, obs: dict, steps: int, asked: list[str]) -> dict:
             continue
         print(f"{name}: ready after {sides[name]['warm_s']:.0f} s", flush=True)
     return sides
+
+
+def warm_side(config, obs: dict, steps: int, side: str) -> None:
+    """One PyTorch side made and run once in a process of its own (--warm-only): torch.compile's
+    compile lands in its caches on disk, where a --reuse call reads it back."""
+    pytorch_sides(build_vla(config).cuda(), obs, steps, [side])
 
 
 def time_sides(sides: dict, repeats: int) -> dict:
@@ -335,18 +342,24 @@ def main() -> None:
         t0 = time.perf_counter()
         probe_cuda().save(profile)
         print(f"probed this GPU in {time.perf_counter() - t0:.1f} s", flush=True)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile,
-                               obs if args.warm_only else None, args.steps)
-        model = build_vla(config).cuda()
-        with torch.no_grad():   # the fp32 reference, where anything is timed against it
-            inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
-            reference = None if args.warm_only else model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
-        made = pytorch_sides(model, obs, args.steps, sides_asked)
-        building.result()
-    if args.warm_only:
+    if args.warm_only:   # each side made in a process of its own beside ours: torch.compile's modes compile at once
+        with ProcessPoolExecutor(1 + len(sides_asked), mp_context=multiprocessing.get_context("spawn")) as pool:
+            jobs = [pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile, obs,
+                                args.steps),
+                    *(pool.submit(warm_side, config, obs, args.steps, side) for side in sides_asked)]
+            for job in jobs:
+                job.result()
         print("nothing timed (--warm-only)", flush=True)
         return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        building = pool.submit(build, args.model, args.depth, work, bundles, args.reuse, args.target, profile,
+                               None, args.steps)
+        model = build_vla(config).cuda()
+        with torch.no_grad():   # the fp32 reference
+            inputs = [torch.from_numpy(obs[k]).cuda() for k in ("pixel_values", "tokens", "state", "noise")]
+            reference = model.sample_actions(*inputs, steps=args.steps).cpu().numpy()
+        made = pytorch_sides(model, obs, args.steps, sides_asked)
+        building.result()
     # first: the figure this bench is for
     mine = ours(bundles["fp16"], obs, args.steps, args.repeats, config if args.kernels else None)
     others = {p: ours(b, obs, args.steps, args.repeats) for p, b in bundles.items() if p != "fp16"}
