@@ -4,11 +4,13 @@ on a GPU target (the steps run one after another: stages could never overlap, an
 between them costs the host), the embedding table and the spec beside them, each file recorded by
 its sha256.
 
-A precision other than fp16 (fp8, w4a16) is judged where a user judges it, on the action chunk (unless
---no-check-fidelity): the same programs are compiled in fp16 beside it and both bundles act on one
-seeded observation here (the GPU where the machine has one, else onnxruntime). fp8_linears and
-w4a16_linears judge each program on its own outputs, which the ten steps of the loop compound (Pi0 at
-four layers: every program's FP8 search held, the chunk moved 3.7e-2 of its scale). Past the lossy
+A precision other than fp16 (fp8, w4a16) searches each program on the values the chain hands it
+(chain_samples: seeded observations through the source programs), not on seeded random inputs, and
+is judged where a user judges it, on the action chunk (unless --no-check-fidelity): the same programs
+are compiled in fp16 beside it and both bundles act on one seeded observation here (the GPU where the
+machine has one, else onnxruntime). fp8_linears and w4a16_linears judge each program on its own
+outputs, which the ten steps of the loop compound (Pi0 at four layers, searched on random inputs:
+every program's FP8 search held, the chunk moved 3.7e-2 of its scale). Past the lossy
 gate (the chunk's MSE against fp16's over its mean square, LOSSY_GATE) the programs are compiled again
 with their searches held closer to fp16 (TIGHTER, TRIES); past it still, the bundle is the fp16 one,
 and the compile says so, every try's figure.
@@ -22,16 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
+from shard import scratch
 from shard.bundle import read_manifest
+from shard.calibration import ort_session
 from shard.compare import compare
 from shard.compilation.cached import compile_one_model
 from shard.compilation.names import Progress
 from shard.compilation.staging import check_options, check_output_path, replace_dir, staging_folder
+from shard.compilation.variants import save_samples
 from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.session import pick_backend
-from shard.runtime.vla import PROGRAMS, VLA, VlaSession, VlaSpec, read_vla, seeded_observation
+from shard.runtime.vla import (PROGRAMS, VLA, VlaSession, VlaSpec, joined_prefix, prompt_embeddings, read_vla,
+                               seeded_observation)
 from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
 
@@ -45,8 +51,14 @@ STEPS = 10   # the Euler steps an observation takes by default (VlaSession.act)
 LOSSY_GATE = 5e-3
 # Past the gate, the programs are compiled again with their --min-cosine this much closer to 1, at most
 # TRIES times in all: each program's search holds its own outputs, which the loop's ten steps compound
-# (Pi0 at depth 2, full widths, w4a16: each program at 0.999, the chunk at 8.3e-3 of its scale)
+# (Pi0 at depth 2, full widths, w4a16 searched on seeded random inputs: each program at 0.999, the chunk at
+# 8.3e-3 of its scale; on the chain's values, 5.0e-4)
 TIGHTER, TRIES = 10, 3
+# A lossy compile calibrates each program on the values the chain hands it (chain_samples): this many
+# seeded observations through the source programs, their vision and prefix inputs, and the step's at
+# each of the loop's steps once among them
+CHAIN_OBSERVATIONS = 8
+CHAIN_SEEDS = range(1, 1 + CHAIN_OBSERVATIONS)   # not seed 0, the observation check_actions judges the chunk on
 
 
 @dataclass
@@ -136,10 +148,13 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
     if target in GPU_TARGETS and not options.shards:
         options = replace(options, shards=1)
     staging, twin = staging_folder(output), None
+    lossy = options.precision != "fp16"
+    calib = scratch.folder("vla-calib") if lossy and not options.calib else None
     try:
-        reports = compile_programs(source, target, staging, spec, options, progress)
+        calibs = chain_samples(source, spec, calib, progress) if calib else {}
+        reports = compile_programs(source, target, staging, spec, options, progress, calibs)
         check = None
-        if options.precision != "fp16" and options.check_fidelity is not False:
+        if lossy and options.check_fidelity is not False:
             twin = staging_folder(output)
             fp16 = compile_programs(source, target, twin, spec, replace(options, precision="fp16"), progress)
             floor = options.min_cosine
@@ -148,7 +163,8 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
                 floor = 1 - (1 - floor) / TIGHTER
                 for name in PROGRAMS:
                     shutil.rmtree(staging / name)
-                again = compile_programs(source, target, staging, spec, replace(options, min_cosine=floor), progress)
+                again = compile_programs(source, target, staging, spec, replace(options, min_cosine=floor), progress,
+                                         calibs)
                 if not any(StageSummary.of(again[name]).lowered for name in PROGRAMS):
                     check.emptied = floor   # nothing left in the precision there: the fp16 bundle
                     break
@@ -164,20 +180,65 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
         for folder in (staging, twin):
             if folder is not None:
                 shutil.rmtree(folder, ignore_errors=True)
+        if calib is not None:
+            scratch.remove(calib)
     return VlaResult(output, read_vla(output), reports, predicted(reports), check)
 
 
 def compile_programs(source: Path, target: str, folder: Path, spec: VlaSpec, options: CompileOptions,
-                     progress: Progress) -> dict[str, dict]:
+                     progress: Progress, calibs: dict[str, Path] | None = None) -> dict[str, dict]:
     """Each program of the VLA at `source` into `folder`, with the embedding table and the spec beside
-    them: a VLA bundle. Returns each program's compile report."""
+    them: a VLA bundle (`calibs`: a program's --calib file, where it has one). Returns each program's
+    compile report."""
     reports = {}
     for name in PROGRAMS:
         step = lambda what, *a, name=name: progress(f"{name}: {what}", *a)  # noqa: E731
-        reports[name] = compile_one_model(source / name / f"{name}.onnx", target, folder / name, options, step).report
+        own = replace(options, calib=str(calibs[name])) if calibs and name in calibs else options
+        reports[name] = compile_one_model(source / name / f"{name}.onnx", target, folder / name, own, step).report
     shutil.copyfile(source / EMBEDDINGS, folder / EMBEDDINGS)
     (folder / VLA).write_text(replace(spec, files=record_files(folder)).to_json())   # the table's size and sha256
     return reports
+
+
+def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress) -> dict[str, Path]:
+    """Each program's inputs as the chain makes them, one --calib file a program in `folder`:
+    CHAIN_OBSERVATIONS seeded observations through the source programs in onnxruntime (fp32), the vision
+    program on their pixels, the prefix on their features joined to their prompts' embeddings, the step
+    at each of the loop's STEPS steps once among them (observation o gives the steps k with k % CHAIN_OBSERVATIONS
+    == o). Seeded random inputs are no stand-in for these: the prompt's embeddings are sqrt(width) times
+    a unit row, the keys and values are the prefix's, the time runs from 1 to 0, and the chunk is moved
+    by what each program's search let through in the range the chain gives it (Pi0 at depth 2, fp8, every
+    program's search at 0.99999 on random inputs: the chunk moved 6.1e-3 of its scale)."""
+    observations = [seeded_observation(spec, seed) for seed in CHAIN_SEEDS]
+    table = np.load(source / EMBEDDINGS, mmap_mode="r")
+    samples: dict[str, list[dict]] = {name: [] for name in PROGRAMS}
+
+    def run(name: str, feeds: list[dict]) -> list[dict]:
+        session = ort_session(source / name / f"{name}.onnx")
+        outputs = [o.name for o in session.get_outputs()]
+        return [dict(zip(outputs, session.run(outputs, f))) for f in feeds]
+
+    progress("calibration: the chain on seeded observations", 0, 3)
+    samples["vision"] = [{"pixel_values": obs["pixel_values"]} for obs in observations]
+    features = run("vision", samples["vision"])
+    progress("calibration: the chain on seeded observations", 1, 3)
+    for obs, made in zip(observations, features):
+        text = prompt_embeddings(table, obs["tokens"].reshape(-1), spec.width)
+        samples["prefix"].append({"prefix_embeds": joined_prefix(made["image_features"], text, spec.width)})
+    caches = run("prefix", samples["prefix"])
+    progress("calibration: the chain on seeded observations", 2, 3)
+    session = ort_session(source / "step" / "step.onnx")
+    for o, (obs, cache) in enumerate(zip(observations, caches)):
+        x, dt = obs["noise"], -1.0 / STEPS
+        state = obs["state"].reshape(1, spec.actions)
+        for k in range(STEPS):
+            feeds = {"x_t": x, "time": np.full((1,), 1.0 + k * dt, np.float32), "state": state,
+                     **{name: cache[name] for name in spec.cache_names}}
+            if k % CHAIN_OBSERVATIONS == o:
+                samples["step"].append(feeds)
+            x = x + dt * session.run(["velocity"], feeds)[0]
+    progress("calibration: the chain on seeded observations", 3, 3)
+    return {name: save_samples(folder / f"{name}.npz", rows) for name, rows in samples.items()}
 
 
 def judged(bundle: Path, fp16: Path, precision: str, reports: dict, floor: float, tried: list,

@@ -95,6 +95,16 @@ def seeded_observation(spec: VlaSpec, seed: int = 0) -> dict[str, np.ndarray]:
             "noise": rng.standard_normal(shapes["noise"]).astype(np.float32)}
 
 
+def prompt_embeddings(table: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarray:
+    """The prompt's rows of the embedding table [T, width], times sqrt(width) as Gemma scales them."""
+    return np.asarray(table[tokens], np.float32) * np.float32(math.sqrt(width))
+
+
+def joined_prefix(features: np.ndarray, text: np.ndarray, width: int) -> np.ndarray:
+    """The prefix's input on the host [1, P, width]: the images' features, then the prompt's embeddings."""
+    return np.concatenate([features.reshape(1, -1, width), text[None]], axis=1)
+
+
 def is_vla(path: str | Path) -> bool:
     return (Path(path) / VLA).is_file()
 
@@ -165,7 +175,7 @@ class VlaSession:
                 raise RunError(f"{name}: real numbers expected; got {np.asarray(value).dtype}")
             if np.size(value) != math.prod(want[name]):
                 raise RunError(f"{name}: {list(want[name])} expected; got {list(np.shape(value))}")
-        text = self.table[tokens] * np.float32(math.sqrt(s.width))
+        text = prompt_embeddings(self.table, tokens, s.width)
         state = np.asarray(state, np.float32).reshape(1, s.actions)
         whole = self.whole(steps)
         if whole is not None:
@@ -195,7 +205,7 @@ class VlaSession:
         place into the prefix's own input buffer (the features never leave it)."""
         buffer = self.buffers["prefix"].get("prefix_embeds")
         if buffer is None:
-            return np.concatenate([to_host(features).reshape(1, -1, self.spec.width), text[None]], axis=1)
+            return joined_prefix(to_host(features), text, self.spec.width)
         join_prefix(buffer[0], features, self.on_device(text))
         return buffer
 
