@@ -320,6 +320,31 @@ def test_a_lossy_vla_calibrates_each_program_on_the_values_the_chain_hands_it(tm
         assert not any("seeded random" in w or "--calib" in w for w in result.reports[name].get("warnings", []))
 
 
+def test_a_vla_s_calib_file_holds_observations_the_chain_starts_from(tmp_path):
+    """--calib for a VLA: N observations along a leading axis (noise optional), from which the chain
+    makes each program's samples; a misshapen one, or ids past the vocabulary, stop with one line."""
+    export_vla("pi0-few", tmp_path / "few.vla")
+    spec = read_vla(tmp_path / "few.vla")
+    observations = [seeded_observation(spec, seed) for seed in (5, 6, 7)]
+    arrays = {k: np.stack([o[k] for o in observations]) for k in ("pixel_values", "tokens", "state")}
+    np.savez(tmp_path / "obs.npz", **arrays)
+    result = compile_vla(tmp_path / "few.vla", "thor", tmp_path / "few.shard",
+                         CompileOptions(precision="fp8", calib=str(tmp_path / "obs.npz"), check_fidelity=False))
+    for name, count in (("vision", 3), ("prefix", 3), ("step", vla.STEPS)):   # the step: the 10 times among 3
+        assert result.reports[name]["passes"]["fp8_linears"]["samples"] == count
+    fp16 = compile_vla(tmp_path / "few.vla", "thor", tmp_path / "fp16.shard", CompileOptions(calib=str(tmp_path / "obs.npz")))
+    assert {r["precision"] for r in fp16.reports.values()} == {"fp16"}   # no search: the file is read, not needed
+    for bad, said in (({**arrays, "pixel_values": arrays["pixel_values"][0]}, "pixel_values of shape ['N', 2, 3"),
+                      ({**arrays, "state": arrays["state"][:2]}, "the same number of observations"),
+                      ({**arrays, "tokens": arrays["tokens"] + spec.vocab}, f"integer ids expected, below {spec.vocab}")):
+        np.savez(tmp_path / "bad.npz", **bad)
+        with pytest.raises(ShardError, match="--calib") as caught:
+            compile_vla(tmp_path / "few.vla", "thor", tmp_path / "bad.shard",
+                        CompileOptions(precision="fp8", calib=str(tmp_path / "bad.npz")))
+        assert said in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "few.shard", "few.vla", "fp16.shard", "obs.npz"]
+
+
 def test_the_cli_says_how_fp8_moved_the_actions_or_that_it_did_not_look(tmp_path):
     res = shard_cli("zoo", "export", "pi0-few", "-o", tmp_path / "few.vla")
     assert res.returncode == 0, res.stderr

@@ -12,7 +12,7 @@ from rich.markup import escape
 from shard.cli.common import console
 from shard.errors import ShardError
 from shard.output_files import check_output_file
-from shard.runtime.vla import VlaSession, is_vla, seeded_observation
+from shard.runtime.vla import VlaSession, is_vla, read_observations, seeded_observation
 
 app = typer.Typer(add_completion=False)
 
@@ -54,16 +54,4 @@ def act_command(
 
 def read_observation(path: Path | None, spec, seed: int) -> dict[str, np.ndarray]:
     """The observation in `path`, each array checked against the bundle's shapes; seeded without one."""
-    if path is None:
-        return seeded_observation(spec, seed)
-    try:
-        with np.load(path) as data:
-            obs = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise ShardError(f"--observation {path}: not an .npz numpy reads ({exc})") from None
-    want = {k: v for k, v in spec.observation_shapes.items() if k != "noise"}   # noise: optional
-    for name, shape in want.items():
-        if name not in obs or tuple(np.shape(obs[name])) != shape:
-            raise ShardError(f"--observation {path}: {name} of shape {list(shape)} expected; "
-                             f"got {list(np.shape(obs[name])) if name in obs else 'none'}")
-    return obs
+    return seeded_observation(spec, seed) if path is None else read_observations(path, spec, "--observation")[0]

@@ -52,7 +52,9 @@ COMPILE_HELP = {   # the longer option helps of `shard compile`
         'holds); or w4a16 (linear weights in int4, one scale per 16-128 rows, where --min-cosine holds; activations fp16).',
     "allow_low_fidelity": 'Write a bundle under the fidelity floor, with a warning.',
     "calib": "Calibration samples: an .npz of arrays named after the model's inputs, each with a leading sample "
-        'axis ([N, 1, 128] for input_ids) [default: 8 seeded random samples, with a warning].',
+        'axis ([N, 1, 128] for input_ids) [default: 8 seeded random samples, with a warning]. A VLA folder: N '
+        'observations (pixel_values, tokens, state; noise optional), each program\'s samples made from them '
+        '[default: 8 seeded observations].',
     "max_context": "A decoder: the KV cache's tokens, prompt and answer together; or buckets, 256,2048 (a program each; "
         'the cache moves up).',
     "one_step": 'A decoder: one program per --max-context, of --chunk tokens, for the answer too: one copy of the '

@@ -36,8 +36,8 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.session import pick_backend
-from shard.runtime.vla import (PROGRAMS, VLA, VlaSession, VlaSpec, joined_prefix, prompt_embeddings, read_vla,
-                               seeded_observation)
+from shard.runtime.vla import (PROGRAMS, VLA, VlaSession, VlaSpec, joined_prefix, prompt_embeddings,
+                               read_observations, read_vla, seeded_observation)
 from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
 
@@ -147,11 +147,13 @@ def compile_vla(source: Path, target: str, output: Path, options: CompileOptions
     check_output_path(output, source)
     if target in GPU_TARGETS and not options.shards:
         options = replace(options, shards=1)
+    # --calib: observations, the chain's start (each program's own samples are made from them)
+    observations = read_observations(options.calib, spec, "--calib", samples=True) if options.calib else None
+    options, lossy = replace(options, calib=None), options.precision != "fp16"
     staging, twin = staging_folder(output), None
-    lossy = options.precision != "fp16"
-    calib = scratch.folder("vla-calib") if lossy and not options.calib else None
+    calib = scratch.folder("vla-calib") if lossy else None
     try:
-        calibs = chain_samples(source, spec, calib, progress) if calib else {}
+        calibs = chain_samples(source, spec, calib, progress, observations) if calib else {}
         reports = compile_programs(source, target, staging, spec, options, progress, calibs)
         check = None
         if lossy and options.check_fidelity is not False:
@@ -200,16 +202,20 @@ def compile_programs(source: Path, target: str, folder: Path, spec: VlaSpec, opt
     return reports
 
 
-def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress) -> dict[str, Path]:
+def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress,
+                  observations: list[dict] | None = None) -> dict[str, Path]:
     """Each program's inputs as the chain makes them, one --calib file a program in `folder`:
-    CHAIN_OBSERVATIONS seeded observations through the source programs in onnxruntime (fp32), the vision
-    program on their pixels, the prefix on their features joined to their prompts' embeddings, the step
-    at each of the loop's STEPS steps once among them (observation o gives the steps k with k % CHAIN_OBSERVATIONS
-    == o). Seeded random inputs are no stand-in for these: the prompt's embeddings are sqrt(width) times
+    `observations` (the user's --calib; CHAIN_OBSERVATIONS seeded ones without it, their noise seeded
+    where they have none) through the source programs in onnxruntime (fp32), the vision program on
+    their pixels, the prefix on their features joined to their prompts' embeddings, the step at each of
+    the loop's STEPS steps once among them (of N observations, observation o gives the steps k with
+    k % N == o). Seeded random inputs are no stand-in for these: the prompt's embeddings are sqrt(width) times
     a unit row, the keys and values are the prefix's, the time runs from 1 to 0, and the chunk is moved
     by what each program's search let through in the range the chain gives it (Pi0 at depth 2, fp8, every
     program's search at 0.99999 on random inputs: the chunk moved 6.1e-3 of its scale)."""
-    observations = [seeded_observation(spec, seed) for seed in CHAIN_SEEDS]
+    shapes = spec.observation_shapes
+    observations = [{"noise": np.random.default_rng(o).standard_normal(shapes["noise"]), **obs} for o, obs in
+                    enumerate(observations or [seeded_observation(spec, seed) for seed in CHAIN_SEEDS])]
     table = np.load(source / EMBEDDINGS, mmap_mode="r")
     samples: dict[str, list[dict]] = {name: [] for name in PROGRAMS}
 
@@ -218,26 +224,26 @@ def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress)
         outputs = [o.name for o in session.get_outputs()]
         return [dict(zip(outputs, session.run(outputs, f))) for f in feeds]
 
-    progress("calibration: the chain on seeded observations", 0, 3)
-    samples["vision"] = [{"pixel_values": obs["pixel_values"]} for obs in observations]
+    progress("calibration: the chain on the observations", 0, 3)
+    samples["vision"] = [{"pixel_values": obs["pixel_values"].astype(np.float32)} for obs in observations]
     features = run("vision", samples["vision"])
-    progress("calibration: the chain on seeded observations", 1, 3)
+    progress("calibration: the chain on the observations", 1, 3)
     for obs, made in zip(observations, features):
         text = prompt_embeddings(table, obs["tokens"].reshape(-1), spec.width)
         samples["prefix"].append({"prefix_embeds": joined_prefix(made["image_features"], text, spec.width)})
     caches = run("prefix", samples["prefix"])
-    progress("calibration: the chain on seeded observations", 2, 3)
+    progress("calibration: the chain on the observations", 2, 3)
     session = ort_session(source / "step" / "step.onnx")
     for o, (obs, cache) in enumerate(zip(observations, caches)):
-        x, dt = obs["noise"], -1.0 / STEPS
-        state = obs["state"].reshape(1, spec.actions)
+        x, dt = obs["noise"].astype(np.float32), -1.0 / STEPS
+        state = obs["state"].reshape(1, spec.actions).astype(np.float32)
         for k in range(STEPS):
             feeds = {"x_t": x, "time": np.full((1,), 1.0 + k * dt, np.float32), "state": state,
                      **{name: cache[name] for name in spec.cache_names}}
-            if k % CHAIN_OBSERVATIONS == o:
+            if k % len(observations) == o:
                 samples["step"].append(feeds)
             x = x + dt * session.run(["velocity"], feeds)[0]
-    progress("calibration: the chain on seeded observations", 3, 3)
+    progress("calibration: the chain on the observations", 3, 3)
     return {name: save_samples(folder / f"{name}.npz", rows) for name, rows in samples.items()}
 
 

@@ -105,6 +105,35 @@ def joined_prefix(features: np.ndarray, text: np.ndarray, width: int) -> np.ndar
     return np.concatenate([features.reshape(1, -1, width), text[None]], axis=1)
 
 
+def read_observations(path: str | Path, spec: VlaSpec, flag: str, samples: bool = False) -> list[dict[str, np.ndarray]]:
+    """The observation in the .npz at `path` (`samples`: N of them, each array with a leading sample axis,
+    as a --calib file holds them), each array checked against `spec`'s shapes; noise optional."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise RunError(f"{flag} {path}: not an .npz numpy reads ({exc})") from None
+    lead, counts = int(samples), set()
+    for name, shape in spec.observation_shapes.items():
+        if name == "noise" and name not in arrays:
+            continue
+        got = tuple(np.shape(arrays[name])) if name in arrays else None
+        if got is None or got[lead:] != shape or len(got) != len(shape) + lead:
+            raise RunError(f"{flag} {path}: {name} of shape {['N'] * lead + list(shape)} expected; "
+                           f"got {list(got) if got is not None else 'none'}")
+        counts.add(got[0] if samples else 1)
+    tokens = arrays["tokens"]
+    if tokens.dtype.kind not in "iu" or tokens.size and (tokens.min() < 0 or tokens.max() >= spec.vocab):
+        raise RunError(f"{flag} {path}: tokens: integer ids expected, below {spec.vocab}; got {tokens.dtype}"
+                       + (f" from {tokens.min()} to {tokens.max()}" if tokens.size else ""))
+    if len(counts) > 1 or 0 in counts:
+        raise RunError(f"{flag} {path}: every array holds the same number of observations, at least one; got "
+                       + ", ".join(f"{k} {np.shape(v)[0]}" for k, v in arrays.items() if k in spec.observation_shapes))
+    if not samples:
+        return [arrays]
+    return [{k: v[i] for k, v in arrays.items() if k in spec.observation_shapes} for i in range(counts.pop())]
+
+
 def is_vla(path: str | Path) -> bool:
     return (Path(path) / VLA).is_file()
 
