@@ -36,7 +36,7 @@ from shard.errors import ShardError
 from shard.options import CompileOptions
 from shard.runtime.generative_bundle import EMBEDDINGS, record_files
 from shard.runtime.session import pick_backend
-from shard.runtime.vla import (PROGRAMS, VLA, VlaSession, VlaSpec, joined_prefix, prompt_embeddings,
+from shard.runtime.vla import (PROGRAMS, VLA, VlaSession, VlaSpec, euler, joined_prefix, prompt_embeddings,
                                read_observations, read_vla, seeded_observation)
 from shard.summary import StageSummary, staged
 from shard.targets.chips import GPU_TARGETS
@@ -213,9 +213,9 @@ def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress,
     a unit row, the keys and values are the prefix's, the time runs from 1 to 0, and the chunk is moved
     by what each program's search let through in the range the chain gives it (Pi0 at depth 2, fp8, every
     program's search at 0.99999 on random inputs: the chunk moved 6.1e-3 of its scale)."""
-    shapes = spec.observation_shapes
-    observations = [{"noise": np.random.default_rng(o).standard_normal(shapes["noise"]), **obs} for o, obs in
-                    enumerate(observations or [seeded_observation(spec, seed) for seed in CHAIN_SEEDS])]
+    observations = observations or [seeded_observation(spec, seed) for seed in CHAIN_SEEDS]
+    observations = [obs if "noise" in obs else {**obs, "noise": np.random.default_rng(o).standard_normal(
+        spec.observation_shapes["noise"])} for o, obs in enumerate(observations)]
     table = np.load(source / EMBEDDINGS, mmap_mode="r")
     samples: dict[str, list[dict]] = {name: [] for name in PROGRAMS}
 
@@ -235,14 +235,14 @@ def chain_samples(source: Path, spec: VlaSpec, folder: Path, progress: Progress,
     progress("calibration: the chain on the observations", 2, 3)
     session = ort_session(source / "step" / "step.onnx")
     for o, (obs, cache) in enumerate(zip(observations, caches)):
-        x, dt = obs["noise"].astype(np.float32), -1.0 / STEPS
         state = obs["state"].reshape(1, spec.actions).astype(np.float32)
-        for k in range(STEPS):
-            feeds = {"x_t": x, "time": np.full((1,), 1.0 + k * dt, np.float32), "state": state,
-                     **{name: cache[name] for name in spec.cache_names}}
+
+        def velocity(x, now, k, o=o, state=state, cache=cache):
+            feeds = {"x_t": x, "time": now, "state": state, **{name: cache[name] for name in spec.cache_names}}
             if k % len(observations) == o:
                 samples["step"].append(feeds)
-            x = x + dt * session.run(["velocity"], feeds)[0]
+            return session.run(["velocity"], feeds)[0]
+        euler(obs["noise"].astype(np.float32), STEPS, velocity)
     progress("calibration: the chain on the observations", 3, 3)
     return {name: save_samples(folder / f"{name}.npz", rows) for name, rows in samples.items()}
 

@@ -135,7 +135,7 @@ def fp8_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                                    frames, ctx.replica))
     del model, weights
     best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
-    changes = quantize_linears(graph, in_fp8(found, best["promoted"]), stats) if best else []
+    changes = quantize_linears(graph, not_promoted(found, best["promoted"]), stats) if best else []
     if not changes:
         ctx.warnings.append(f"fp8: no share of the linears in FP8 keeps --min-cosine {ctx.options.min_cosine} on the "
                             f"calibration samples{closest_round(search, SHARE, 'FP8')}: every linear stays fp16")
@@ -226,8 +226,8 @@ def search_samples(samples: list) -> tuple[list, dict]:
     return check, samples[len(check) % len(samples)]
 
 
-def in_fp8(found: list, promoted: list[str]) -> list:
-    """The linears of `found` ((node, its detail) pairs) not promoted to fp16."""
+def not_promoted(found: list, promoted: list[str]) -> list:
+    """The linears of `found` ((node, its detail) pairs) not promoted back: those left in the lower precision."""
     back = set(promoted)
     return [(n, a) for n, a in found if n.name not in back]
 
@@ -252,7 +252,7 @@ def confirmed(graph: gs.Graph, found: list, quantize: Callable[[list], list], ro
                                                                    optimize=False)], frames) if held else []
     inputs = {id(n): list(n.inputs) for n, _ in found}
     for r in held:
-        quantize(in_fp8(found, r["promoted"]))
+        quantize(not_promoted(found, r["promoted"]))
         got = list(run_each(gs.export_onnx(graph.copy(), do_type_check=False), check, outputs, optimize=False))
         restore(graph, found, inputs)
         r["confirmed"] = worst_cosine(outputs, expected, by_frame([[g[n] for n in outputs] for g in got], frames))

@@ -32,7 +32,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from shard.calibration import calibration_samples, lifted, stats_cache
 from shard.graph import tensor_spec
 from shard.passes.context import PassContext
-from shard.passes.fp8_linears import (CHECK_SAMPLES, cached_search, closest_round, in_fp8, search_linears,
+from shard.passes.fp8_linears import (CHECK_SAMPLES, cached_search, closest_round, not_promoted, search_linears,
                                       search_samples)
 from shard.precision import gated_weight, gates_input, is_linear, named
 
@@ -84,7 +84,7 @@ def w4a16_linears(graph: gs.Graph, ctx: PassContext) -> tuple[gs.Graph, dict]:
                            partial(search_w4a16, graph, found, samples, model, weights, ctx, rounded))
     del model, weights
     best = next((r for r in search["rounds"] if r["round"] == search["kept"]), None)
-    changes = quantize_int4(graph, in_fp8(found, best["promoted"]), rounded) if best else []
+    changes = quantize_int4(graph, not_promoted(found, best["promoted"]), rounded) if best else []
     if not changes:
         ctx.warnings.append(f"w4a16: no share of the linears' weights in int4 keeps --min-cosine "
                             f"{ctx.options.min_cosine} on the calibration samples{closest_round(search, SHARE, 'int4')}: "

@@ -95,6 +95,14 @@ def seeded_observation(spec: VlaSpec, seed: int = 0) -> dict[str, np.ndarray]:
             "noise": rng.standard_normal(shapes["noise"]).astype(np.float32)}
 
 
+def euler(x, steps: int, velocity):
+    """`steps` Euler steps from x, t from 1 to 0: velocity(x, its time [1] float32, k) each step; the last x."""
+    dt = -1.0 / steps
+    for k in range(steps):
+        x = x + dt * velocity(x, np.full((1,), 1.0 + k * dt, np.float32), k)
+    return x
+
+
 def prompt_embeddings(table: np.ndarray, tokens: np.ndarray, width: int) -> np.ndarray:
     """The prompt's rows of the embedding table [T, width], times sqrt(width) as Gemma scales them."""
     return np.asarray(table[tokens], np.float32) * np.float32(math.sqrt(width))
@@ -240,12 +248,9 @@ class VlaSession:
 
     def steps_one_by_one(self, noise: np.ndarray, state: np.ndarray, cache: dict, steps: int) -> np.ndarray:
         """The Euler steps as a loop over the step program's runs (a backend without CUDA graphs)."""
-        x, dt = self.on_device(noise), -1.0 / steps
-        for k in range(steps):
-            now = np.full((1,), 1.0 + k * dt, np.float32)
-            velocity = self.sessions["step"].run({"x_t": x, "time": now, "state": state, **cache})["velocity"]
-            x = x + dt * velocity
-        return to_host(x)
+        step = self.sessions["step"]
+        return to_host(euler(self.on_device(noise), steps, lambda x, now, k: step.run(
+            {"x_t": x, "time": now, "state": state, **cache})["velocity"]))
 
     def loop(self, steps: int) -> tuple | None:
         """The denoising loop of `steps` steps as one CUDA graph on the step's stream (`denoise`), and the
